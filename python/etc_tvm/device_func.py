@@ -1,0 +1,169 @@
+"""Device functions: one tile task, written once in TVMScript (TIRx).
+
+A device function is a complete CTA kernel in "kernel style"::
+
+    @device_func
+    def add_tile(i: T.int32, A: T.Buffer((M, 64), "float32"), B: T.Buffer((M, 64), "float32")):
+        T.device_entry()
+        tx = T.thread_id([64])
+        B[i, tx] = A[i, tx] + T.float32(1)
+
+Its leading int32 parameters are the task coordinates, the rest are its tensors (inputs first,
+then outputs, as in ``R.call_tir``), and its body is CTA-level code with no ``T.cta_id``: the
+schedule transform inlines it into the persistent kernel, and the same function also compiles
+as a kernel of its own. The thread count is read from ``T.thread_id`` (or declared).
+
+A device function carries a NumPy reference with the same parameters (coordinates as ints,
+tensors as arrays whose outputs it writes in place); the CPU reference executor runs it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .errors import EtcError
+
+_CTA_THREAD_SCOPE = 7  # ScopeIdDef.scope of T.thread_id: (cta, thread)
+
+
+@dataclass(frozen=True)
+class BufferParam:
+    """A tensor parameter of a device function."""
+
+    name: str
+    shape: tuple  # PrimExpr per dim; a tirx.Var is a symbolic dim bound at the call site
+    dtype: str
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+class DeviceFunc:
+    """A tile task: its TIRx PrimFunc, its parameters, thread count, cost hint and reference."""
+
+    def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
+                 cost: float = 1.0, reference: Callable | None = None):
+        self.prim_func = prim_func
+        self.name = name
+        self.coord_params, self.buffer_params = _split_params(prim_func, name)
+        self.num_threads = _thread_count(prim_func, name, num_threads)
+        if not cost > 0:
+            raise EtcError(f"device function {name}: cost must be positive, got {cost}")
+        self.cost = float(cost)
+        self._reference = reference
+
+    @property
+    def reference(self) -> Callable:
+        if self._reference is None:
+            raise EtcError(f"device function {self.name} has no NumPy reference: add one with "
+                           f"@{self.name}.set_reference")
+        return self._reference
+
+    def set_reference(self, fn: Callable) -> Callable:
+        """Decorator: ``@tile.set_reference`` registers the NumPy reference of this tile."""
+        self._reference = fn
+        return fn
+
+    @property
+    def num_coords(self) -> int:
+        return len(self.coord_params)
+
+    def param(self, name: str) -> BufferParam:
+        for p in self.buffer_params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def __repr__(self) -> str:
+        params = ", ".join([*self.coord_params, *(p.name for p in self.buffer_params)])
+        return f"<device_func {self.name}({params}), {self.num_threads} threads>"
+
+
+def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
+                reference: Callable | None = None):
+    """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
+
+    ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
+    already parsed ``tirx.PrimFunc``. ``cost`` is a relative run-time hint for static schedules.
+    """
+
+    def wrap(f) -> DeviceFunc:
+        if isinstance(f, DeviceFunc):
+            raise EtcError(f"{f.name} is already a device function")
+        if isinstance(f, tirx.PrimFunc):
+            name = str(f.attrs["global_symbol"]) if f.attrs and "global_symbol" in f.attrs \
+                else getattr(f, "__name__", "device_func")
+            prim = f
+        else:
+            name, prim = f.__name__, T.prim_func(f)
+        return DeviceFunc(prim, name=name, num_threads=num_threads, cost=cost,
+                          reference=reference)
+
+    return wrap(fn) if fn is not None else _Decorator(wrap)
+
+
+class _Decorator:
+    """``device_func(...)`` used as the innermost decorator of a TVMScript function.
+
+    The TVMScript parser dispatches on the innermost decorator, so it carries TIRx's token.
+    """
+
+    dispatch_token = "tirx"
+
+    def __init__(self, wrap):
+        self._wrap = wrap
+
+    def __call__(self, f) -> DeviceFunc:
+        return self._wrap(f)
+
+
+device_func.dispatch_token = "tirx"
+
+
+def _split_params(func: tirx.PrimFunc, name: str):
+    coords, buffers = [], []
+    for p in func.params:
+        if tirx.is_buffer_var(p):
+            buffers.append(BufferParam(p.name, tuple(p.shape), str(p.dtype)))
+            continue
+        if buffers:
+            raise EtcError(f"device function {name}: scalar parameter '{p.name}' after a tensor "
+                           "parameter; task coordinates come first")
+        if str(p.ty) != "int32":
+            raise EtcError(f"device function {name}: task coordinate '{p.name}' must be "
+                           f"T.int32, got {p.ty}")
+        coords.append(p.name)
+    if not coords:
+        raise EtcError(f"device function {name} has no task coordinates: its leading T.int32 "
+                       "parameters index the task grid")
+    names = [*coords, *(b.name for b in buffers)]
+    if len(set(names)) != len(names):
+        raise EtcError(f"device function {name}: parameter names must be distinct: {names}")
+    return tuple(coords), tuple(buffers)
+
+
+def _thread_count(func: tirx.PrimFunc, name: str, declared: int | None) -> int:
+    entry = func.body
+    if not (isinstance(entry, tirx.AttrStmt) and entry.attr_key == "tirx.device_entry"):
+        raise EtcError(f"device function {name} must begin with T.device_entry()")
+    found = None
+    for stmt in tirx.stmt_list(entry.body):
+        if not isinstance(stmt, tirx.ScopeIdDefStmt):
+            break
+        scope = getattr(stmt, "def")
+        if int(scope.scope) in (0, 1, 2, 9):
+            raise EtcError(f"device function {name} declares a cluster or CTA id: a task runs in "
+                           "one CTA, its position in the grid comes from its coordinates")
+        if int(scope.scope) == _CTA_THREAD_SCOPE:
+            found = math.prod(int(e) for e in scope.extents)
+    if found is None and declared is None:
+        raise EtcError(f"device function {name} declares no T.thread_id: pass num_threads")
+    if found is not None and declared is not None and found != declared:
+        raise EtcError(f"device function {name} runs {found} threads (T.thread_id) but "
+                       f"num_threads={declared} was declared")
+    return found if found is not None else int(declared)

@@ -1,0 +1,433 @@
+"""The CPU reference executor: runs a graph function with the GPU's counter semantics.
+
+Each task runs its device function's NumPy reference as one atomic step: wait, body, notify.
+A task may start once the tensors its waits read are complete and every event element it waits
+on is armed and at 0; a notify decrements one counter. Which of the startable tasks runs next
+is the order's choice, so one graph can be run
+
+* ``StaticOrder(queues)``: as a static per-SM schedule: SM k runs ``queues[k]`` in order and
+  blocks at a task until it can start, as a persistent CTA spinning on its waits does;
+* ``ReadyQueueOrder()``: as the dynamic schedule's ready queue, first ready first run;
+* ``RandomOrder(seed)``: as a random valid interleaving.
+
+It is the oracle for schedules and GPU results: outputs start poisoned (NaN, or the most
+negative integer), a deadlock is reported with the blocked tasks, their events and counters, and
+an out-of-range data-dependent index, an over-notified element or a data race through an index
+tensor is an ``ExecutionError``.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict, deque
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .errors import DeadlockError, EtcError, ExecutionError
+from .graph_func import GraphFunc
+from .task_graph import CallNode, TaskGraph, check_element
+
+class Order:
+    """Chooses the next task among those that can start; subclasses are the policies."""
+
+    def start(self, run: "_Run") -> None:
+        self.run = run
+
+    def became_ready(self, task: int) -> None:
+        pass
+
+    def next(self) -> int | None:
+        raise NotImplementedError
+
+    def blocked(self) -> list[tuple[int, str]]:
+        """(task, where) for the report of a deadlock."""
+        return [(t, "") for t in self.run.pending_tasks()]
+
+
+class ReadyQueueOrder(Order):
+    """The dynamic schedule: a FIFO of tasks in the order they became ready."""
+
+    def start(self, run):
+        super().start(run)
+        self.queue = deque()
+
+    def became_ready(self, task):
+        self.queue.append(task)
+
+    def next(self):
+        return self.queue.popleft() if self.queue else None
+
+
+class RandomOrder(Order):
+    """A random valid interleaving: any ready task, uniformly."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def start(self, run):
+        super().start(run)
+        self.ready: list[int] = []
+
+    def became_ready(self, task):
+        self.ready.append(task)
+
+    def next(self):
+        if not self.ready:
+            return None
+        k = self.rng.randrange(len(self.ready))
+        self.ready[k], self.ready[-1] = self.ready[-1], self.ready[k]
+        return self.ready.pop()
+
+
+class StaticOrder(Order):
+    """A static schedule: per-SM queues of task ids, each run in order.
+
+    Among the SMs whose next task can start, the lowest-numbered goes first, or a random one
+    when ``seed`` is given (other interleavings of the same schedule).
+    """
+
+    def __init__(self, queues: Sequence[Sequence[int]], seed: int | None = None):
+        self.queues = [list(map(int, q)) for q in queues]
+        self.rng = random.Random(seed) if seed is not None else None
+
+    def start(self, run):
+        super().start(run)
+        listed = sorted(t for q in self.queues for t in q)
+        if listed != list(range(run.graph.num_tasks)):
+            missing = sorted(set(range(run.graph.num_tasks)) - set(listed))
+            extra = sorted({t for t in listed if listed.count(t) > 1}
+                           | {t for t in listed if not 0 <= t < run.graph.num_tasks})
+            raise EtcError(f"static queues must hold every task exactly once: missing "
+                           f"{missing[:8]}, repeated or unknown {extra[:8]}")
+        self.heads = [0] * len(self.queues)
+
+    def next(self):
+        ready = [sm for sm, q in enumerate(self.queues)
+                 if self.heads[sm] < len(q) and self.run.is_ready(q[self.heads[sm]])]
+        if not ready:
+            return None
+        sm = self.rng.choice(ready) if self.rng else ready[0]
+        self.heads[sm] += 1
+        return self.queues[sm][self.heads[sm] - 1]
+
+    def blocked(self):
+        return [(q[self.heads[sm]], f" on SM {sm}") for sm, q in enumerate(self.queues)
+                if self.heads[sm] < len(q)]
+
+
+def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
+            trace: list | None = None):
+    """Run ``graph`` on NumPy ``inputs``; returns its output array(s).
+
+    ``order`` defaults to ``ReadyQueueOrder()``. When ``trace`` is a list, the ids of the tasks
+    run are appended to it in order (skipped tasks included).
+    """
+    task_graph = TaskGraph.build(graph, bind_dims(graph, inputs))
+    task_graph.validate()
+    run = _Run(task_graph, inputs, order or ReadyQueueOrder(), trace)
+    run.run()
+    outs = tuple(run.arrays[t] for t in task_graph.outputs)
+    return outs if task_graph.returns_tuple else outs[0]
+
+
+def bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]:
+    """The symbolic dims of ``graph`` from the shapes of its inputs, checked for consistency."""
+    params = graph.func.params
+    if len(inputs) != len(params):
+        raise EtcError(f"{graph.name} takes {len(params)} inputs, got {len(inputs)}")
+    dims: dict[str, int] = {}
+    for p, x in zip(params, inputs):
+        want = [d for d in p.ty.shape.values]
+        if np.ndim(x) != len(want):
+            raise EtcError(f"{graph.name}: input '{p.name}' has rank {len(want)}, "
+                           f"got shape {np.shape(x)}")
+        if np.dtype(x.dtype) != numpy_dtype(str(p.ty.dtype)):
+            raise EtcError(f"{graph.name}: input '{p.name}' is {p.ty.dtype}, "
+                           f"got {x.dtype}")
+        for k, (d, n) in enumerate(zip(want, x.shape)):
+            name = getattr(d, "name", None)
+            if name is None:
+                ok = hasattr(d, "value") and int(d.value) == n
+            else:
+                ok = dims.setdefault(name, n) == n
+            if not ok:
+                expect = dims.get(name, d) if name else d
+                raise EtcError(f"{graph.name}: dim {k} of input '{p.name}' is {n}, "
+                               f"expected {expect}" + (f" ({name})" if name else ""))
+    return dims
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(getattr(ml_dtypes, dtype))
+
+
+def poison(shape, dtype: str) -> np.ndarray:
+    dt = numpy_dtype(dtype)
+    if np.issubdtype(dt, np.integer):
+        return np.full(shape, np.iinfo(dt).min, dt)
+    if dt == np.bool_:
+        return np.zeros(shape, dt)
+    return np.full(shape, np.nan, dt)
+
+
+class _Run:
+    """The state of one run: counters, armed ETensors, complete tensors, task states."""
+
+    def __init__(self, graph: TaskGraph, inputs, order: Order, trace):
+        self.graph, self.order, self.trace = graph, order, trace
+        self.arrays = {}
+        for node in graph.tensors:
+            if node.param is not None:
+                arr = np.array(inputs[node.param], copy=True)
+                arr.flags.writeable = False
+                self.arrays[node.index] = arr
+            else:
+                self.arrays[node.index] = poison(node.shape, node.dtype)
+        self.counters = graph.static_counts()
+        self.initial = {name: c.copy() for name, c in self.counters.items()}
+        self.arm_inputs = graph.arm_inputs()
+        self.armed = {name: name not in self.arm_inputs for name in graph.etensors}
+        self.touched = {name: np.zeros(et.shape, bool) for name, et in graph.etensors.items()}
+        self.unfinished = [c.num_tasks for c in graph.calls]
+        self.needs = [self._needed_tensors(c) for c in graph.calls]
+        self.skipped: dict[int, set[int]] = {}  # call -> skipped tasks, once triggers resolve
+        self.released: dict[int, dict[int, list]] = {}  # call -> task -> trigger elements
+        self.wait_list: dict[int, list] = {}
+        self.cursor = [0] * graph.num_tasks
+        self.done = [False] * graph.num_tasks
+        self.blocked_on = defaultdict(list)
+        self.remaining = graph.num_tasks
+
+    # ---------------------------------------------------------------- readiness
+    def _needed_tensors(self, call: CallNode) -> set[int]:
+        """Tensors that must be complete before a task of ``call`` can evaluate its waits."""
+        need = call.reads(call.in_edges)
+        for e in call.in_edges:
+            need |= self.arm_inputs.get(e.etensor, set())
+        return {t for t in need if self.graph.tensors[t].producer is not None}
+
+    def complete(self, tensor: int) -> bool:
+        producer = self.graph.tensors[tensor].producer
+        return producer is None or self.unfinished[producer] == 0
+
+    def blocker(self, task: int):
+        """What ``task`` waits for now, or None if it can start."""
+        call = self.graph.call_of(task)
+        for t in self.needs[call.index]:
+            if not self.complete(t):
+                return ("tensor", t)
+        waits = self.wait_list.get(task)
+        if waits is None:
+            waits = self.wait_list[task] = self._resolve_waits(call, task)
+        while self.cursor[task] < len(waits):
+            name, idx = waits[self.cursor[task]]
+            if not self.armed[name]:
+                return ("arm", name)
+            if self.counters[name][idx] != 0:
+                return ("element", (name, idx))
+            self.cursor[task] += 1
+        return None
+
+    def is_ready(self, task: int) -> bool:
+        return self.blocker(task) is None
+
+    def _resolve_waits(self, call: CallNode, task: int) -> list:
+        waits = list(self.graph.waits[task])
+        tensors = self._index_tensors(call)
+        coords = call.coords(task)
+        for e in call.in_edges:
+            if e.map.is_data_dependent and not e.map.is_trigger:
+                et = self.graph.etensors[e.etensor]
+                for idx in e.map.evaluate(coords, tensors):
+                    check_element(et, idx, e.map, self.graph.task_name(task), ExecutionError)
+                    waits.append((e.etensor, idx))
+        if call.triggers:
+            waits += self._triggers(call).get(task, [])
+        for name, idx in waits:
+            self.touched[name][idx] = True
+        return waits
+
+    def _triggers(self, call: CallNode) -> dict[int, list]:
+        """Task -> the elements whose trigger maps release it; unreleased tasks are skipped."""
+        if call.index not in self.released:
+            tensors = self._index_tensors(call)
+            released = defaultdict(list)
+            for e in call.triggers:
+                et = self.graph.etensors[e.etensor]
+                for idx in np.ndindex(*et.shape):
+                    for coords in e.map.evaluate(idx, tensors):
+                        if len(coords) != len(call.grid) or not all(
+                                0 <= c < n for c, n in zip(coords, call.grid)):
+                            raise ExecutionError(
+                                f"trigger map '{e.map}' of {call.name}: "
+                                f"{et.element_name(idx)} releases task {call.name}{coords}, "
+                                f"outside its tile_num {list(call.grid)}")
+                        released[call.first_task + int(np.ravel_multi_index(
+                            coords, call.grid))].append((e.etensor, tuple(idx)))
+            self.released[call.index] = released
+            self.skipped[call.index] = set(call.tasks) - set(released)
+        return self.released[call.index]
+
+    def _index_tensors(self, call: CallNode) -> dict[str, np.ndarray]:
+        return {p.name: self.arrays[t] for p, t in zip(call.fn.buffer_params, call.tensor_args())}
+
+    # ---------------------------------------------------------------- the loop
+    def pending_tasks(self) -> list[int]:
+        return [t for t in range(self.graph.num_tasks) if not self.done[t]]
+
+    def run(self) -> None:
+        self.order.start(self)
+        for name in self.graph.etensors:
+            if not self.armed[name] and all(self.complete(t) for t in self.arm_inputs[name]):
+                self._arm(name)
+        for task in range(self.graph.num_tasks):
+            self._examine(task)
+        while self.remaining:
+            task = self.order.next()
+            if task is None:
+                raise DeadlockError(self._deadlock_report())
+            self._run_task(task)
+        self._check_final_counters()
+
+    def _examine(self, task: int) -> None:
+        why = self.blocker(task)
+        if why is None:
+            self.order.became_ready(task)
+        else:
+            self.blocked_on[why].append(task)
+
+    def _release(self, key) -> None:
+        for task in self.blocked_on.pop(key, ()):
+            self._examine(task)
+
+    def _run_task(self, task: int) -> None:
+        call = self.graph.call_of(task)
+        if self.blocker(task) is not None:
+            raise AssertionError(f"the order chose {self.graph.task_name(task)}, not ready")
+        skipped = call.triggers and task in self.skipped[call.index]
+        if not skipped:
+            arrays = [self.arrays[t] for t in call.tensor_args()]
+            call.fn.reference(*call.coords(task), *arrays)
+        notifies = list(self.graph.notifies[task])
+        if not skipped:
+            notifies += self._dynamic_notifies(call, task)
+        self.done[task] = True
+        self.remaining -= 1
+        if self.trace is not None:
+            self.trace.append(task)
+        for name, idx in notifies:
+            self._notify(name, idx, task)
+        self.unfinished[call.index] -= 1
+        if self.unfinished[call.index] == 0:
+            for t in call.outputs:
+                self._release(("tensor", t))
+            for name, need in self.arm_inputs.items():
+                if not self.armed[name] and need & set(call.outputs) and all(
+                        self.complete(t) for t in need):
+                    self._arm(name)
+
+    def _dynamic_notifies(self, call: CallNode, task: int) -> list:
+        dyn = [e for e in call.out_edges if e.map.is_data_dependent]
+        for t in call.reads(dyn):
+            if not self.complete(t) and self.graph.tensors[t].producer != call.index:
+                raise ExecutionError(
+                    f"{self.graph.task_name(task)} notifies through "
+                    f"'{self.graph.tensors[t].name}' before "
+                    f"{self.graph.calls[self.graph.tensors[t].producer].name} finished writing "
+                    "it: make the call wait for it")
+        out, tensors = [], self._index_tensors(call)
+        for e in dyn:
+            et = self.graph.etensors[e.etensor]
+            for idx in e.map.evaluate(call.coords(task), tensors):
+                check_element(et, idx, e.map, self.graph.task_name(task), ExecutionError)
+                out.append((e.etensor, idx))
+        return out
+
+    def _notify(self, name: str, idx: tuple, task: int) -> None:
+        counter = self.counters[name]
+        counter[idx] -= 1
+        self.touched[name][idx] = True
+        if not self.armed[name]:
+            return
+        if counter[idx] < 0:
+            et = self.graph.etensors[name]
+            raise ExecutionError(f"{et.element_name(idx)} is notified more times than its wait "
+                                 f"count (by {self.graph.task_name(task)})")
+        if counter[idx] == 0:
+            self._release(("element", (name, idx)))
+
+    def _arm(self, name: str) -> None:
+        """Add the runtime part of ``name``'s counts; its waiters may then proceed."""
+        et = self.graph.etensors[name]
+        counts = self.counters[name]
+        if et.count_tensor is not None:
+            given = self.arrays[et.count_tensor]
+            if given.shape != counts.shape or (given < 0).any():
+                raise ExecutionError(f"wait_count tensor '{self.graph.tensors[et.count_tensor].name}'"
+                                     f" of {name} has a negative or poisoned count")
+            counts += given
+        else:
+            for call in self.graph.calls:
+                dyn = [e for e in call.out_edges if e.etensor == name and e.map.is_data_dependent]
+                if not dyn:
+                    continue
+                skipped = self.skipped_tasks(call)
+                tensors = self._index_tensors(call)
+                for task in call.tasks:
+                    if task in skipped:
+                        continue
+                    for e in dyn:
+                        for idx in e.map.evaluate(call.coords(task), tensors):
+                            check_element(et, idx, e.map, self.graph.task_name(task),
+                                          ExecutionError)
+                            counts[idx] += 1
+        self.armed[name] = True
+        if (counts < 0).any():
+            idx = tuple(int(i) for i in np.argwhere(counts < 0)[0])
+            raise ExecutionError(f"{et.element_name(idx)} is notified more times than its wait "
+                                 "count")
+        self._release(("arm", name))
+
+    def skipped_tasks(self, call: CallNode) -> set[int]:
+        if not call.triggers:
+            return set()
+        self._triggers(call)
+        return self.skipped[call.index]
+
+    def _check_final_counters(self) -> None:
+        for name, counter in self.counters.items():
+            bad = np.argwhere((counter != 0) & self.touched[name])
+            if len(bad):
+                idx = tuple(int(i) for i in bad[0])
+                raise ExecutionError(
+                    f"{self.graph.etensors[name].element_name(idx)} ended at {counter[idx]}: it "
+                    "was notified fewer times than its wait count")
+
+    # ---------------------------------------------------------------- reports
+    def _deadlock_report(self) -> str:
+        blocked = self.order.blocked()
+        lines = [f"deadlock in {self.graph.name}: {self.remaining} tasks left, none can start"]
+        for task, where in blocked[:12]:
+            lines.append(f"  {self.graph.task_name(task)}{where} {self._describe(task)}")
+        if len(blocked) > 12:
+            lines.append(f"  ... and {len(blocked) - 12} more")
+        return "\n".join(lines)
+
+    def _describe(self, task: int) -> str:
+        kind, what = self.blocker(task)
+        if kind == "tensor":
+            node = self.graph.tensors[what]
+            return (f"waits for tensor '{node.name}' ({self.unfinished[node.producer]} tasks of "
+                    f"{self.graph.calls[node.producer].name} unfinished)")
+        if kind == "arm":
+            need = ", ".join(f"'{self.graph.tensors[t].name}'" for t in self.arm_inputs[what]
+                             if not self.complete(t))
+            return f"waits on {what}, whose wait counts wait for {need}"
+        name, idx = what
+        et = self.graph.etensors[name]
+        return (f"waits on {et.element_name(idx)}: counter {self.counters[name][idx]} of "
+                f"wait count {self.initial[name][idx]}")

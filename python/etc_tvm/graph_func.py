@@ -1,0 +1,171 @@
+"""Graph functions: a Python function traced into a Relax function of ETensors and call_devices.
+
+    @graph_func
+    def mlp(x: Tensor(("M", 256)), w: Tensor((256, 256))):
+        M = x.shape[0]
+        E = ETensor((M // 64,))
+        h = call_device(gemm_tile, tile_num=(M // 64,), args=[x, w], out=Tensor((M, 256)),
+                        out_edges={E: "i->i"})
+        return call_device(relu_tile, tile_num=(M // 64,), args=[h], out=Tensor((M, 256)),
+                           in_edges={E: "i->i"})
+
+``mlp.mod`` is an IRModule holding the Relax function ``mlp`` and the device functions as
+PrimFuncs; ``mlp.script()`` prints it.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Mapping, Sequence
+
+import tvm
+from tvm import relax
+
+from . import edge_map, ops, tracing
+from .device_func import DeviceFunc
+from .errors import EtcError
+from .etensor import ETensor
+from .tensor import Tensor, TensorValue, as_dim
+
+
+class GraphFunc:
+    """A traced graph function: the IRModule plus the device functions it calls, by name."""
+
+    def __init__(self, name: str, mod: tvm.IRModule, device_funcs: Mapping[str, DeviceFunc]):
+        self.name = name
+        self.mod = mod
+        self.device_funcs = dict(device_funcs)
+
+    @property
+    def func(self) -> relax.Function:
+        return self.mod[self.name]
+
+    def script(self) -> str:
+        return self.mod.script()
+
+    def __repr__(self) -> str:
+        return f"<graph_func {self.name}: {len(self.device_funcs)} device functions>"
+
+
+def graph_func(fn: Callable | None = None, *, world_size: int = 1):
+    """Trace ``fn`` into a ``GraphFunc``; its parameters are annotated with ``Tensor`` types."""
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise EtcError(f"world_size must be a positive int, got {world_size!r}")
+
+    def trace(f: Callable) -> GraphFunc:
+        tracer = tracing.Tracer(world_size)
+        params = []
+        for p in inspect.signature(f).parameters.values():
+            if not isinstance(p.annotation, Tensor):
+                raise EtcError(f"graph function {f.__name__}: parameter '{p.name}' needs a "
+                               "Tensor(shape, dtype) annotation")
+            ty = relax.TensorType([as_dim(d, tracer.symbols) for d in p.annotation.shape],
+                                  p.annotation.dtype)
+            params.append(relax.Var(tracer.claim_name(p.name, p.name), ty))
+        with tracer, tracer.builder.function(f.__name__, params,
+                                             attrs={"etc.world_size": world_size}):
+            with tracer.builder.dataflow():
+                result = f(*(TensorValue(v) for v in params))
+                outputs = result if isinstance(result, (tuple, list)) else (result,)
+                for r in outputs:
+                    if not isinstance(r, TensorValue):
+                        raise EtcError(f"graph function {f.__name__} must return tensors, "
+                                       f"got {r!r}")
+                out = [tracer.builder.emit_output(r.var) for r in outputs]
+            tracer.builder.emit_func_output(out[0] if len(out) == 1 and not isinstance(
+                result, (tuple, list)) else relax.Tuple(out))
+        return GraphFunc(f.__name__, tracer.builder.finalize(), tracer.device_funcs)
+
+    return trace(fn) if fn is not None else trace
+
+
+def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
+                in_edges: Mapping[ETensor, str] | None = None,
+                out_edges: Mapping[ETensor, str] | None = None):
+    """Launch a grid of ``tile_num`` tasks of ``fn``; returns its output tensor(s).
+
+    ``args`` are the input tensors and ``out`` the output type(s), matching ``fn``'s tensor
+    parameters in order. ``in_edges`` maps each ETensor a task waits on to its edge map,
+    ``out_edges`` each ETensor it notifies (see ``edge_map``).
+    """
+    tracer = tracing.current("call_device")
+    if not isinstance(fn, DeviceFunc):
+        raise EtcError(f"call_device needs a @device_func, got {fn!r}")
+    grid = _as_tuple(tile_num)
+    if len(grid) != fn.num_coords:
+        raise EtcError(f"call_device({fn.name}): tile_num has {len(grid)} dims but {fn.name} "
+                       f"takes {fn.num_coords} task coordinates {fn.coord_params}")
+    grid = [as_dim(d, tracer.symbols) for d in grid]
+    args = list(_as_tuple(args))
+    outs = list(_as_tuple(out))
+    if len(args) + len(outs) != len(fn.buffer_params):
+        raise EtcError(f"call_device({fn.name}): {len(args)} args and {len(outs)} outputs for "
+                       f"{len(fn.buffer_params)} tensor parameters "
+                       f"{[p.name for p in fn.buffer_params]}")
+    for a, p in zip(args, fn.buffer_params):
+        if not isinstance(a, TensorValue):
+            raise EtcError(f"call_device({fn.name}): argument '{p.name}' must be a tensor of the "
+                           f"graph function, got {a!r}")
+    for o in outs:
+        if not isinstance(o, Tensor):
+            raise EtcError(f"call_device({fn.name}): out must be Tensor types, got {o!r}")
+    out_tys = [relax.TensorType([as_dim(d, tracer.symbols) for d in o.shape], o.dtype)
+               for o in outs]
+    _bind_params(fn, [a.var.ty for a in args] + out_tys)
+
+    inputs = {p.name for p in fn.buffer_params[:len(args)]}
+    readable = {p.name: p.rank for p in fn.buffer_params if p.dtype == "int32"}
+    in_events, in_maps = _edges(fn, in_edges, "in", len(grid),
+                                {k: v for k, v in readable.items() if k in inputs})
+    out_events, out_maps = _edges(fn, out_edges, "out", len(grid), readable)
+
+    out_ty = out_tys[0] if len(outs) == 1 and isinstance(out, Tensor) \
+        else relax.TupleType(out_tys)
+    call = ops.call_device(tracer.global_var(fn), [a.var for a in args], in_events, in_maps,
+                           out_events, out_maps, grid, out_ty)
+    if isinstance(out_ty, relax.TensorType):
+        return TensorValue(tracer.emit(call, tracer.claim_name(outs[0].name, fn.name)))
+    tup = tracer.emit(call, tracer.claim_name(None, fn.name))
+    return tuple(TensorValue(tracer.emit(relax.TupleGetItem(tup, k),
+                                         tracer.claim_name(o.name, f"{fn.name}_out")))
+                 for k, o in enumerate(outs))
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _edges(fn: DeviceFunc, edges, kind: str, task_rank: int, tensors: dict):
+    events, maps = [], []
+    for etensor, text in (edges or {}).items():
+        if not isinstance(etensor, ETensor):
+            raise EtcError(f"call_device({fn.name}): {kind}_edges keys must be ETensors, "
+                           f"got {etensor!r}")
+        if not isinstance(text, str):
+            raise EtcError(f"call_device({fn.name}): the edge map of {etensor.name} must be a "
+                           f"string like 'ij->ij', got {text!r}")
+        edge_map.parse(text, kind=kind, task_rank=task_rank, event_rank=etensor.ndim,
+                       tensors=tensors, etensor=etensor.name)
+        events.append(etensor.var)
+        maps.append(text)
+    return events, maps
+
+
+def _bind_params(fn: DeviceFunc, types: list) -> None:
+    """Check the tensors against ``fn``'s parameters, binding its symbolic dims consistently."""
+    analyzer = tvm.sym.Analyzer()
+    bound: dict = {}
+    for ty, p in zip(types, fn.buffer_params):
+        where = f"call_device({fn.name}): tensor parameter '{p.name}'"
+        shape = list(ty.shape.values)
+        if str(ty.dtype) != p.dtype:
+            raise EtcError(f"{where} is {p.dtype}, got {ty.dtype}")
+        if len(shape) != p.rank:
+            raise EtcError(f"{where} has rank {p.rank}, got a tensor of shape {shape}")
+        for k, (want, got) in enumerate(zip(p.shape, shape)):
+            if isinstance(want, tvm.tirx.Var):
+                if want not in bound:
+                    bound[want] = got
+                    continue
+                want = bound[want]
+            if not analyzer.can_prove_equal(tvm.tirx.Cast("int64", want), got):
+                raise EtcError(f"{where}: dim {k} is {got}, expected {want}")

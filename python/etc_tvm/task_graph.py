@@ -1,0 +1,525 @@
+"""The task graph: one graph function instantiated for concrete sizes.
+
+Every later stage reads this one model: the checks, the CPU reference executor, the schedules
+and the visualiser. It holds
+
+* tensors: the graph function's parameters and each ``call_device`` output;
+* calls and tasks: every coordinate of every ``tile_num`` grid, numbered in program order;
+* event tensors (ETensors): shapes and wait counts, with ``local_view`` aliases resolved;
+* static edges: the event elements each task waits on and notifies, from the edge maps that
+  read no runtime tensor;
+* dynamic edges: the edge maps that read runtime tensors (``i->topk[i,:]``), trigger maps
+  (``e=>ptr[e]:ptr[e+1]``) and runtime wait counts, instantiated only when the tensors they
+  read are complete.
+
+Tensor completion is itself an event: a tensor produced by a call is complete once every task
+of that call has finished. A task whose waits read a runtime tensor first waits for it to be
+complete; an ETensor whose counts depend on runtime tensors is *armed* (its counts added to its
+counters) when they are complete, and its waiters wait for the arming. A task that no trigger
+releases is *skipped*: it runs no body and only performs its static notifies, so that fan-ins
+counted over the whole grid still complete.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import edge_map as edge_lang
+from . import ops
+from .device_func import DeviceFunc
+from .errors import GraphError
+from .graph_func import GraphFunc
+
+
+@dataclass(frozen=True)
+class TensorNode:
+    """A data tensor: a parameter (``producer`` None) or an output of the call ``producer``."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    producer: int | None = None
+    param: int | None = None
+
+
+@dataclass(frozen=True)
+class ETensorNode:
+    """An event tensor. ``wait_count`` is an int, None (inferred) or a tensor index."""
+
+    name: str
+    shape: tuple[int, ...]
+    wait_count: int | None
+    count_tensor: int | None
+    shard: str | None
+
+    def element_name(self, idx: tuple[int, ...]) -> str:
+        return f"{self.name}[{','.join(map(str, idx))}]"
+
+
+@dataclass(frozen=True)
+class Edge:
+    etensor: str
+    map: edge_lang.EdgeMap
+
+
+@dataclass
+class CallNode:
+    """One ``call_device``: its grid of tasks, tensors and edges."""
+
+    index: int
+    name: str
+    fn: DeviceFunc
+    grid: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    in_edges: tuple[Edge, ...]
+    out_edges: tuple[Edge, ...]
+    first_task: int = 0
+
+    @property
+    def num_tasks(self) -> int:
+        return int(np.prod(self.grid, dtype=np.int64))
+
+    @property
+    def tasks(self) -> range:
+        return range(self.first_task, self.first_task + self.num_tasks)
+
+    @property
+    def triggers(self) -> tuple[Edge, ...]:
+        return tuple(e for e in self.in_edges if e.map.is_trigger)
+
+    def coords(self, task: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unravel_index(task - self.first_task, self.grid))
+
+    def tensor_args(self) -> tuple[int, ...]:
+        return self.inputs + self.outputs
+
+    def reads(self, edges) -> set[int]:
+        """Tensor indices read by ``edges``' maps (names are the device function's params)."""
+        params = dict(zip((p.name for p in self.fn.buffer_params), self.tensor_args()))
+        return {params[name] for e in edges for name in e.map.reads}
+
+
+Element = tuple  # (etensor name, coordinate tuple)
+
+
+@dataclass
+class TaskGraph:
+    """Calls, tasks, tensors, ETensors and their static edges, for concrete sizes."""
+
+    name: str
+    dims: dict[str, int]
+    tensors: list[TensorNode]
+    etensors: dict[str, ETensorNode]
+    calls: list[CallNode]
+    outputs: tuple[int, ...]
+    returns_tuple: bool
+    waits: list[list[Element]] = field(default_factory=list)
+    notifies: list[list[Element]] = field(default_factory=list)
+    task_call: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def build(graph: GraphFunc, dims: Mapping[str, int]) -> "TaskGraph":
+        """Instantiate ``graph`` for the sizes ``dims`` (symbolic dim name -> int)."""
+        return _Builder(graph, dims).build()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_call)
+
+    def call_of(self, task: int) -> CallNode:
+        return self.calls[self.task_call[task]]
+
+    def task_name(self, task: int) -> str:
+        call = self.call_of(task)
+        return f"{call.name}({','.join(map(str, call.coords(task)))})"
+
+    def arm_inputs(self) -> dict[str, set[int]]:
+        """ETensors counted at run time -> the tensors written in the graph that their counts
+        read (a count tensor, or the index tensors of data-dependent notifies)."""
+        out = {}
+        for et in self.etensors.values():
+            if et.count_tensor is not None:
+                need = {et.count_tensor}
+            elif et.wait_count is None and et.name in self.dynamically_notified():
+                need = set()
+                for call in self.calls:
+                    dyn = [e for e in call.out_edges
+                           if e.etensor == et.name and e.map.is_data_dependent]
+                    if dyn:
+                        need |= call.reads(dyn) | call.reads(call.triggers)
+            else:
+                continue
+            out[et.name] = {t for t in need if self.tensors[t].producer is not None}
+        return out
+
+    def dynamically_notified(self) -> set[str]:
+        """ETensors that some call notifies through a data-dependent map."""
+        return {e.etensor for c in self.calls for e in c.out_edges if e.map.is_data_dependent}
+
+    def static_counts(self) -> dict[str, np.ndarray]:
+        """Per ETensor, the counts known before the run: given, or inferred from static edges.
+
+        An ETensor counted from runtime tensors starts from its static part (inferred) or 0.
+        """
+        hits = {name: np.zeros(et.shape, np.int64) for name, et in self.etensors.items()}
+        for elems in self.notifies:
+            for name, idx in elems:
+                hits[name][idx] += 1
+        counts = {}
+        for name, et in self.etensors.items():
+            if et.count_tensor is not None:
+                counts[name] = np.zeros(et.shape, np.int64)
+            elif et.wait_count is not None:
+                counts[name] = np.full(et.shape, et.wait_count, np.int64)
+            else:
+                counts[name] = hits[name]
+        return counts
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ``GraphError`` for a cycle, a wait that nothing can satisfy, a wrong count, or
+        a call that reads a tensor no event orders it after."""
+        self._check_counts()
+        self._check_ordering()
+        self.topological_order()
+
+    def _check_counts(self) -> None:
+        unchecked = set(self.arm_inputs()) | self.dynamically_notified()
+        notifiers, waiters = defaultdict(list), defaultdict(list)
+        for task in range(self.num_tasks):
+            for elem in self.notifies[task]:
+                notifiers[elem].append(task)
+            for elem in self.waits[task]:
+                waiters[elem].append(task)
+        for (name, idx), tasks in waiters.items():
+            et = self.etensors[name]
+            have = len(notifiers.get((name, idx), ()))
+            if name in unchecked or have >= (et.wait_count or 0) and (have or et.wait_count == 0):
+                continue
+            raise GraphError(
+                f"{et.element_name(idx)} is waited on by {self.task_name(tasks[0])} but "
+                + ("no task notifies it: check the out_edges of its producers" if have == 0 else
+                   f"is notified {have} times, fewer than its wait_count {et.wait_count}"))
+        for (name, idx), tasks in notifiers.items():
+            et = self.etensors[name]
+            if name not in unchecked and et.wait_count is not None and len(tasks) > et.wait_count:
+                who = ", ".join(self.task_name(t) for t in tasks[:4])
+                raise GraphError(
+                    f"{et.element_name(idx)} has wait_count {et.wait_count} but is notified "
+                    f"{len(tasks)} times (by {who}{', ...' if len(tasks) > 4 else ''})")
+
+    def call_dependencies(self, conservative_only: bool = False) -> dict[int, set[int]]:
+        """Call-level edges: call -> the calls some of its tasks wait for.
+
+        With ``conservative_only``, just the edges that element-level edges do not already
+        express: waits through data-dependent maps or triggers, on ETensors notified through
+        data or counted at run time, and on the completion of tensors those read.
+        """
+        static_notifiers, dynamic = defaultdict(set), self.dynamically_notified()
+        notifiers = defaultdict(set)
+        for call in self.calls:
+            for e in call.out_edges:
+                notifiers[e.etensor].add(call.index)
+                if not e.map.is_data_dependent:
+                    static_notifiers[e.etensor].add(call.index)
+        arm = self.arm_inputs()
+        deps = defaultdict(set)
+        for call in self.calls:
+            for e in call.in_edges:
+                runtime = e.map.is_data_dependent or e.map.is_trigger or \
+                    e.etensor in dynamic or e.etensor in arm
+                if runtime or not conservative_only:
+                    deps[call.index] |= notifiers[e.etensor]
+                deps[call.index] |= {self.tensors[t].producer for t in arm.get(e.etensor, ())}
+            for t in call.reads(call.in_edges):
+                if self.tensors[t].producer is not None:
+                    deps[call.index].add(self.tensors[t].producer)
+            deps[call.index].discard(call.index)
+        return deps
+
+    def _check_ordering(self) -> None:
+        deps = self.call_dependencies()
+        for call in self.calls:
+            reach, todo = set(), deque(deps[call.index])
+            while todo:
+                c = todo.popleft()
+                if c not in reach:
+                    reach.add(c)
+                    todo.extend(deps[c])
+            for t in call.inputs:
+                producer = self.tensors[t].producer
+                if producer is not None and producer not in reach:
+                    raise GraphError(
+                        f"{call.name} reads '{self.tensors[t].name}', written by "
+                        f"{self.calls[producer].name}, but waits on no event that "
+                        f"{self.calls[producer].name} notifies (directly or through other "
+                        "calls): its tasks could run before the data is written")
+
+    def topological_order(self) -> list[int]:
+        """Task ids in an order that respects every edge, dynamic ones conservatively.
+
+        A data-dependent wait is taken to wait on every task of the calls that could notify
+        it or that write the tensors it reads. Raises ``GraphError`` naming a cycle.
+        """
+        succ = defaultdict(list)  # node -> nodes; nodes: ("t", id) | ("e", elem) | ("c", call)
+        indeg = defaultdict(int)
+
+        def edge(a, b):
+            succ[a].append(b)
+            indeg[b] += 1
+
+        for task in range(self.num_tasks):
+            for elem in self.notifies[task]:
+                edge(("t", task), ("e", elem))
+            for elem in self.waits[task]:
+                edge(("e", elem), ("t", task))
+        for consumer, producers in self.call_dependencies(conservative_only=True).items():
+            for producer in producers:
+                for task in self.calls[producer].tasks:
+                    edge(("t", task), ("c", producer))
+                for task in self.calls[consumer].tasks:
+                    edge(("c", producer), ("t", task))
+        nodes = {("t", t) for t in range(self.num_tasks)} | set(succ) | set(indeg)
+        ready = deque(sorted((n for n in nodes if indeg[n] == 0 and n[0] == "t"),
+                             key=lambda n: n[1]))
+        ready.extendleft(n for n in nodes if indeg[n] == 0 and n[0] != "t")
+        order, seen = [], 0
+        while ready:
+            n = ready.popleft()
+            seen += 1
+            if n[0] == "t":
+                order.append(n[1])
+            for m in succ[n]:
+                indeg[m] -= 1
+                if indeg[m] == 0:
+                    (ready.appendleft if m[0] != "t" else ready.append)(m)
+        if seen != len(nodes):
+            raise GraphError("the task graph has a cycle: " + self._describe_cycle(
+                {n for n in nodes if indeg[n] > 0}, succ))
+        return order
+
+    def _describe_cycle(self, stuck: set, succ) -> str:
+        start = min((n for n in stuck if n[0] == "t"), default=next(iter(stuck)))
+        path, index, n = [], {}, start
+        while n not in index:
+            index[n] = len(path)
+            path.append(n)
+            n = next(m for m in succ[n] if m in stuck)
+        cycle = path[index[n]:] + [n]
+        return " -> ".join(self._node_name(m) for m in cycle)
+
+    def _node_name(self, node) -> str:
+        kind, key = node
+        if kind == "t":
+            return self.task_name(key)
+        if kind == "e":
+            return self.etensors[key[0]].element_name(key[1])
+        return f"(all of {self.calls[key].name})"
+
+    # ------------------------------------------------------------------ reports
+    def summary(self) -> str:
+        lines = [f"task graph {self.name} ({', '.join(f'{k}={v}' for k, v in self.dims.items())}"
+                 f"): {self.num_tasks} tasks in {len(self.calls)} calls, "
+                 f"{len(self.etensors)} event tensors"]
+        for call in self.calls:
+            edges = [f"waits {e.etensor}:'{e.map}'" for e in call.in_edges]
+            edges += [f"notifies {e.etensor}:'{e.map}'" for e in call.out_edges]
+            lines.append(f"  {call.name}: {call.fn.name} x {call.num_tasks} "
+                         f"{list(call.grid)}  {'; '.join(edges) or 'no edges'}")
+        counts, runtime = self.static_counts(), self.arm_inputs()
+        for name, et in self.etensors.items():
+            how = ("at run time" if name in runtime else
+                   f"given {et.wait_count}" if et.wait_count is not None else "inferred")
+            c = counts[name]
+            lines.append(f"  {name}{list(et.shape)}: wait counts {how}"
+                         + ("" if name in runtime else f", {int(c.min())}..{int(c.max())}"))
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """Graphviz: tasks (boxes, one cluster per call), event elements (ellipses), static
+        edges solid, data-dependent edges dashed from the call to its ETensor."""
+        counts = self.static_counts()
+        out = [f'digraph "{self.name}" {{', "  rankdir=LR;", "  node [fontsize=10];"]
+        for call in self.calls:
+            out.append(f'  subgraph "cluster_{call.name}" {{ label="{call.name}: {call.fn.name}";')
+            out += [f'    t{t} [shape=box, label="{self.task_name(t)}"];' for t in call.tasks]
+            out.append("  }")
+        for name, et in self.etensors.items():
+            out.append(f'  subgraph "cluster_{name}" {{ label="{name}"; style=dashed;')
+            for idx in itertools.product(*map(range, et.shape)):
+                out.append(f'    "{et.element_name(idx)}" [shape=ellipse, '
+                           f'label="{et.element_name(idx)} / {counts[name][idx]}"];')
+            out.append("  }")
+        for task in range(self.num_tasks):
+            out += [f'  t{task} -> "{self.etensors[n].element_name(i)}";'
+                    for n, i in self.notifies[task]]
+            out += [f'  "{self.etensors[n].element_name(i)}" -> t{task};'
+                    for n, i in self.waits[task]]
+        for call in self.calls:
+            anchor = f"t{call.first_task}"
+            for e in call.out_edges + call.in_edges:
+                if e.map.is_data_dependent or e.map.is_trigger:
+                    target = self.etensors[e.etensor]
+                    first = f'"{target.element_name((0,) * len(target.shape))}"'
+                    a, b = (anchor, first) if e in call.out_edges else (first, anchor)
+                    out.append(f'  {a} -> {b} [style=dashed, label="{e.map}", '
+                               f'ltail="cluster_{call.name}", lhead="cluster_{e.etensor}"];')
+        out.append("}")
+        return "\n".join(out)
+
+
+class _Builder:
+    """Reads a graph function's Relax bindings into a ``TaskGraph`` for concrete dims."""
+
+    def __init__(self, graph: GraphFunc, dims: Mapping[str, int]):
+        self.graph = graph
+        self.func = graph.func
+        world = self.func.attrs.get("etc.world_size", 1) if self.func.attrs else 1
+        if int(world) != 1:
+            raise GraphError(f"{graph.name}: task graphs of world size {int(world)} are not "
+                             "supported yet; build it with world_size=1")
+        self.dims = {str(k): int(v) for k, v in dims.items()}
+        self.analyzer = tvm.sym.Analyzer()
+        self.symbols = {}
+        for v in relax.analysis.defined_symbolic_vars(self.func):
+            if v.name not in self.dims:
+                raise GraphError(f"{graph.name}: no value given for the symbolic dim "
+                                 f"'{v.name}' (given: {sorted(self.dims)})")
+            self.analyzer.bind(v, self.dims[v.name])
+        self.tensors: list[TensorNode] = []
+        self.etensors: dict[str, ETensorNode] = {}
+        self.calls: list[CallNode] = []
+        self.value = {}  # relax.Var -> ("tensor", idx) | ("etensor", name) | ("tuple", [idx])
+
+    def eval(self, expr, what: str) -> int:
+        value = self.analyzer.simplify(expr)
+        if not isinstance(value, tvm.tirx.IntImm):
+            raise GraphError(f"{self.graph.name}: {what} = {expr} is not a constant for "
+                             f"{self.dims}")
+        if value.value < 0:
+            raise GraphError(f"{self.graph.name}: {what} = {expr} is negative ({value.value}) "
+                             f"for {self.dims}")
+        return int(value.value)
+
+    def shape(self, ty, what: str) -> tuple[int, ...]:
+        return tuple(self.eval(d, f"dim {k} of {what}") for k, d in enumerate(ty.shape.values))
+
+    def add_tensor(self, name, ty, **kw) -> int:
+        node = TensorNode(len(self.tensors), name, self.shape(ty, name), str(ty.dtype), **kw)
+        self.tensors.append(node)
+        return node.index
+
+    def tensor(self, expr, what: str) -> int:
+        kind, v = self.value[expr]
+        if kind != "tensor":
+            raise GraphError(f"{self.graph.name}: {what} must be a data tensor")
+        return v
+
+    def build(self) -> TaskGraph:
+        for k, p in enumerate(self.func.params):
+            self.value[p] = ("tensor", self.add_tensor(p.name, p.ty, param=k))
+        body = self.func.body
+        for block in body.blocks:
+            for binding in block.bindings:
+                self.bind(binding.var, binding.value)
+        result = body.body
+        fields = result.fields if isinstance(result, relax.Tuple) else (result,)
+        outputs = tuple(self.tensor(f, "a graph function result") for f in fields)
+        graph = TaskGraph(self.graph.name, self.dims, self.tensors, self.etensors, self.calls,
+                          outputs, isinstance(result, relax.Tuple))
+        self.instantiate_static_edges(graph)
+        return graph
+
+    def bind(self, var, value) -> None:
+        name = var.name
+        if ops.is_op(value, ops.EVENT_TENSOR):
+            decl = ops.EventTensorCall.of(value)
+            count_tensor = None if not isinstance(decl.wait_count, relax.Expr) \
+                else self.tensor(decl.wait_count, f"the wait_count of {decl.name}")
+            self.etensors[decl.name] = ETensorNode(
+                decl.name, tuple(self.eval(d, f"dim {k} of ETensor {decl.name}")
+                                 for k, d in enumerate(decl.shape)),
+                decl.wait_count if isinstance(decl.wait_count, int) else None,
+                count_tensor, decl.shard)
+            self.value[var] = ("etensor", decl.name)
+        elif ops.is_op(value, ops.LOCAL_VIEW):
+            self.value[var] = self.value[value.args[0]]
+        elif ops.is_op(value, ops.CALL_DEVICE):
+            self.add_call(var, ops.CallDeviceCall.of(value))
+        elif isinstance(value, relax.TupleGetItem):
+            kind, items = self.value[value.tuple_value]
+            self.value[var] = ("tensor", items[value.index])
+        elif isinstance(value, relax.Var):
+            self.value[var] = self.value[value]
+        else:
+            raise GraphError(f"{self.graph.name}: binding '{name}' is not an etc operation "
+                             f"({type(value).__name__}); a graph function holds ETensors and "
+                             "call_devices")
+
+    def add_call(self, var, call: ops.CallDeviceCall) -> None:
+        fn = self.graph.device_funcs[call.fn.name_hint]
+        index = len(self.calls)
+        name = var.name
+        grid = tuple(self.eval(d, f"tile_num[{k}] of {name}") for k, d in enumerate(call.tile_num))
+        inputs = tuple(self.tensor(a, f"argument {k} of {name}") for k, a in enumerate(call.args))
+        outputs = tuple(self.add_tensor(name if len(call.out_types) == 1 else f"{name}[{k}]", ty,
+                                        producer=index)
+                        for k, ty in enumerate(call.out_types))
+        readable = {p.name: p.rank for p in fn.buffer_params if p.dtype == "int32"}
+        inputs_readable = {k: v for k, v in readable.items()
+                           if k in {p.name for p in fn.buffer_params[:len(inputs)]}}
+
+        def edges(events, maps, kind, tensors):
+            out = []
+            for ev, text in zip(events, maps):
+                et = self.etensors[self.value[ev][1]]
+                out.append(Edge(et.name, edge_lang.parse(
+                    text, kind=kind, task_rank=len(grid), event_rank=len(et.shape),
+                    tensors=tensors, etensor=et.name)))
+            return tuple(out)
+
+        self.calls.append(CallNode(index, name, fn, grid, inputs, outputs,
+                                   edges(call.in_events, call.in_edges, "in", inputs_readable),
+                                   edges(call.out_events, call.out_edges, "out", readable)))
+        self.value[var] = ("tensor", outputs[0]) if len(outputs) == 1 and isinstance(
+            call.out_ty, relax.TensorType) else ("tuple", outputs)
+
+    def instantiate_static_edges(self, graph: TaskGraph) -> None:
+        first = 0
+        for call in graph.calls:
+            call.first_task = first
+            first += call.num_tasks
+            for task in call.tasks:
+                coords = call.coords(task)
+                graph.task_call.append(call.index)
+                graph.waits.append(self.elements(graph, call, call.in_edges, coords))
+                graph.notifies.append(self.elements(graph, call, call.out_edges, coords))
+
+    @staticmethod
+    def elements(graph: TaskGraph, call: CallNode, edges, coords) -> list[Element]:
+        out = []
+        for e in edges:
+            if e.map.is_data_dependent or e.map.is_trigger:
+                continue
+            et = graph.etensors[e.etensor]
+            for idx in e.map.evaluate(coords):
+                check_element(et, idx, e.map, f"{call.name}{coords}", GraphError)
+                out.append((e.etensor, idx))
+        return out
+
+
+def check_element(et: ETensorNode, idx: tuple, emap, where: str, error) -> None:
+    """Raise ``error`` if the edge map ``emap`` gave an element outside ``et``."""
+    if len(idx) != len(et.shape) or not all(0 <= i < n for i, n in zip(idx, et.shape)):
+        raise error(f"edge map '{emap}' of task {where} gives {et.element_name(idx)}, outside "
+                    f"{et.name} of shape {list(et.shape)}")
