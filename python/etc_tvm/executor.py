@@ -23,6 +23,7 @@ from typing import Sequence
 
 import ml_dtypes
 import numpy as np
+import tvm
 
 from .errors import DeadlockError, EtcError, ExecutionError
 from .graph_func import GraphFunc
@@ -125,6 +126,8 @@ def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
     """
     task_graph = TaskGraph.build(graph, bind_dims(graph, inputs))
     task_graph.validate()
+    for call in task_graph.calls:
+        call.fn.reference  # noqa: B018 (raises for a device function without one)
     run = _Run(task_graph, inputs, order or ReadyQueueOrder(), trace)
     run.run()
     outs = tuple(run.arrays[t] for t in task_graph.outputs)
@@ -146,15 +149,13 @@ def bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]:
             raise EtcError(f"{graph.name}: input '{p.name}' is {p.ty.dtype}, "
                            f"got {x.dtype}")
         for k, (d, n) in enumerate(zip(want, x.shape)):
-            name = getattr(d, "name", None)
-            if name is None:
-                ok = hasattr(d, "value") and int(d.value) == n
+            if isinstance(d, tvm.tirx.Var):
+                expect, ok = f"{dims.get(d.name, n)} ({d.name})", dims.setdefault(d.name, n) == n
             else:
-                ok = dims.setdefault(name, n) == n
+                expect, ok = str(int(d)), int(d) == n
             if not ok:
-                expect = dims.get(name, d) if name else d
                 raise EtcError(f"{graph.name}: dim {k} of input '{p.name}' is {n}, "
-                               f"expected {expect}" + (f" ({name})" if name else ""))
+                               f"expected {expect}")
     return dims
 
 

@@ -1,0 +1,8 @@
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request):
+    """A NumPy generator seeded per test, so that failures reproduce."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

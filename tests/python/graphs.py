@@ -1,0 +1,38 @@
+"""Graph functions shared by the tests, built from the tiles in ``tiles``."""
+from etc_tvm import ETensor, Tensor, call_device, graph_func
+
+from tiles import (COLS, TILE, ROWS, matmul_tile, mix_tile, partial_rowsum_tile,
+                   reduce_scatter_tile, rowsum_tile, scale_tile)
+
+
+@graph_func
+def gemm_reduce_scatter(A: Tensor(("M", "K")), B: Tensor(("K", "N"))):
+    """The seed's GEMM + Reduce-Scatter with world size 1: tile-level pipelined."""
+    M, N = A.shape[0], B.shape[1]
+    E = ETensor((M // TILE, N // TILE), wait_count=1, shard="S[0]", name="E")
+    C = call_device(matmul_tile, tile_num=(M // TILE, N // TILE), args=[A, B],
+                    out=Tensor((M, N), name="C"), out_edges={E: "ij->ij"})
+    return call_device(reduce_scatter_tile, tile_num=(M // TILE, N // TILE), args=[C],
+                       out=Tensor((M, N), name="D"), in_edges={E.local_view(): "ij->ij"})
+
+
+@graph_func
+def row_sum(X: Tensor(("M", "N"))):
+    """Fan-in: row tile i of the result waits for all N/TILE partial sums of its rows."""
+    M, N = X.shape
+    done = ETensor((M // TILE,), name="partials_done")
+    S = call_device(partial_rowsum_tile, tile_num=(M // TILE, N // TILE), args=[X],
+                    out=Tensor((M, N // TILE), name="S"), out_edges={done: "ij->i"})
+    return call_device(rowsum_tile, tile_num=(M // TILE,), args=[S], out=Tensor((M,), name="Y"),
+                       in_edges={done: "i->i"})
+
+
+@graph_func
+def two_ops(X: Tensor(("M", COLS)), Y: Tensor(("M", COLS))):
+    """scale then mix, row tile i of mix waiting on row tile i of scale."""
+    M = X.shape[0]
+    ready = ETensor((M // ROWS,), name="ready")
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    out_edges={ready: "i->i"})
+    return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, Y],
+                       out=Tensor((M, COLS), name="B"), in_edges={ready: "i->i"})

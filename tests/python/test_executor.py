@@ -1,0 +1,152 @@
+"""The CPU reference executor under every order, against plain NumPy."""
+import numpy as np
+import pytest
+from tvm.script import tirx as T
+
+from etc_tvm import (DeadlockError, ETensor, EtcError, ExecutionError, Tensor, call_device,
+                     device_func, graph_func)
+from etc_tvm.executor import RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.task_graph import TaskGraph
+
+from graphs import gemm_reduce_scatter, row_sum, two_ops
+from tiles import COLS, ROWS, scale_tile
+
+
+def orders(graph, dims):
+    """Every kind of order: dynamic, random interleavings, static queues on 1, 3 and 8 SMs."""
+    topo = TaskGraph.build(graph, dims).topological_order()
+    yield ReadyQueueOrder()
+    for seed in range(3):
+        yield RandomOrder(seed)
+    for sms in (1, 3, 8):
+        yield StaticOrder([topo[k::sms] for k in range(sms)])
+        yield StaticOrder([topo[k::sms] for k in range(sms)], seed=sms)
+
+
+@pytest.mark.parametrize("M,K,N", [(16, 16, 16), (64, 48, 32), (32, 80, 112)])
+def test_gemm_reduce_scatter_world_size_1(rng, M, K, N):
+    A = rng.standard_normal((M, K)).astype("float32")
+    B = rng.standard_normal((K, N)).astype("float32")
+    want = A.astype("float64") @ B.astype("float64")
+    for order in orders(gemm_reduce_scatter, {"M": M, "K": K, "N": N}):
+        np.testing.assert_allclose(execute(gemm_reduce_scatter, A, B, order=order), want,
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M,N", [(16, 16), (48, 64), (32, 160)])
+def test_fan_in_row_sum(rng, M, N):
+    X = rng.standard_normal((M, N)).astype("float32")
+    for order in orders(row_sum, {"M": M, "N": N}):
+        np.testing.assert_allclose(execute(row_sum, X, order=order),
+                                   X.astype("float64").sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_two_ops_all_orders_bit_identical(rng):
+    X, Y = (rng.standard_normal((40, COLS)).astype("float32") for _ in range(2))
+    results = [execute(two_ops, X, Y, order=o) for o in orders(two_ops, {"M": 40})]
+    want = (2 * X.astype("float64") + 1) / 2 + np.tanh(Y.astype("float64"))
+    np.testing.assert_allclose(results[0], want, rtol=1e-5, atol=1e-6)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+def test_trace_respects_edges(rng):
+    X, Y = (rng.standard_normal((24, COLS)).astype("float32") for _ in range(2))
+    graph = TaskGraph.build(two_ops, {"M": 24})
+    for seed in range(5):
+        trace = []
+        execute(two_ops, X, Y, order=RandomOrder(seed), trace=trace)
+        assert sorted(trace) == list(range(graph.num_tasks))
+        position = {t: k for k, t in enumerate(trace)}
+        for consumer in graph.calls[1].tasks:
+            assert position[consumer] > position[consumer - graph.calls[1].first_task]
+
+
+@graph_func
+def chain(X: Tensor(("M", COLS))):
+    """A dependent chain inside one call: row tile i waits for tile i-1."""
+    M = X.shape[0]
+    E = ETensor((M // ROWS,), name="link")
+    return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
+                       in_edges={E: "i->i-1 if i > 0"}, out_edges={E: "i->i"})
+
+
+def test_chain_runs_in_chain_order(rng):
+    X = rng.standard_normal((20, COLS)).astype("float32")
+    trace = []
+    np.testing.assert_allclose(execute(chain, X, order=RandomOrder(7), trace=trace), 2 * X + 1)
+    assert trace == list(range(5))
+
+
+def test_deadlock_report_names_task_event_counter_and_sm(rng):
+    X = rng.standard_normal((12, COLS)).astype("float32")
+    reversed_queue = StaticOrder([[2, 1, 0]])  # tile 2 first: it waits on tile 1 forever
+    with pytest.raises(DeadlockError) as err:
+        execute(chain, X, order=reversed_queue)
+    msg = str(err.value)
+    assert "3 tasks left" in msg
+    assert "scale_tile0(2) on SM 0 waits on link[1]: counter 1 of wait count 1" in msg
+
+
+def test_outputs_are_poisoned_before_the_run(rng):
+    @graph_func
+    def half_written(X: Tensor(("M", COLS))):
+        # only the first half of the row tiles run: the rest of the output stays poisoned
+        M = X.shape[0]
+        return call_device(scale_tile, tile_num=(M // ROWS // 2,), args=[X],
+                           out=Tensor((M, COLS)))
+
+    out = execute(half_written, rng.standard_normal((16, COLS)).astype("float32"))
+    assert np.isfinite(out[:8]).all() and np.isnan(out[8:]).all()
+
+
+@pytest.mark.parametrize("inputs,match", [
+    (lambda: (np.zeros((8, COLS), "float32"),), "takes 2 inputs, got 1"),
+    (lambda: (np.zeros((8, COLS), "float64"), np.zeros((8, COLS), "float32")),
+     "input 'X' is float32, got float64"),
+    (lambda: (np.zeros((8,), "float32"), np.zeros((8, COLS), "float32")), "has rank 2"),
+    (lambda: (np.zeros((8, COLS), "float32"), np.zeros((12, COLS), "float32")),
+     r"dim 0 of input 'Y' is 12, expected 8 \(M\)"),
+    (lambda: (np.zeros((8, 5), "float32"), np.zeros((8, COLS), "float32")),
+     "dim 1 of input 'X' is 5, expected 32"),
+])
+def test_bad_inputs(inputs, match):
+    with pytest.raises(EtcError, match=match):
+        execute(two_ops, *inputs())
+
+
+def test_static_queues_must_cover_every_task_once(rng):
+    X, Y = (rng.standard_normal((8, COLS)).astype("float32") for _ in range(2))
+    with pytest.raises(EtcError, match=r"missing \[3\], repeated or unknown \[0\]"):
+        execute(two_ops, X, Y, order=StaticOrder([[0, 1, 2], [0]]))
+
+
+def test_missing_reference_is_reported_before_running(rng):
+    @device_func
+    def bare(i: T.int32, A: T.Buffer((8,), "float32"), B: T.Buffer((8,), "float32")):
+        T.device_entry()
+        tx = T.thread_id([8])
+        B[tx] = A[tx]
+
+    @graph_func
+    def g(A: Tensor((8,))):
+        return call_device(bare, tile_num=(1,), args=[A], out=Tensor((8,)))
+
+    with pytest.raises(EtcError, match="bare has no NumPy reference"):
+        execute(g, np.ones(8, "float32"))
+
+
+def test_notify_outside_etensor_at_run_time_is_reported(rng):
+    @graph_func
+    def g(X: Tensor(("M", COLS))):
+        M = X.shape[0]
+        E = ETensor((M // ROWS,), name="E")
+        return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
+                           out_edges={E: "i->i+1"})
+
+    with pytest.raises(EtcError, match=r"gives E\[2\], outside E of shape \[2\]"):
+        execute(g, np.ones((8, COLS), "float32"))
+
+
+def test_execution_error_is_an_etc_error():
+    assert issubclass(DeadlockError, ExecutionError) and issubclass(ExecutionError, EtcError)
