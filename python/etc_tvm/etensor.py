@@ -10,11 +10,10 @@ import re
 from typing import Sequence
 
 import tvm
-from tvm import relax, tirx
 
 from . import ops, tracing
 from .errors import EtcError
-from .tensor import TensorValue, as_dim
+from .tensor import TensorValue, as_dim, shape_str
 
 _SHARD = re.compile(r"S\[(\d+)\]")
 
@@ -97,4 +96,4 @@ def _check_count_tensor(counts: TensorValue, dims: list, name: str) -> None:
     if len(counts.shape) != len(dims) or not all(
             analyzer.can_prove_equal(a, b) for a, b in zip(counts.shape, dims)):
         raise EtcError(f"ETensor {name}: its wait_count tensor {counts.name} has shape "
-                       f"{list(counts.shape)}, the ETensor {list(dims)}")
+                       f"{shape_str(counts.shape)}, the ETensor {shape_str(dims)}")

@@ -24,7 +24,7 @@ from . import edge_map, ops, tracing
 from .device_func import DeviceFunc
 from .errors import EtcError
 from .etensor import ETensor
-from .tensor import Tensor, TensorValue, as_dim
+from .tensor import Tensor, TensorValue, as_dim, dim_str, shape_str
 
 
 class GraphFunc:
@@ -120,11 +120,13 @@ def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
 
     out_ty = out_tys[0] if len(outs) == 1 and isinstance(out, Tensor) \
         else relax.TupleType(out_tys)
+    single = isinstance(out_ty, relax.TensorType)
+    name = tracer.claim_name(outs[0].name if single else None, fn.name)
     call = ops.call_device(tracer.global_var(fn), [a.var for a in args], in_events, in_maps,
-                           out_events, out_maps, grid, out_ty)
-    if isinstance(out_ty, relax.TensorType):
-        return TensorValue(tracer.emit(call, tracer.claim_name(outs[0].name, fn.name)))
-    tup = tracer.emit(call, tracer.claim_name(None, fn.name))
+                           out_events, out_maps, grid, out_ty, name=name)
+    if single:
+        return TensorValue(tracer.emit(call, name))
+    tup = tracer.emit(call, name)
     return tuple(TensorValue(tracer.emit(relax.TupleGetItem(tup, k),
                                          tracer.claim_name(o.name, f"{fn.name}_out")))
                  for k, o in enumerate(outs))
@@ -160,7 +162,7 @@ def _bind_params(fn: DeviceFunc, types: list) -> None:
         if str(ty.dtype) != p.dtype:
             raise EtcError(f"{where} is {p.dtype}, got {ty.dtype}")
         if len(shape) != p.rank:
-            raise EtcError(f"{where} has rank {p.rank}, got a tensor of shape {shape}")
+            raise EtcError(f"{where} has rank {p.rank}, got a tensor of shape {shape_str(shape)}")
         for k, (want, got) in enumerate(zip(p.shape, shape)):
             if isinstance(want, tvm.tirx.Var):
                 if want not in bound:
@@ -168,4 +170,4 @@ def _bind_params(fn: DeviceFunc, types: list) -> None:
                     continue
                 want = bound[want]
             if not analyzer.can_prove_equal(tvm.tirx.Cast("int64", want), got):
-                raise EtcError(f"{where}: dim {k} is {got}, expected {want}")
+                raise EtcError(f"{where}: dim {k} is {dim_str(got)}, expected {dim_str(want)}")

@@ -469,7 +469,7 @@ class _Builder:
     def add_call(self, var, call: ops.CallDeviceCall) -> None:
         fn = self.graph.device_funcs[call.fn.name_hint]
         index = len(self.calls)
-        name = var.name
+        name = call.name
         grid = tuple(self.eval(d, f"tile_num[{k}] of {name}") for k, d in enumerate(call.tile_num))
         inputs = tuple(self.tensor(a, f"argument {k} of {name}") for k, a in enumerate(call.args))
         outputs = tuple(self.add_tensor(name if len(call.out_types) == 1 else f"{name}[{k}]", ty,

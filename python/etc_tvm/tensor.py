@@ -55,6 +55,15 @@ class TensorValue:
         return f"<tensor {self.name}: {list(self.shape)} {self.dtype}>"
 
 
+def dim_str(dim) -> str:
+    """A dim as users write it: ``8``, not ``T.int64(8)``."""
+    return str(int(dim)) if isinstance(dim, tirx.IntImm) else str(dim)
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(dim_str(d) for d in shape) + "]"
+
+
 def as_dim(dim, symbols) -> tirx.Expr:
     """An int64 PrimExpr for a user dim; str names come from (and go into) ``symbols``."""
     if isinstance(dim, bool):
