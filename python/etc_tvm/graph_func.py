@@ -122,14 +122,14 @@ def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
         else relax.TupleType(out_tys)
     single = isinstance(out_ty, relax.TensorType)
     name = tracer.claim_name(outs[0].name if single else None, fn.name)
+    out_names = [name] if single else [tracer.claim_name(o.name, f"{name}_out") for o in outs]
     call = ops.call_device(tracer.global_var(fn), [a.var for a in args], in_events, in_maps,
-                           out_events, out_maps, grid, out_ty, name=name)
+                           out_events, out_maps, grid, out_ty, name=name, out_names=out_names)
     if single:
         return TensorValue(tracer.emit(call, name))
     tup = tracer.emit(call, name)
-    return tuple(TensorValue(tracer.emit(relax.TupleGetItem(tup, k),
-                                         tracer.claim_name(o.name, f"{fn.name}_out")))
-                 for k, o in enumerate(outs))
+    return tuple(TensorValue(tracer.emit(relax.TupleGetItem(tup, k), n))
+                 for k, n in enumerate(out_names))
 
 
 def _as_tuple(x) -> tuple:

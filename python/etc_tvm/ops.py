@@ -8,8 +8,9 @@
     This rank's shard of a sharded ETensor. Attr ``world_size``.
 ``etc.call_device(fn, (args...), (waited ETensors...), (notified ETensors...), tile_num)``
     A grid of ``tile_num`` tasks of the device function ``fn``. Attrs ``in_edges`` and
-    ``out_edges`` hold one edge-map string per waited / notified ETensor, ``name`` labels the
-    call in reports (binding names change under passes); the output type is the
+    ``out_edges`` hold one edge-map string per waited / notified ETensor; ``name`` and
+    ``out_names`` label the call and its outputs in reports (binding names change under
+    passes); the output type is the
     call's ``ty_args[0]`` (a tensor, or a tuple of tensors), as for ``R.call_tir``.
 
 The ops are pure: at the Relax level an ETensor is a value that names a set of counters, and a
@@ -67,11 +68,12 @@ def local_view(etensor: relax.Expr, shape, world_size: int) -> ir.Call:
 
 
 def call_device(fn: ir.GlobalVar, args, in_events, in_edges, out_events, out_edges, tile_num,
-                out_ty, *, name: str) -> ir.Call:
+                out_ty, *, name: str, out_names) -> ir.Call:
     return ir.Call(Op.get(CALL_DEVICE),
                    [fn, relax.Tuple(list(args)), relax.Tuple(list(in_events)),
                     relax.Tuple(list(out_events)), relax.ShapeExpr(list(tile_num))],
-                   attrs={"in_edges": list(in_edges), "out_edges": list(out_edges), "name": name},
+                   attrs={"in_edges": list(in_edges), "out_edges": list(out_edges), "name": name,
+                          "out_names": list(out_names)},
                    ty_args=[out_ty])
 
 
@@ -112,6 +114,7 @@ class CallDeviceCall:
     tile_num: tuple
     out_ty: ir.Type
     name: str
+    out_names: tuple
 
     @staticmethod
     def of(call: ir.Call) -> "CallDeviceCall":
@@ -119,7 +122,8 @@ class CallDeviceCall:
         return CallDeviceCall(fn, tuple(args.fields), tuple(ins.fields),
                               tuple(str(s) for s in call.attrs["in_edges"]), tuple(outs.fields),
                               tuple(str(s) for s in call.attrs["out_edges"]), tuple(grid.values),
-                              call.ty_args[0], str(call.attrs["name"]))
+                              call.ty_args[0], str(call.attrs["name"]),
+                              tuple(str(n) for n in call.attrs["out_names"]))
 
     @property
     def out_types(self) -> tuple:

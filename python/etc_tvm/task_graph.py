@@ -472,9 +472,8 @@ class _Builder:
         name = call.name
         grid = tuple(self.eval(d, f"tile_num[{k}] of {name}") for k, d in enumerate(call.tile_num))
         inputs = tuple(self.tensor(a, f"argument {k} of {name}") for k, a in enumerate(call.args))
-        outputs = tuple(self.add_tensor(name if len(call.out_types) == 1 else f"{name}[{k}]", ty,
-                                        producer=index)
-                        for k, ty in enumerate(call.out_types))
+        outputs = tuple(self.add_tensor(n, ty, producer=index)
+                        for n, ty in zip(call.out_names, call.out_types))
         readable = {p.name: p.rank for p in fn.buffer_params if p.dtype == "int32"}
         inputs_readable = {k: v for k, v in readable.items()
                            if k in {p.name for p in fn.buffer_params[:len(inputs)]}}

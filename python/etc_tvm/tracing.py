@@ -24,8 +24,11 @@ class Tracer:
         _ACTIVE.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         _ACTIVE.pop()
+        if exc_type is not None:  # close what the failed trace left open in the builder
+            self.builder._end_block()
+            self.builder.end_scope()
 
     def emit(self, expr: relax.Expr, name: str) -> relax.Var:
         return self.builder.emit(expr, name)

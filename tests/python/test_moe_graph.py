@@ -1,0 +1,197 @@
+"""The MoE graph function under the CPU reference executor: routings, schedules, skipped tiles
+and deliberately broken variants."""
+import contextlib
+import functools
+import zlib
+
+import numpy as np
+import pytest
+
+from etc_tvm import EtcError, ExecutionError, GraphError
+from etc_tvm.executor import RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.task_graph import TaskGraph
+from moe_graph import COUNT_MODES, make_moe_graph, max_tiles, moe_reference, route
+
+H, E, F, BT = 32, 8, 16, 4
+HOT = 3  # every token's first choice in the "one_expert" routing
+TOKENS = (1, 7, 12)  # 7: not a multiple of BT
+ROUTINGS = [("random", 1), ("random", 2), ("one_expert", 1), ("one_expert", 2),
+            ("idle_experts", 2)]
+
+
+def deal(order, queues):
+    """A static schedule: the task order dealt round-robin onto ``queues`` SMs."""
+    return [order[k::queues] for k in range(queues)]
+
+
+ORDERS = {
+    "ready": lambda tg: ReadyQueueOrder(),
+    "random0": lambda tg: RandomOrder(0),
+    "random1": lambda tg: RandomOrder(1),
+    "random2": lambda tg: RandomOrder(2),
+    "static4": lambda tg: StaticOrder(deal(tg.topological_order(), 4)),
+    "static7": lambda tg: StaticOrder(deal(tg.topological_order(), 7)),
+    "static4-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 4), seed=11),
+    "static7-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 7), seed=12),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def moe_graph(top_k, count_mode):
+    return make_moe_graph(H, E, top_k, F, BT, count_mode)
+
+
+def routing_margin(x, w_router, bias, top_k):
+    """The smallest gap between a token's K-th and (K+1)-th logit (float64)."""
+    logits = np.sort(x.astype(np.float64) @ w_router + bias, axis=1)[:, ::-1]
+    return float((logits[:, top_k - 1] - logits[:, top_k]).min())
+
+
+def make_inputs(routing, tokens, top_k):
+    """``(x, w_router, bias, w_expert)``, float32, seeded by the arguments."""
+    rng = np.random.default_rng(zlib.crc32(f"{routing}/{tokens}/{top_k}".encode()))
+    x = rng.standard_normal((tokens, H))
+    w_router = rng.standard_normal((H, E)) / np.sqrt(H)
+    w_expert = rng.standard_normal((E, H, F)) / np.sqrt(H)
+    bias = rng.standard_normal(E) * 0.1
+    if routing == "random":
+        bias[:] = 0
+    elif routing == "one_expert":  # x @ w_router is ~0.3 wide: HOT leads by about 5
+        w_router *= 0.05
+        bias[HOT] = 5
+    elif routing == "idle_experts":
+        bias[::2] = -100
+    inputs = tuple(a.astype(np.float32) for a in (x, w_router, bias, w_expert))
+    # float32 tiles and the float64 reference must pick the same experts
+    assert routing_margin(*inputs[:3], top_k) > 1e-4, "a near tie in the routing: reseed"
+    return inputs
+
+
+def call_named(task_graph, fn_name):
+    (call,) = [c for c in task_graph.calls if c.fn.name == fn_name]
+    return call
+
+
+@contextlib.contextmanager
+def recorded(fn):
+    """Yields a list that gets the arguments of each task of ``fn`` whose body runs."""
+    original, calls = fn.reference, []
+
+    def record(*args):
+        calls.append(args)
+        original(*args)
+
+    fn.set_reference(record)
+    try:
+        yield calls
+    finally:
+        fn.set_reference(original)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("routing, top_k", ROUTINGS)
+@pytest.mark.parametrize("count_mode", COUNT_MODES)
+def test_matches_reference(count_mode, routing, top_k, tokens, order):
+    graph = moe_graph(top_k, count_mode)
+    inputs = make_inputs(routing, tokens, top_k)
+    schedule = ORDERS[order](TaskGraph.build(graph, {"T": tokens}))
+    out = execute(graph, *inputs, order=schedule)
+    np.testing.assert_allclose(out, moe_reference(*inputs, top_k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("routing, top_k", ROUTINGS)
+def test_routings_are_what_they_say(routing, top_k, tokens):
+    topk, topw = route(*make_inputs(routing, tokens, top_k)[:3], top_k)
+    assert all(len(set(row)) == top_k for row in topk)
+    np.testing.assert_allclose(topw.sum(axis=1), 1)
+    counts = np.bincount(topk.ravel(), minlength=E)
+    if routing == "one_expert":
+        assert (topk[:, 0] == HOT).all()
+    if routing == "idle_experts":
+        assert (counts[::2] == 0).all()
+
+
+@pytest.mark.parametrize("order", ["random0", "static7-seeded"])
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("routing, top_k", ROUTINGS)
+@pytest.mark.parametrize("count_mode", COUNT_MODES)
+def test_structure(count_mode, routing, top_k, tokens, order):
+    """Every task runs once, grouping's CSR is right, exactly the tiles past exp_indptr[E] are
+    skipped, and each pair goes through scatter, its expert tile and combine in that order."""
+    graph = moe_graph(top_k, count_mode)
+    inputs = make_inputs(routing, tokens, top_k)
+    task_graph = TaskGraph.build(graph, {"T": tokens})
+    trace = []
+    with recorded(graph.device_funcs["grouping"]) as grouping_runs, \
+            recorded(graph.device_funcs["expert"]) as expert_runs:
+        execute(graph, *inputs, order=ORDERS[order](task_graph), trace=trace)
+
+    assert sorted(trace) == list(range(task_graph.num_tasks))
+    [(_, topk, counts, exp_indptr, pair_slot, pair_tile)] = grouping_runs
+    np.testing.assert_array_equal(topk, route(*inputs[:3], top_k)[0])
+    np.testing.assert_array_equal(counts, np.bincount(topk.ravel(), minlength=E))
+    assert exp_indptr[0] == 0
+    np.testing.assert_array_equal(np.diff(exp_indptr), -(-counts // BT))
+    for e in range(E):  # expert e's pairs, row-major, fill its rows from exp_indptr[e] * BT on
+        np.testing.assert_array_equal(pair_slot[topk == e],
+                                      exp_indptr[e] * BT + np.arange(counts[e]))
+    np.testing.assert_array_equal(pair_tile, pair_slot // BT)
+
+    tiles = max_tiles(tokens, E, top_k, BT)
+    experts = call_named(task_graph, "expert")
+    assert experts.grid == (tiles,)
+    assert sorted(args[0] for args in expert_runs) == list(range(exp_indptr[E]))
+    expert_tasks = [task for task in trace if task in experts.tasks]
+    assert len(expert_tasks) - len(expert_runs) == tiles - exp_indptr[E]  # the skipped ones
+
+    position = {task: k for k, task in enumerate(trace)}
+    scatter, combine = call_named(task_graph, "scatter"), call_named(task_graph, "combine")
+    for t in range(tokens):
+        for k in range(top_k):
+            tile = experts.first_task + pair_tile[t, k]
+            assert position[scatter.first_task + t] < position[tile]
+            assert position[tile] < position[combine.first_task + t]
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_breaks_ties_by_lower_id(top_k):
+    """Experts 2 and 5 tie at the top for every token: identical logits, computed exactly."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(1, 4, (6, H)) * rng.choice([-1, 1], (6, H))
+    w_router = rng.integers(-2, 3, (H, E))
+    w_router[:, 5] = w_router[:, 2]
+    bias = np.zeros(E)
+    bias[[2, 5]] = 1000
+    w_expert = rng.standard_normal((E, H, F)) / np.sqrt(H)
+    inputs = tuple(a.astype(np.float32) for a in (x, w_router, bias, w_expert))
+    np.testing.assert_array_equal(route(*inputs[:3], top_k)[0], [[2, 5][:top_k]] * 6)
+    out = execute(moe_graph(top_k, "inferred"), *inputs, order=RandomOrder(3))
+    np.testing.assert_allclose(out, moe_reference(*inputs, top_k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("count_mode", COUNT_MODES)
+def test_combine_that_waits_on_nothing_is_rejected(count_mode):
+    graph = make_moe_graph(H, E, 2, F, BT, count_mode, combine_waits=False)
+    message = r"combine0 reads 'topw', written by router0, but waits on no event"
+    with pytest.raises(GraphError, match=message):
+        TaskGraph.build(graph, {"T": 7}).validate()
+    with pytest.raises(GraphError, match=message):
+        execute(graph, *make_inputs("random", 7, 2))
+
+
+def test_expert_index_outside_expert_ready_fails_at_run_time():
+    """expert_ready one element short: routing a token to expert E-1 names scatter's map."""
+    graph = make_moe_graph(H, E, 2, F, BT, "inferred", expert_ready_size=E - 1)
+    x, w_router, bias, w_expert = make_inputs("random", 7, 2)
+    bias[E - 1] = 100
+    message = (r"edge map 't->topk\[t,:\]' of task scatter0\(0\) gives expert_ready\[7\], "
+               r"outside expert_ready of shape \[7\]")
+    with pytest.raises(ExecutionError, match=message):
+        execute(graph, x, w_router, bias, w_expert)
+
+
+def test_expert_ready_of_another_size_than_its_counts_is_rejected():
+    with pytest.raises(EtcError, match=r"its wait_count tensor counts has shape \[8\]"):
+        make_moe_graph(H, E, 2, F, BT, "tensor", expert_ready_size=E - 1)
