@@ -13,12 +13,12 @@ import tvm
 
 from . import ops, tracing
 from .errors import EtcError
-from .tensor import TensorValue, as_dim, shape_str
+from .tensor import TensorValue, TracedTensor, as_dim, shape_str
 
 _SHARD = re.compile(r"S\[(\d+)\]")
 
 
-class ETensor:
+class ETensor(TracedTensor):
     """``ETensor(shape, wait_count=None, shard=None, name=None)``, inside a ``@graph_func``.
 
     wait_count: None infers each element's count from the producers' ``out_edges``; an int gives
@@ -50,14 +50,6 @@ class ETensor:
         self.wait_count = wait_count
         self.var = tracer.emit(ops.event_tensor(dims, name=self.name, wait_count=count,
                                                 shard=shard), self.name)
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.var.ty.shape.values)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     def local_view(self) -> "ETensor":
         """This rank's shard: dim k of the shape divided by the world size."""

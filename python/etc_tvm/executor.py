@@ -367,9 +367,10 @@ class _Run:
         counts = self.counters[name]
         if et.count_tensor is not None:
             given = self.arrays[et.count_tensor]
-            if given.shape != counts.shape or (given < 0).any():
-                raise ExecutionError(f"wait_count tensor '{self.graph.tensors[et.count_tensor].name}'"
-                                     f" of {name} has a negative or poisoned count")
+            if (given < 0).any():
+                source = self.graph.tensors[et.count_tensor].name
+                raise ExecutionError(f"the wait_count tensor '{source}' of {name} holds a "
+                                     "negative (or unwritten) count")
             counts += given
         else:
             for call in self.graph.calls:

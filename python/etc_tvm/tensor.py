@@ -29,15 +29,10 @@ class Tensor:
         return f"Tensor({self.shape}, {self.dtype!r})"
 
 
-class TensorValue:
-    """A data tensor inside a graph function being traced (a Relax variable)."""
+class TracedTensor:
+    """A tensor-typed Relax variable of a graph function being traced."""
 
-    def __init__(self, var: relax.Var):
-        self.var = var
-
-    @property
-    def name(self) -> str:
-        return self.var.name
+    var: relax.Var
 
     @property
     def shape(self) -> tuple:
@@ -46,6 +41,17 @@ class TensorValue:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+class TensorValue(TracedTensor):
+    """A data tensor inside a graph function being traced."""
+
+    def __init__(self, var: relax.Var):
+        self.var = var
+
+    @property
+    def name(self) -> str:
+        return self.var.name
 
     @property
     def dtype(self) -> str:

@@ -11,7 +11,7 @@ from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.task_graph import TaskGraph
 
 from graphs import gemm_reduce_scatter, row_sum
-from tiles import COLS, ROWS, mix_tile, scale_tile
+from tiles import COLS, mix_tile, scale_tile
 
 
 def etc_calls(func):
@@ -85,7 +85,7 @@ def test_etc_ops_survive_standard_relax_passes(graph, rng):
 
 
 def test_unlowered_etc_ops_do_not_compile_silently():
-    with pytest.raises(Exception):
+    with pytest.raises(tvm.error.InternalError, match="etc.event_tensor"):
         tvm.compile(row_sum.mod, target=tvm.target.Target("llvm"))
 
 
@@ -118,45 +118,46 @@ def test_multiple_outputs_and_tuple_results(rng):
 
 def _graph_with(body):
     @graph_func
-    def g(X: Tensor(("M", COLS)), I: Tensor(("M",), "int32")):
-        return body(X, I)
+    def g(X: Tensor(("M", COLS)), idx: Tensor(("M",), "int32")):
+        return body(X, idx)
     return g
 
 
 @pytest.mark.parametrize("body,error,match", [
-    (lambda X, I: call_device(scale_tile, tile_num=(1, 2), args=[X], out=Tensor((8, COLS))),
+    (lambda X, idx: call_device(scale_tile, tile_num=(1, 2), args=[X], out=Tensor((8, COLS))),
      EtcError, r"tile_num has 2 dims but scale_tile takes 1 task coordinates \('i',\)"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X, X], out=Tensor((8, COLS))),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X, X], out=Tensor((8, COLS))),
      EtcError, r"2 args and 1 outputs for 2 tensor parameters \['A', 'B'\]"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor((8, COLS), "int32")),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor((8, COLS), "int32")),
      EtcError, "tensor parameter 'B' is float32, got int32"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", 16))),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", 16))),
      EtcError, "tensor parameter 'B': dim 1 is 16, expected 32"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor((7, COLS))),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor((7, COLS))),
      EtcError, "tensor parameter 'B': dim 0 is 7, expected M"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[np.ones(3)], out=Tensor((8, COLS))),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[np.ones(3)], out=Tensor((8, COLS))),
      EtcError, "argument 'A' must be a tensor of the graph function"),
-    (lambda X, I: call_device(lambda: 0, tile_num=1, args=[X], out=Tensor((8, COLS))),
+    (lambda X, idx: call_device(lambda: 0, tile_num=1, args=[X], out=Tensor((8, COLS))),
      EtcError, "call_device needs a @device_func"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
                               out_edges={"E": "i->i"}),
      EtcError, "out_edges keys must be ETensors"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
                               out_edges={ETensor((4,)): "i->idx[i]"}),
      EdgeMapError, "idx"),
-    (lambda X, I: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
+    (lambda X, idx: call_device(scale_tile, tile_num=1, args=[X], out=Tensor(("M", COLS)),
                               in_edges={ETensor((4, 4)): "i->i"}),
      EdgeMapError, "for E0"),
-    (lambda X, I: ETensor((4,), wait_count=X), EtcError, "wait_count tensor must be int32"),
-    (lambda X, I: ETensor((5,), wait_count=I), EtcError, r"has shape \[M\], the ETensor \[5\]"),
-    (lambda X, I: ETensor((4,), wait_count=-1), EtcError, "must not be negative"),
-    (lambda X, I: ETensor((4,), shard="S[1]"), EtcError, "names dim 1 of a 1-d ETensor"),
-    (lambda X, I: ETensor((4,), shard="rows"), EtcError, "shard must look like 'S\\[0\\]'"),
-    (lambda X, I: ETensor((4,)).local_view(), EtcError, "is not sharded"),
-    (lambda X, I: (ETensor((4,), name="E"), ETensor((4,), name="E")), EtcError,
+    (lambda X, idx: ETensor((4,), wait_count=X), EtcError, "wait_count tensor must be int32"),
+    (lambda X, idx: ETensor((5,), wait_count=idx), EtcError,
+     r"tensor idx has shape \[M\], the ETensor \[5\]"),
+    (lambda X, idx: ETensor((4,), wait_count=-1), EtcError, "must not be negative"),
+    (lambda X, idx: ETensor((4,), shard="S[1]"), EtcError, "names dim 1 of a 1-d ETensor"),
+    (lambda X, idx: ETensor((4,), shard="rows"), EtcError, "shard must look like 'S\\[0\\]'"),
+    (lambda X, idx: ETensor((4,)).local_view(), EtcError, "is not sharded"),
+    (lambda X, idx: (ETensor((4,), name="E"), ETensor((4,), name="E")), EtcError,
      "two values of the graph function are named 'E'"),
-    (lambda X, I: ETensor(()), EtcError, "at least one dimension"),
-    (lambda X, I: 3, EtcError, "must return tensors"),
+    (lambda X, idx: ETensor(()), EtcError, "at least one dimension"),
+    (lambda X, idx: 3, EtcError, "must return tensors"),
 ])
 def test_front_end_errors(body, error, match):
     with pytest.raises(error, match=match):
@@ -187,9 +188,9 @@ def test_edge_maps_may_only_read_int32_inputs():
 
     def build(edges):
         @graph_func
-        def g(X: Tensor((8, COLS)), I: Tensor((8,), "int32")):
+        def g(X: Tensor((8, COLS)), idx: Tensor((8,), "int32")):
             E = ETensor((8,), name="E")
-            return call_device(gather_tile, tile_num=8, args=[X, I], out=Tensor((8, COLS)),
+            return call_device(gather_tile, tile_num=8, args=[X, idx], out=Tensor((8, COLS)),
                                **edges(E))
         return g
 

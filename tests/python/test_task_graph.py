@@ -6,7 +6,7 @@ from etc_tvm import ETensor, GraphError, Tensor, call_device, graph_func
 from etc_tvm.task_graph import TaskGraph
 
 from graphs import gemm_reduce_scatter, row_sum, two_ops
-from tiles import COLS, ROWS, TILE, mix_tile, partial_rowsum_tile, rowsum_tile, scale_tile
+from tiles import COLS, ROWS, TILE, mix_tile, partial_rowsum_tile, scale_tile
 
 
 def test_instantiates_tasks_in_program_order():

@@ -18,7 +18,8 @@ def scale_tile(i: T.int32, A: T.Buffer((M, COLS), "float32"), B: T.Buffer((M, CO
     tx = T.thread_id([THREADS])
     for r in T.serial(ROWS * COLS // THREADS):
         e = r * THREADS + tx
-        B[i * ROWS + e // COLS, e % COLS] = A[i * ROWS + e // COLS, e % COLS] * T.float32(2) + T.float32(1)
+        row = i * ROWS + e // COLS
+        B[row, e % COLS] = A[row, e % COLS] * T.float32(2) + T.float32(1)
 
 
 @scale_tile.set_reference
