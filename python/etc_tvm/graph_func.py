@@ -35,6 +35,17 @@ class GraphFunc:
         self.mod = mod
         self.device_funcs = dict(device_funcs)
 
+    @staticmethod
+    def from_module(mod: tvm.IRModule, name: str) -> "GraphFunc":
+        """The graph function ``name`` of a module, e.g. one that went through other passes;
+        its device functions are rebuilt from their PrimFuncs (with no NumPy reference)."""
+        funcs = {}
+        for gv, f in mod.functions_items():
+            if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and "etc.device_func" in f.attrs:
+                funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint,
+                                                 cost=float(f.attrs.get("etc.cost", 1.0)))
+        return GraphFunc(name, mod, funcs)
+
     @property
     def func(self) -> relax.Function:
         return self.mod[self.name]

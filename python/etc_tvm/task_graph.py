@@ -265,20 +265,19 @@ class TaskGraph:
                         f"{self.calls[producer].name} notifies (directly or through other "
                         "calls): its tasks could run before the data is written")
 
-    def topological_order(self) -> list[int]:
-        """Task ids in an order that respects every edge, dynamic ones conservatively.
-
-        A data-dependent wait is taken to wait on every task of the calls that could notify
-        it or that write the tensors it reads. Raises ``GraphError`` naming a cycle.
-        """
-        succ = defaultdict(list)  # node -> nodes; nodes: ("t", id) | ("e", elem) | ("c", call)
-        indeg = defaultdict(int)
+    def dependency_graph(self):
+        """(successors, in-degrees) over nodes ``("t", task)``, ``("e", element)`` and
+        ``("c", call)``: a task precedes the elements it notifies, an element the tasks that
+        wait on it; a call node stands for "every task of that call", the conservative form of
+        the dependencies that only run-time data can make precise."""
+        succ, indeg = defaultdict(list), defaultdict(int)
 
         def edge(a, b):
             succ[a].append(b)
             indeg[b] += 1
 
         for task in range(self.num_tasks):
+            indeg[("t", task)] += 0
             for elem in self.notifies[task]:
                 edge(("t", task), ("e", elem))
             for elem in self.waits[task]:
@@ -289,10 +288,16 @@ class TaskGraph:
                     edge(("t", task), ("c", producer))
                 for task in self.calls[consumer].tasks:
                     edge(("c", producer), ("t", task))
-        nodes = {("t", t) for t in range(self.num_tasks)} | set(succ) | set(indeg)
-        ready = deque(sorted((n for n in nodes if indeg[n] == 0 and n[0] == "t"),
-                             key=lambda n: n[1]))
-        ready.extendleft(n for n in nodes if indeg[n] == 0 and n[0] != "t")
+        return succ, indeg
+
+    def topological_order(self) -> list[int]:
+        """Task ids in an order that respects every edge, dynamic ones conservatively
+        (``dependency_graph``). Raises ``GraphError`` naming a cycle."""
+        succ, indeg = self.dependency_graph()
+        indeg = dict(indeg)
+        nodes = set(indeg) | set(succ)
+        ready = deque(sorted((n for n in nodes if indeg.get(n, 0) == 0),
+                             key=lambda n: (n[0] == "t", n[1] if n[0] == "t" else 0)))
         order, seen = [], 0
         while ready:
             n = ready.popleft()
@@ -305,7 +310,7 @@ class TaskGraph:
                     (ready.appendleft if m[0] != "t" else ready.append)(m)
         if seen != len(nodes):
             raise GraphError("the task graph has a cycle: " + self._describe_cycle(
-                {n for n in nodes if indeg[n] > 0}, succ))
+                {n for n in nodes if indeg.get(n, 0) > 0}, succ))
         return order
 
     def _describe_cycle(self, stuck: set, succ) -> str:

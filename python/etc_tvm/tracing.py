@@ -54,7 +54,7 @@ class Tracer:
             while name in self.device_funcs:
                 name, n = f"{fn.name}_{n}", n + 1
             prim = fn.prim_func.with_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                                           "etc.device_func": name})
+                                           "etc.device_func": name, "etc.cost": fn.cost})
             self._gvars[id(fn)] = self.builder.add_func(prim, name)
             self.device_funcs[name] = fn
         return self._gvars[id(fn)]

@@ -1,0 +1,54 @@
+"""``etc_tvm.build``: a graph function to a runnable megakernel, in one call."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import tvm
+
+from .graph_func import GraphFunc
+from .relax_passes import pipeline
+from .runtime import CompiledGraph, GraphMeta
+from .task_graph import TaskGraph
+from .tir_sched.events import EventLayout
+from .tir_sched.static_kernel import KernelOptions
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def default_target() -> tvm.target.Target:
+    return tvm.target.Target(SM90A, host="llvm")
+
+
+def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
+          target: tvm.target.Target | None = None, num_sms: int = 132,
+          options: KernelOptions = KernelOptions(), device=None) -> CompiledGraph:
+    """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``)."""
+    target = target or default_target()
+    dims = dict(dims or {})
+    with target:
+        executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
+                                 relax_pipeline=pipeline(target, strategy, dims, num_sms, options))
+    task_graph = TaskGraph.build(graph, dims)
+    layout = EventLayout.of(task_graph)
+    meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
+                     [[n, layout.offsets[n], list(s)] for n, s in layout.shapes.items()],
+                     options.timeout_s)
+    return CompiledGraph(executable, meta, device) if device is not None or _has_gpu() \
+        else _Unloaded(executable, meta)
+
+
+def _has_gpu() -> bool:
+    try:
+        return tvm.cuda(0).exist
+    except Exception:  # noqa: BLE001 (no CUDA runtime at all)
+        return False
+
+
+class _Unloaded(CompiledGraph):
+    """A compiled graph on a machine without a GPU: it can be exported, not run."""
+
+    def __init__(self, executable, meta):
+        self.executable, self.meta = executable, meta
+
+    def run(self, *inputs):
+        raise RuntimeError("no GPU here: export() the library and load() it where one is")

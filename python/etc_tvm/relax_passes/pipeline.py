@@ -1,0 +1,76 @@
+"""The etc_tvm compilation pipeline: the etc passes, then TVM's standard Relax CUDA stages.
+
+    tvm.compile(mod, target, relax_pipeline=etc_tvm.relax_passes.pipeline(target, dims=...),
+                tir_pipeline="etc_tvm")
+
+``strategy`` picks how the graph functions run: "static" (one persistent kernel, per-SM queues,
+tile-level events) or "barrier" (the same kernel with one global barrier between operators).
+The TIR pipeline "etc_tvm" lowers the TIRx kernels and any legalized s_tir functions together.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import tvm
+from tvm.relax.backend.cuda import pipeline as cuda_pipeline
+from tvm.tirx import compilation_pipeline as tir_pipelines
+
+from ..tir_sched.static_kernel import KernelOptions
+from .static_schedule_transform import StaticScheduleTransform
+
+STRATEGIES = ("static",)
+
+
+def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
+               num_sms: int = 132, options: KernelOptions = KernelOptions()) -> list:
+    """The etc passes of one execution strategy, to run before the standard Relax lowering."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    return [StaticScheduleTransform(dims, num_sms, options)]
+
+
+def pipeline(target: tvm.target.Target, strategy: str = "static",
+             dims: Mapping[str, int] | None = None, num_sms: int = 132,
+             options: KernelOptions = KernelOptions()) -> tvm.transform.Pass:
+    """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on CUDA."""
+    passes = etc_passes(strategy, dims, num_sms, options)
+
+    @tvm.transform.module_pass(opt_level=0, name="etc.Pipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(
+                passes
+                + cuda_pipeline.library_dispatch_passes(target)
+                + cuda_pipeline.legalize_passes(target)
+                + cuda_pipeline.dataflow_lower_passes(target)
+                + cuda_pipeline.finalize_passes(target))(mod)
+
+    return _pipeline
+
+
+def _is_s_tir(func) -> bool:
+    return isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None \
+        and bool(func.attrs.get("s_tir", False))
+
+
+def _tir_pipeline():
+    """TIRx kernels through the "tirx" pipeline, legalized Relax ops through "s_tir"."""
+    s_tir, finalize_host, finalize_device = tir_pipelines.get_tir_pipeline("s_tir")
+    tirx_pipe = tir_pipelines.get_tir_pipeline("tirx")[0]
+
+    @tvm.transform.module_pass(opt_level=0, name="etc.TIRPipeline")
+    def _lower(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        parts = {True: {}, False: {}}
+        for gv, f in mod.functions_items():
+            parts[_is_s_tir(f)][gv] = f
+        out = {}
+        for is_s_tir, funcs in parts.items():
+            if funcs:
+                lowered = (s_tir if is_s_tir else tirx_pipe)(tvm.IRModule(funcs, attrs=mod.attrs))
+                out.update(dict(lowered.functions_items()))
+        return tvm.IRModule(out, attrs=mod.attrs)
+
+    return _lower, finalize_host, finalize_device
+
+
+tir_pipelines.register_tir_pipeline("etc_tvm", _tir_pipeline)

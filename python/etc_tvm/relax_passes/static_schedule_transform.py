@@ -1,0 +1,133 @@
+"""StaticScheduleTransform: a graph function of etc ops becomes one persistent kernel launch.
+
+Before::
+
+    E = etc.event_tensor(...)
+    C = etc.call_device(gemm, ..., out_edges=[E: "ij->ij"])
+    D = etc.call_device(reduce_scatter, ..., in_edges=[E: "ij->ij"])
+    return D
+
+After::
+
+    counters, status = call_tir(etc_init, (initial_counts,))       # fresh state every launch
+    (counters, status, C, D) = call_tir_inplace(megakernel,
+        (A, B, queue_indptr, queue_tasks, counters, status), inplace_indices=[4, 5, -1, -1])
+    return (D, status)
+
+The task graph is instantiated for concrete sizes (the function's own, or ``dims``), list
+scheduled onto ``num_sms`` per-SM queues (stored as constants the kernel reads) and lowered by
+``tir_sched.static_kernel``. The device functions, now inlined, leave the module. The function
+also returns the watchdog ``status`` record, last; ``etc_tvm.runtime`` checks it. Run it before
+the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .. import ops
+from ..errors import GraphError
+from ..graph_func import GraphFunc
+from ..schedule import list_schedule
+from ..task_graph import TaskGraph
+from ..tir_sched.events import EventLayout
+from ..tir_sched.init_kernel import etc_init
+from ..tir_sched.static_kernel import STATUS_WORDS, KernelOptions, build_static_kernel
+
+
+@tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
+class StaticScheduleTransform:
+    """Lower every graph function of the module to an init call and one persistent kernel.
+
+    dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
+    num_sms: persistent CTAs, one per SM (132 on an H200).
+    """
+
+    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
+                 options: KernelOptions = KernelOptions()):
+        self.dims = dict(dims or {})
+        self.num_sms = num_sms
+        self.options = options
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        graphs = [gv.name_hint for gv, f in mod.functions_items()
+                  if isinstance(f, relax.Function) and _calls_devices(f)]
+        out = mod
+        for name in graphs:
+            out = self._lower(out, name)
+        device_funcs = [gv for gv, f in out.functions_items()
+                        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs
+                        and "etc.device_func" in f.attrs]
+        for gv in device_funcs:
+            out = _without(out, gv)
+        return out
+
+    def _lower(self, mod: tvm.IRModule, name: str) -> tvm.IRModule:
+        func = mod[name]
+        symbols = {v.name: v for v in relax.analysis.defined_symbolic_vars(func)}
+        missing = sorted(set(symbols) - set(self.dims))
+        if missing:
+            raise GraphError(f"{name}: a static schedule needs concrete sizes; give dims for "
+                             f"{missing}")
+        func = func.bind_symbolic_vars({symbols[k]: v for k, v in self.dims.items()
+                                        if k in symbols})
+        mod = tvm.IRModule({**dict(mod.functions_items()), mod.get_global_var(name): func},
+                           attrs=mod.attrs)
+        graph = TaskGraph.build(GraphFunc.from_module(mod, name), {})
+        graph.validate()
+        schedule = list_schedule(graph, self.num_sms)
+        layout = EventLayout.of(graph)
+        kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel", self.options)
+        return _rewrite(mod, name, graph, schedule, layout, kernel)
+
+
+def _calls_devices(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(
+        ops.is_op(e, ops.CALL_DEVICE)))
+    return any(found)
+
+
+def _without(mod: tvm.IRModule, gv) -> tvm.IRModule:
+    return tvm.IRModule({g: f for g, f in mod.functions_items() if not g.same_as(gv)},
+                        attrs=mod.attrs)
+
+
+def _rewrite(mod, name, graph, schedule, layout, kernel) -> tvm.IRModule:
+    func = mod[name]
+    bb = relax.BlockBuilder(_without(mod, mod.get_global_var(name)))
+    init = bb.add_func(etc_init.with_attr("global_symbol", "etc_init"), "etc_init")
+    megakernel = bb.add_func(kernel, kernel.attrs["global_symbol"])
+    counters_ty = relax.TensorType([layout.size], "int32")
+    status_ty = relax.TensorType([STATUS_WORDS], "int32")
+    params = list(func.params)
+    produced = [t for t in graph.tensors if t.producer is not None]
+    indptr, tasks = schedule.csr()
+    # a plain binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape)
+    # must not look into the TIRx kernels
+    with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
+        state = bb.emit(relax.call_tir(init, [relax.const(_padded(layout.initial))],
+                                       [counters_ty, status_ty]), "state")
+        n = len(params)
+        args = [*params, relax.const(indptr), relax.const(_padded(tasks)),
+                bb.emit(relax.TupleGetItem(state, 0), "counters"),
+                bb.emit(relax.TupleGetItem(state, 1), "status")]
+        out_tys = [counters_ty, status_ty] + [relax.TensorType(list(t.shape), t.dtype)
+                                              for t in produced]
+        result = bb.emit(relax.op.call_tir_inplace(
+            megakernel, args, [n + 2, n + 3] + [-1] * len(produced), out_tys), "result")
+        value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
+        for k, t in enumerate(produced):
+            value[t.index] = bb.emit(relax.TupleGetItem(result, 2 + k), t.name)
+        status = bb.emit(relax.TupleGetItem(result, 1), "status_out")
+        bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), status]))
+    return bb.finalize()
+
+
+def _padded(values):
+    """A constant of at least one element (a zero-size tensor cannot be a kernel argument)."""
+    values = np.asarray(values, np.int32)
+    return values if values.size else np.zeros(1, np.int32)

@@ -1,0 +1,97 @@
+"""Running compiled graph functions: the watchdog check, and loading exported libraries.
+
+A compiled graph function returns its outputs and, last, the watchdog ``status`` record of its
+persistent kernel. ``CompiledGraph`` hides the record and turns a stopped kernel into an
+``ExecutionError`` naming the task, the event element, its counter and the SM.
+
+``load(path)`` runs an exported library in a TVM runtime without the compiler library
+(``TVM_USE_RUNTIME_LIB=1``), as a deployment does: in that mode TVM 0.27 does not load its CUDA
+backend by itself, so it is opened first.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ExecutionError
+
+
+@dataclass(frozen=True)
+class GraphMeta:
+    """What the host needs to report on a run: names of tasks and event elements."""
+
+    name: str
+    task_names: list
+    etensors: list  # [name, offset, shape]
+    timeout_s: float
+
+    def element_name(self, flat: int) -> str:
+        for name, offset, shape in self.etensors:
+            size = int(np.prod(shape, dtype=np.int64))
+            if offset <= flat < offset + size:
+                idx = np.unravel_index(flat - offset, shape)
+                return f"{name}[{','.join(str(int(i)) for i in idx)}]"
+        return f"counter {flat}"
+
+    def check(self, status: np.ndarray) -> None:
+        if status[0] == 0:
+            return
+        task, element, seen, sm = (int(v) for v in status[1:5])
+        raise ExecutionError(
+            f"{self.name}: task {self.task_names[task]} on SM {sm} waited on "
+            f"{self.element_name(element)} (counter {seen}) for more than {self.timeout_s} s; "
+            "the kernel stopped")
+
+
+class CompiledGraph:
+    """A graph function compiled to a Relax VM executable, ready to run on ``device``."""
+
+    def __init__(self, executable, meta: GraphMeta, device=None):
+        import tvm
+        from tvm import relax
+
+        self.executable = executable
+        self.meta = meta
+        self.device = device if device is not None else tvm.cuda(0)
+        self.vm = relax.VirtualMachine(executable, self.device)
+        self._fn = self.vm[meta.name]
+
+    def run(self, *inputs):
+        """Run on tvm tensors (or NumPy arrays); returns tvm tensors without checking."""
+        import tvm
+
+        args = [x if not isinstance(x, np.ndarray) else tvm.runtime.tensor(x, self.device)
+                for x in inputs]
+        return self._fn(*args)
+
+    def __call__(self, *inputs):
+        """Run, check the watchdog record, return the outputs as NumPy arrays."""
+        result = self.run(*inputs)
+        self.meta.check(result[len(result) - 1].numpy())
+        outs = [result[k].numpy() for k in range(len(result) - 1)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def export(self, path: str | os.PathLike) -> None:
+        """Write the library ``path`` and its metadata ``path + '.json'``."""
+        self.executable.export_library(str(path))
+        Path(f"{path}.json").write_text(json.dumps(asdict(self.meta)))
+
+
+def load(path: str | os.PathLike, device=None) -> CompiledGraph:
+    """Load an exported graph; works with ``TVM_USE_RUNTIME_LIB=1`` (no compiler library)."""
+    import tvm
+
+    lib_dir = Path(tvm.__file__).parent / "lib"
+    for name in ("libtvm_runtime_cuda.so", "libtvm_runtime_extra.so"):
+        if (lib_dir / name).exists():
+            ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)
+    from tvm import relax
+
+    meta = GraphMeta(**json.loads(Path(f"{path}.json").read_text()))
+    executable = relax.VMExecutable(tvm.runtime.load_module(str(path)))
+    return CompiledGraph(executable, meta, device)

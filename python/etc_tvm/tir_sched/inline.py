@@ -1,0 +1,122 @@
+"""Inlining a device function's body into a generated kernel.
+
+A device function is a complete CTA kernel ("kernel style", see ``etc_tvm.device_func``). To run
+one of its tasks inside a persistent kernel, its body is taken out of the ``T.device_entry()``
+region, given fresh definitions (the same function may be inlined many times), its thread and
+warp ids are mapped onto the kernel's, its coordinates are bound to the decoded task, its
+symbolic dims to the sizes of the tensors it is given, and its tensor parameters become views
+of the kernel's buffers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.tirx import buffer_data
+
+from ..device_func import DeviceFunc
+
+# ScopeIdDef.scope values (tvm/tirx/exec_scope.py) -> (parent, current) scope names
+SCOPE_NAMES = {3: ("cta", "warpgroup"), 4: ("cta", "warp"), 5: ("warpgroup", "warp"),
+               6: ("warp", "thread"), 7: ("cta", "thread"), 8: ("warpgroup", "thread")}
+CTA_THREAD = 7
+
+
+def i32(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int32", value)
+
+
+def substitute(node, vmap: dict):
+    """Replace Vars (scalars and buffers alike: buffers are Vars in TVM 0.27)."""
+    return tvm_ffi.structural_map(node, (tvm.ir.Var, lambda v: vmap.get(v, v)), order="post")
+
+
+class ThreadScopes:
+    """The kernel's scope ids: ``tx`` plus one definition per other id the bodies declare."""
+
+    def __init__(self, num_threads: int):
+        self.num_threads = num_threads
+        self.tx = tirx.Var("tx", "int32")
+        self.defs = [tirx.ScopeIdDef([self.tx], [i32(num_threads)], "cta", "thread")]
+        self._ids = {(CTA_THREAD, (num_threads,)): [self.tx]}
+
+    def map_ids(self, scope_def, fn: str) -> dict:
+        key = (int(scope_def.scope), tuple(int(e) for e in scope_def.extents))
+        if key not in self._ids:
+            if key[0] == CTA_THREAD:
+                raise ValueError(f"device function {fn} runs {list(key[1])} threads, the kernel "
+                                 f"{self.num_threads}: every task of one kernel has the same "
+                                 "thread count")
+            fresh = [tirx.Var(v.name, v.ty) for v in scope_def.def_ids]
+            self.defs.append(tirx.ScopeIdDef(fresh, list(scope_def.extents),
+                                             *SCOPE_NAMES[key[0]]))
+            self._ids[key] = fresh
+        return dict(zip(scope_def.def_ids, self._ids[key]))
+
+
+def shared_allocations(body: tirx.Stmt) -> list:
+    allocs = []
+    tvm_ffi.structural_walk(body, [(tirx.AllocBuffer, allocs.append)], order="pre")
+    return [a for a in allocs if a.buffer.scope() in ("shared", "shared.dyn")]
+
+
+def nbytes(buf) -> int:
+    n = tvm.DataType(buf.dtype).bits // 8
+    for d in buf.shape:
+        n *= int(d)
+    return n
+
+
+def shared_bytes(fn: DeviceFunc, align: int = 128) -> int:
+    """Bytes of shared memory one task of ``fn`` needs in the kernel's arena."""
+    total = 0
+    for a in shared_allocations(fn.prim_func.body):
+        total = (total + align - 1) // align * align + nbytes(a.buffer)
+    return total
+
+
+def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
+                arena: tirx.Buffer | None, align: int = 128) -> tirx.Stmt:
+    """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``."""
+    func = tvm.s_tir.renew_defs(fn.prim_func)
+    stmts = list(tirx.stmt_list(func.body.body))
+    vmap, prologue = {}, []
+    while stmts and isinstance(stmts[0], tirx.ScopeIdDefStmt):
+        vmap.update(scopes.map_ids(getattr(stmts.pop(0), "def"), fn.name))
+    params = list(func.params)
+    coord_params, buffer_params = params[:fn.num_coords], params[fn.num_coords:]
+    prologue += [tirx.Bind(p, v) for p, v in zip(coord_params, coords)]
+    bound = set()
+    for param, buf in zip(buffer_params, buffers):
+        for want, have in zip(param.shape, buf.shape):
+            if isinstance(want, tirx.Var) and want not in bound:
+                prologue.append(tirx.Bind(want, tirx.Cast(want.dtype, have)
+                                          if str(have.ty) != str(want.ty) else have))
+                bound.add(want)
+        prologue.append(tirx.DeclBuffer(param, data=buffer_data(buf)))
+    body = substitute(tirx.stmt_seq(*stmts), vmap)
+    if arena is not None:
+        body = _into_arena(body, arena, align)
+    return tirx.stmt_seq(*prologue, body)
+
+
+def _into_arena(body: tirx.Stmt, arena: tirx.Buffer, align: int) -> tirx.Stmt:
+    """Shared allocations become views of the kernel's one dynamic arena, from byte 0 (tasks
+    run one after another in a CTA, separated by barriers, so they reuse the same bytes)."""
+    replace, views, offset = {}, {}, 0
+    for alloc in shared_allocations(body):
+        offset = (offset + align - 1) // align * align
+        b = alloc.buffer
+        view = tirx.decl_buffer(b.shape, b.dtype, b.name, data=buffer_data(arena),
+                                elem_offset=i32(offset // (tvm.DataType(b.dtype).bits // 8)),
+                                scope="shared.dyn")
+        views[b] = view
+        replace[alloc] = tirx.DeclBuffer(view, data=buffer_data(arena))
+        offset += nbytes(b)
+    if not replace:
+        return body
+    body = tvm_ffi.structural_map(body, [(tirx.AllocBuffer, lambda s: replace.get(s, s))],
+                                  order="pre")
+    return substitute(body, views)

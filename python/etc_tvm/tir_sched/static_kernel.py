@@ -1,0 +1,148 @@
+"""The persistent kernel of a static schedule.
+
+    grid = one CTA per SM (cooperative launch: all co-resident, or the launch fails)
+    CTA b:  for pos in indptr[b] .. indptr[b+1]-1:
+                t = tasks[pos]                       # a global task id, read by every thread
+                if t < first[1]:   call 0, coords = unravel(t - first[0], grid[0])
+                elif t < first[2]: call 1, ...
+                    wait:   thread 0 waits on each element of the in_edges (etc_wait, bounded);
+                            barrier; all threads leave the loop if the grid is stopping
+                    body:   the device function, inlined
+                    notify: barrier; thread 0 decrements each element of the out_edges
+
+Kernel parameters, in order (the DPS order of ``R.call_tir_inplace``): the graph's input
+tensors, ``indptr`` int32[num_sms + 1], ``tasks`` int32[num_tasks], ``counters`` int32[n] and
+``status`` int32[STATUS_WORDS] (both updated in place), then every call's output tensors.
+``status`` is the watchdog record of ``src/etc_runtime.cuh``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as Tb
+
+from ..schedule import StaticSchedule
+from ..task_graph import TaskGraph
+from .events import EventLayout, lower_edge
+from .inline import ThreadScopes, i32, inline_task, shared_bytes
+
+STATUS_WORDS = 8
+RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
+
+
+def runtime_source() -> str:
+    if not RUNTIME_SOURCE.exists():
+        raise FileNotFoundError(f"the etc_tvm device runtime {RUNTIME_SOURCE} is missing: "
+                                "install etc_tvm from its source tree (pip install -e .)")
+    return RUNTIME_SOURCE.read_text()
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """timeout_s: how long a wait may spin before the grid stops with an error.
+    drop_notify: a task id whose notifies are left out (a test hook for the watchdog)."""
+
+    timeout_s: float = 4.0
+    drop_notify: int | None = None
+
+
+def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
+                        name: str, options: KernelOptions = KernelOptions()) -> tirx.PrimFunc:
+    """The persistent kernel that runs ``schedule`` (per-SM queues) of ``graph``."""
+    threads = {c.fn.num_threads for c in graph.calls}
+    if len(threads) != 1:
+        raise ValueError(f"the device functions of {graph.name} run different thread counts "
+                         f"{sorted(threads)}; one kernel runs one")
+    scopes = ThreadScopes(threads.pop())
+    tx = scopes.tx
+    source = runtime_source()
+
+    buffers = [tirx.decl_buffer(t.shape, t.dtype, t.name) for t in graph.tensors]
+    inputs = [buffers[t.index] for t in graph.tensors if t.param is not None]
+    outputs = [buffers[t.index] for t in graph.tensors if t.producer is not None]
+    indptr = tirx.decl_buffer((schedule.num_sms + 1,), "int32", "indptr")
+    tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
+    counters = tirx.decl_buffer((layout.size,), "int32", "counters")
+    status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
+    arena_bytes = max(shared_bytes(c.fn) for c in graph.calls)
+    arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
+        if arena_bytes else None
+    stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
+    task = tirx.Var("t", "int32")
+    limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
+
+    def wait(idx):
+        return Tb.cuda.func_call("etc_wait", counters.ptr_to([idx]), status.ptr_to([0]), task,
+                                 idx, limit, source_code=source, return_type="int32")
+
+    def notify(idx):
+        return tirx.Evaluate(Tb.cuda.func_call("etc_notify", counters.ptr_to([idx]),
+                                               source_code=source))
+
+    def branch(call):
+        coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
+        local = task - i32(call.first_task)
+        values = []
+        for k, n in enumerate(call.grid):
+            stride = int(np.prod(call.grid[k + 1:], dtype=np.int64))
+            values.append(tirx.floormod(tirx.floordiv(local, i32(stride)), i32(n)))
+        stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
+        env = dict(zip(call.fn.coord_params, coord_vars))
+        if call.in_edges:
+            waits = [tirx.BufferStore(stop, i32(0), [i32(0)])]
+            for e in call.in_edges:
+                index, guard = lower_edge(e.map, env)
+                idx = layout.flat_index(e.etensor, index)
+                step = tirx.IfThenElse(stop[0] == 0,
+                                       tirx.BufferStore(stop, wait(idx), [i32(0)]), None)
+                waits.append(step if guard is None else tirx.IfThenElse(guard, step, None))
+            stmts += [tirx.IfThenElse(tx == 0, tirx.stmt_seq(*waits), None),
+                      tirx.Evaluate(Tb.cuda.cta_sync()),
+                      tirx.IfThenElse(stop[0] != 0, tirx.Break(), None)]
+        args = [buffers[t] for t in call.tensor_args()]
+        stmts += tirx.stmt_list(inline_task(call.fn, coord_vars, args, scopes, arena))
+        if call.out_edges:
+            notifies = []
+            for e in call.out_edges:
+                index, guard = lower_edge(e.map, env)
+                step = notify(layout.flat_index(e.etensor, index))
+                notifies.append(step if guard is None else tirx.IfThenElse(guard, step, None))
+            cond = tx == 0
+            if options.drop_notify is not None:
+                cond = tirx.And(cond, task != i32(options.drop_notify))
+            stmts += [tirx.Evaluate(Tb.cuda.cta_sync()),
+                      tirx.IfThenElse(cond, tirx.stmt_seq(*notifies), None)]
+        else:  # the next task may reuse the shared memory this one reads
+            stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+        return tirx.stmt_seq(*stmts)
+
+    dispatch = None
+    for call in reversed(graph.calls):
+        cond = task < i32(call.first_task + call.num_tasks)
+        dispatch = tirx.IfThenElse(cond, branch(call), dispatch)
+
+    with IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name(name)
+            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
+                          "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
+            for b in [*inputs, indptr, tasks, counters, status, *outputs]:
+                Tb.arg(b.name, b)
+            Tb.device_entry()
+            bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_sms]))
+            for d in scopes.defs:
+                Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+            Tb.add_to_parent(tirx.AllocBuffer(stop))
+            if arena is not None:
+                Tb.add_to_parent(tirx.AllocBuffer(arena))
+            pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
+            Tb.buffer_store(pos, indptr[bx], [0])
+            with Tb.While(pos[0] < indptr[bx + 1]):
+                Tb.add_to_parent(tirx.Bind(task, tasks[pos[0]]))
+                Tb.add_to_parent(dispatch)
+                Tb.buffer_store(pos, pos[0] + 1, [0])
+    return ib.get()

@@ -1,0 +1,69 @@
+// etc_tvm device runtime: the event operations that generated megakernels call.
+//
+// Protocol (DESIGN.md, "Rules that make a megakernel correct"):
+//   notify: every thread of the CTA has written its data, the CTA has passed a barrier, then ONE
+//           thread does a release decrement of the event counter.
+//   wait:   ONE thread spins until the counter is <= 0 (relaxed polls, then an acquire load),
+//           then the CTA passes a barrier.
+// Every spin is bounded. Past its time limit a waiter claims the status record, writes which
+// task waited on which element, the counter value and its SM, and returns; the other CTAs see
+// status[0] != 0 at their next poll and stop too. The host reads the record after the kernel.
+//
+// status layout (int32): [0] state (0 running, 1 timed out), [1] task id, [2] element index,
+//                        [3] counter value seen, [4] SM id.
+#ifndef ETC_TVM_RUNTIME_CUH_
+#define ETC_TVM_RUNTIME_CUH_
+
+__device__ __forceinline__ unsigned long long etc_globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int etc_load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int etc_load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Returns 0 once *counter <= 0 (acquire), 1 if the grid is stopping (this or another waiter
+// timed out). Called by one thread.
+__device__ __noinline__ int etc_wait(const int* counter, int* status, int task, int element,
+                                     long long limit_ns) {
+  if (etc_load_acquire(counter) <= 0) return 0;
+  const unsigned long long start = etc_globaltimer_ns();
+  while (true) {
+    int seen = etc_load_relaxed(counter);
+    if (seen <= 0) {
+      etc_load_acquire(counter);
+      return 0;
+    }
+    if (etc_load_relaxed(status) != 0) return 1;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      if (atomicCAS(status, 0, -1) == 0) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        status[1] = task;
+        status[2] = element;
+        status[3] = seen;
+        status[4] = (int)smid;
+        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(1) : "memory");
+      }
+      return 1;
+    }
+    __nanosleep(32);
+  }
+}
+
+// One release decrement: the CTA's writes (ordered before by a barrier) happen before it.
+__device__ __forceinline__ void etc_notify(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], -1;" ::"l"(counter) : "memory");
+}
+
+#endif  // ETC_TVM_RUNTIME_CUH_

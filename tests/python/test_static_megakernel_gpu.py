@@ -1,0 +1,63 @@
+"""The static megakernel on the GPU, against float64 NumPy and the CPU reference executor."""
+import numpy as np
+import pytest
+
+from etc_tvm import ExecutionError
+from etc_tvm.build import build
+from etc_tvm.executor import execute
+from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tir_sched.static_kernel import KernelOptions
+
+import graphs
+from test_executor import chain
+from tiles import COLS, ROWS, TILE
+
+pytestmark = pytest.mark.gpu
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype("float32")
+
+
+CASES = {
+    "dependent_chain": (chain, {"M": 64 * ROWS}, lambda r: [f32(r, 64 * ROWS, COLS)]),
+    "two_ops": (graphs.two_ops, {"M": 300 * ROWS},
+                lambda r: [f32(r, 300 * ROWS, COLS), f32(r, 300 * ROWS, COLS)]),
+    "fan_in_row_sum": (graphs.row_sum, {"M": 20 * TILE, "N": 12 * TILE},
+                       lambda r: [f32(r, 20 * TILE, 12 * TILE)]),
+    "gemm_reduce_scatter": (graphs.gemm_reduce_scatter, {"M": 8 * TILE, "K": 64, "N": 12 * TILE},
+                            lambda r: [f32(r, 8 * TILE, 64), f32(r, 64, 12 * TILE)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_executor(case, rng):
+    graph, dims, make = CASES[case]
+    compiled = build(graph, dims)
+    inputs = make(rng)
+    want = execute(graph, *inputs)
+    got = compiled(*inputs)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(
+            want, tuple) else (want,)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["two_ops", "gemm_reduce_scatter"])
+def test_100_launches_are_identical(case, rng):
+    graph, dims, make = CASES[case]
+    compiled = build(graph, dims)
+    inputs = make(rng)
+    first = compiled(*inputs)
+    for _ in range(99):
+        np.testing.assert_array_equal(compiled(*inputs), first)
+
+
+def test_a_missing_notify_stops_the_kernel_with_a_named_error(rng):
+    graph, dims, make = CASES["dependent_chain"]
+    task_graph = TaskGraph.build(graph, dims)
+    dropped = 10
+    compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped))
+    with pytest.raises(ExecutionError, match=rf"task {task_graph.task_name(dropped + 1)} "
+                                             rf"on SM \d+ waited on link\[{dropped}\] "
+                                             r"\(counter 1\) for more than 0.5 s"):
+        compiled(*make(rng))
