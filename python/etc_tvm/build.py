@@ -20,19 +20,26 @@ def default_target() -> tvm.target.Target:
 
 
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
-          target: tvm.target.Target | None = None, num_sms: int = 132,
-          options: KernelOptions = KernelOptions(), device=None) -> CompiledGraph:
-    """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``)."""
+          target: tvm.target.Target | None = None, num_sms: int | None = None,
+          options: KernelOptions = KernelOptions(), cuda_graph: bool = False,
+          device=None) -> CompiledGraph:
+    """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
+
+    num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
+    cuda_graph: replay the launches from a CUDA graph (TVM's RewriteCUDAGraph).
+    """
     target = target or default_target()
     dims = dict(dims or {})
-    with target:
+    num_sms = num_sms or (tvm.cuda(0).multi_processor_count if _has_gpu() else 132)
+    config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}
+    with target, tvm.transform.PassContext(config=config):
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options))
     task_graph = TaskGraph.build(graph, dims)
     layout = EventLayout.of(task_graph)
     meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
                      [[n, layout.offsets[n], list(s)] for n, s in layout.shapes.items()],
-                     options.timeout_s)
+                     options.timeout_s, has_status=strategy != "unfused")
     return CompiledGraph(executable, meta, device) if device is not None or _has_gpu() \
         else _Unloaded(executable, meta)
 

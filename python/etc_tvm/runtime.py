@@ -29,6 +29,7 @@ class GraphMeta:
     task_names: list
     etensors: list  # [name, offset, shape]
     timeout_s: float
+    has_status: bool = True  # the function returns the watchdog record last
 
     def element_name(self, flat: int) -> str:
         for name, offset, shape in self.etensors:
@@ -72,9 +73,22 @@ class CompiledGraph:
     def __call__(self, *inputs):
         """Run, check the watchdog record, return the outputs as NumPy arrays."""
         result = self.run(*inputs)
-        self.meta.check(result[len(result) - 1].numpy())
-        outs = [result[k].numpy() for k in range(len(result) - 1)]
+        n = len(result)
+        if self.meta.has_status:
+            n -= 1
+            self.meta.check(result[n].numpy())
+        outs = [result[k].numpy() for k in range(n)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def cuda_source(self) -> str:
+        """The generated CUDA C++ of every kernel (for inspection and compile-only checks)."""
+        sources, todo = [], [self.executable.mod]
+        while todo:
+            module = todo.pop()
+            if module.kind == "cuda":
+                sources.append(module.inspect_source("cuda"))
+            todo.extend(module.imports)
+        return "\n".join(sources)
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the library ``path`` and its metadata ``path + '.json'``."""

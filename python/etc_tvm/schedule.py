@@ -1,8 +1,8 @@
 """Static schedules: per-SM task queues computed at compile time.
 
-``list_schedule`` is list scheduling over the task graph: among the tasks whose predecessors are
-all placed, the one with the longest cost-weighted path to the end (critical path first) goes
-to the SM that frees up first. Tasks are placed in a topological order and every SM runs its
+``list_schedule`` is list scheduling over the task graph, simulated in time: the SM that frees up
+first takes, among the tasks whose predecessors have finished by then, the one with the longest
+cost-weighted path to the end (critical path first); if none has, the first to become ready. Tasks are placed in a topological order and every SM runs its
 queue in placement order, so the earliest unfinished task in that order is never blocked: the
 schedule cannot deadlock. Costs come from each device function's ``cost`` hint.
 """
@@ -49,22 +49,33 @@ def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
 
     remaining = dict(indeg)
     ready_at: dict = {}
-    heap = [(-level[("t", t)], t) for t in range(graph.num_tasks) if remaining[("t", t)] == 0]
+    waiting = []  # (ready time, -level, task): every predecessor placed
+    for t in range(graph.num_tasks):
+        if remaining[("t", t)] == 0:
+            waiting.append((0.0, -level[("t", t)], t))
     for node in [n for n, d in indeg.items() if d == 0 and n[0] != "t"]:  # unnotified elements
-        heap += [(-level[m], m[1]) for m in _released(node, 0.0, succ, remaining, ready_at)]
-    heapq.heapify(heap)
+        waiting += [(0.0, -level[m], m[1]) for m in _released(node, 0.0, succ, remaining,
+                                                              ready_at)]
+    heapq.heapify(waiting)
+    ready = []  # (-level, task): ready by the time the next SM frees up
     sms = [(0.0, sm) for sm in range(num_sms)]
     queues = [[] for _ in range(num_sms)]
     makespan = 0.0
-    while heap:
-        _, task = heapq.heappop(heap)
+    while waiting or ready:
         free, sm = heapq.heappop(sms)
-        finish = max(free, ready_at.get(("t", task), 0.0)) + cost[task]
+        if not ready or (waiting and waiting[0][0] <= free):
+            now = max(free, waiting[0][0]) if not ready else free
+            while waiting and waiting[0][0] <= now:
+                at, priority, task = heapq.heappop(waiting)
+                heapq.heappush(ready, (priority, task))
+            free = now
+        _, task = heapq.heappop(ready)
+        finish = free + cost[task]
         queues[sm].append(task)
         heapq.heappush(sms, (finish, sm))
         makespan = max(makespan, finish)
         for node in _released(("t", task), finish, succ, remaining, ready_at):
-            heapq.heappush(heap, (-level[node], node[1]))
+            heapq.heappush(waiting, (ready_at[node], -level[node], node[1]))
     return StaticSchedule(tuple(tuple(q) for q in queues), makespan)
 
 

@@ -110,6 +110,25 @@ class CallNode:
 Element = tuple  # (etensor name, coordinate tuple)
 
 
+def internal_events(uses) -> set:
+    """ETensors that one call both waits on and notifies, and no other call touches.
+
+    ``uses``: per call, a pair (ETensors it waits on, ETensors it notifies). Such an ETensor
+    orders tasks within one call (a chain, a scan); a global barrier between calls cannot
+    replace it.
+    """
+    users = defaultdict(set)
+    waited = set()
+    for k, (waits, notifies) in enumerate(uses):
+        for e in waits:
+            users[e].add(k)
+            waited.add(e)
+        for e in notifies:
+            users[e].add(k)
+    return {e for e, calls in users.items() if len(calls) == 1 and e in waited
+            and any(e in uses[k][1] for k in calls)}
+
+
 @dataclass
 class TaskGraph:
     """Calls, tasks, tensors, ETensors and their static edges, for concrete sizes."""
@@ -142,6 +161,11 @@ class TaskGraph:
     def task_name(self, task: int) -> str:
         call = self.call_of(task)
         return f"{call.name}({','.join(map(str, call.coords(task)))})"
+
+    def internal_etensors(self) -> set[str]:
+        """See ``internal_events``."""
+        return internal_events([({e.etensor for e in c.in_edges}, {e.etensor for e in c.out_edges})
+                                for c in self.calls])
 
     def arm_inputs(self) -> dict[str, set[int]]:
         """ETensors counted at run time -> the tensors written in the graph that their counts

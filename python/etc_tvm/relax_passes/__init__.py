@@ -1,5 +1,8 @@
 """The etc Relax passes, one a file, and the pipeline that composes them for tvm.compile."""
-from .pipeline import etc_passes, pipeline
+from .barrier_edges_transform import BarrierEdgesTransform
+from .pipeline import STRATEGIES, etc_passes, pipeline
 from .static_schedule_transform import StaticScheduleTransform
+from .unfused_transform import UnfusedTransform
 
-__all__ = ["StaticScheduleTransform", "etc_passes", "pipeline"]
+__all__ = ["STRATEGIES", "BarrierEdgesTransform", "StaticScheduleTransform", "UnfusedTransform",
+           "etc_passes", "pipeline"]

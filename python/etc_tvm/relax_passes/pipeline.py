@@ -3,8 +3,12 @@
     tvm.compile(mod, target, relax_pipeline=etc_tvm.relax_passes.pipeline(target, dims=...),
                 tir_pipeline="etc_tvm")
 
-``strategy`` picks how the graph functions run: "static" (one persistent kernel, per-SM queues,
-tile-level events) or "barrier" (the same kernel with one global barrier between operators).
+``strategy`` picks how the graph functions run:
+
+- "static": one persistent kernel, per-SM queues, tile-level events;
+- "barrier": the same kernel with one global barrier between operators instead of the edges;
+- "unfused": each call_device its own grid launch, in stream order (the baseline).
+
 The TIR pipeline "etc_tvm" lowers the TIRx kernels and any legalized s_tir functions together.
 """
 from __future__ import annotations
@@ -16,9 +20,11 @@ from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.tirx import compilation_pipeline as tir_pipelines
 
 from ..tir_sched.static_kernel import KernelOptions
+from .barrier_edges_transform import BarrierEdgesTransform
 from .static_schedule_transform import StaticScheduleTransform
+from .unfused_transform import UnfusedTransform
 
-STRATEGIES = ("static",)
+STRATEGIES = ("static", "barrier", "unfused")
 
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
@@ -26,7 +32,10 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
     """The etc passes of one execution strategy, to run before the standard Relax lowering."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
-    return [StaticScheduleTransform(dims, num_sms, options)]
+    if strategy == "unfused":
+        return [UnfusedTransform(dims)]
+    lowering = [StaticScheduleTransform(dims, num_sms, options)]
+    return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 
 
 def pipeline(target: tvm.target.Target, strategy: str = "static",

@@ -28,14 +28,11 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .. import ops
-from ..errors import GraphError
-from ..graph_func import GraphFunc
 from ..schedule import list_schedule
-from ..task_graph import TaskGraph
 from ..tir_sched.events import EventLayout
 from ..tir_sched.init_kernel import etc_init
 from ..tir_sched.static_kernel import STATUS_WORDS, KernelOptions, build_static_kernel
+from .instantiate import graph_functions, instantiate, without, without_device_funcs
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
@@ -53,52 +50,19 @@ class StaticScheduleTransform:
         self.options = options
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        graphs = [gv.name_hint for gv, f in mod.functions_items()
-                  if isinstance(f, relax.Function) and _calls_devices(f)]
-        out = mod
-        for name in graphs:
-            out = self._lower(out, name)
-        device_funcs = [gv for gv, f in out.functions_items()
-                        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs
-                        and "etc.device_func" in f.attrs]
-        for gv in device_funcs:
-            out = _without(out, gv)
-        return out
-
-    def _lower(self, mod: tvm.IRModule, name: str) -> tvm.IRModule:
-        func = mod[name]
-        symbols = {v.name: v for v in relax.analysis.defined_symbolic_vars(func)}
-        missing = sorted(set(symbols) - set(self.dims))
-        if missing:
-            raise GraphError(f"{name}: a static schedule needs concrete sizes; give dims for "
-                             f"{missing}")
-        func = func.bind_symbolic_vars({symbols[k]: v for k, v in self.dims.items()
-                                        if k in symbols})
-        mod = tvm.IRModule({**dict(mod.functions_items()), mod.get_global_var(name): func},
-                           attrs=mod.attrs)
-        graph = TaskGraph.build(GraphFunc.from_module(mod, name), {})
-        graph.validate()
-        schedule = list_schedule(graph, self.num_sms)
-        layout = EventLayout.of(graph)
-        kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel", self.options)
-        return _rewrite(mod, name, graph, schedule, layout, kernel)
-
-
-def _calls_devices(func: relax.Function) -> bool:
-    found = []
-    relax.analysis.post_order_visit(func, lambda e: found.append(
-        ops.is_op(e, ops.CALL_DEVICE)))
-    return any(found)
-
-
-def _without(mod: tvm.IRModule, gv) -> tvm.IRModule:
-    return tvm.IRModule({g: f for g, f in mod.functions_items() if not g.same_as(gv)},
-                        attrs=mod.attrs)
+        for name in graph_functions(mod):
+            mod, graph = instantiate(mod, name, self.dims)
+            schedule = list_schedule(graph, self.num_sms)
+            layout = EventLayout.of(graph)
+            kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel",
+                                         self.options)
+            mod = _rewrite(mod, name, graph, schedule, layout, kernel)
+        return without_device_funcs(mod)
 
 
 def _rewrite(mod, name, graph, schedule, layout, kernel) -> tvm.IRModule:
     func = mod[name]
-    bb = relax.BlockBuilder(_without(mod, mod.get_global_var(name)))
+    bb = relax.BlockBuilder(without(mod, name))
     init = bb.add_func(etc_init.with_attr("global_symbol", "etc_init"), "etc_init")
     megakernel = bb.add_func(kernel, kernel.attrs["global_symbol"])
     counters_ty = relax.TensorType([layout.size], "int32")

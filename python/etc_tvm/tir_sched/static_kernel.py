@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
@@ -28,6 +27,7 @@ from tvm.script.ir_builder import tirx as Tb
 from ..schedule import StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout, lower_edge
+from .grid_kernel import unravel
 from .inline import ThreadScopes, i32, inline_task, shared_bytes
 
 STATUS_WORDS = 8
@@ -85,11 +85,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
 
     def branch(call):
         coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
-        local = task - i32(call.first_task)
-        values = []
-        for k, n in enumerate(call.grid):
-            stride = int(np.prod(call.grid[k + 1:], dtype=np.int64))
-            values.append(tirx.floormod(tirx.floordiv(local, i32(stride)), i32(n)))
+        values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
         env = dict(zip(call.fn.coord_params, coord_vars))
         if call.in_edges:

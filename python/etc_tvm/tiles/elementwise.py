@@ -1,0 +1,113 @@
+"""Epilogue tiles: an activation over one ``rows x cols`` tile of an fp32 (M, N) tensor.
+
+Task ``(i, j)`` computes ``Y[i*rows:(i+1)*rows, j*cols:(j+1)*cols] = f(X[same])`` with ``X`` fp32
+and ``Y`` fp32 or bf16. The default tile (64 x 64, 128 threads) matches the default GEMM tile, so
+a GEMM's output tile (i, j) feeds the activation task (i, j) through an ``"ij->ij"`` edge, and a
+bf16 output is the A operand of a following GEMM.
+
+Each thread moves 4 contiguous fp32 per step (one 16-byte load); a warp covers 512 contiguous
+bytes of a row, so the loads coalesce. M and N are symbolic, multiples of rows and cols.
+
+Numeric contract, elementwise against float64 ``f`` of the same fp32 input: ReLU is exact in
+fp32; GELU (tanh form, as in GPT-2) and SiLU evaluate in fp32 with CUDA's ``tanhf``/``expf``,
+``|Y - f(X)| <= 2**-20 * (1 + |X|)``; a bf16 output adds one rounding, ``2**-8 * |f(X)|``.
+``error_bound`` computes this.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..device_func import DeviceFunc, device_func
+from ..errors import EtcError
+
+VEC = 4  # fp32 per thread per step: one 16-byte load
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def _relu(x):
+    return T.max(x, T.float32(0))
+
+
+def _gelu(x):
+    return T.float32(0.5) * x * (T.float32(1) + T.tanh(
+        T.float32(_GELU_C) * (x + T.float32(0.044715) * x * x * x)))
+
+
+def _silu(x):
+    return x / (T.float32(1) + T.exp(-x))
+
+
+def _np_relu(x):
+    return np.maximum(x, 0)
+
+
+def _np_gelu(x):
+    return 0.5 * x * (1 + np.tanh(_GELU_C * (x + 0.044715 * x ** 3)))
+
+
+def _np_silu(x):
+    with np.errstate(over="ignore"):  # exp(-x) = inf for very negative x gives -0, as on CUDA
+        return x / (1 + np.exp(-x))
+
+
+# name -> (TIR expression, NumPy function: evaluated in the input's precision)
+ACTIVATIONS = {"relu": (_relu, _np_relu), "gelu": (_gelu, _np_gelu), "silu": (_silu, _np_silu)}
+OUT_DTYPES = ("float32", "bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def make_activation_tile(activation: str = "relu", out_dtype: str = "bfloat16", rows: int = 64,
+                         cols: int = 64, threads: int = 128) -> DeviceFunc:
+    """The tile ``<activation>_<rows>x<cols>_<out>``; one DeviceFunc per configuration."""
+    if activation not in ACTIVATIONS:
+        raise EtcError(f"activation tile: unknown activation {activation!r}; one of "
+                       f"{sorted(ACTIVATIONS)}")
+    if out_dtype not in OUT_DTYPES:
+        raise EtcError(f"activation tile: out_dtype must be one of {OUT_DTYPES}, "
+                       f"got {out_dtype!r}")
+    if cols % VEC or (rows * cols // VEC) % threads:
+        raise EtcError(f"activation tile {rows}x{cols}: rows x cols / {VEC} vectors must divide "
+                       f"among {threads} threads")
+    f, np_f = ACTIVATIONS[activation]
+    steps, vecs_per_row = rows * cols // VEC // threads, cols // VEC
+    M, N = (tirx.Var(d, "int32") for d in "MN")
+
+    @T.prim_func
+    def act(i: T.int32, j: T.int32, X: T.Buffer((M, N), "float32"),
+            Y: T.Buffer((M, N), out_dtype)):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        for s in T.unroll(steps):
+            v = T.meta_var(s * threads + tx)
+            for e in T.vectorized(VEC):
+                Y[i * rows + v // vecs_per_row, j * cols + v % vecs_per_row * VEC + e] = T.Cast(
+                    out_dtype, f(X[i * rows + v // vecs_per_row, j * cols + v % vecs_per_row * VEC
+                                   + e]))
+
+    name = f"{activation}_{rows}x{cols}_{'bf16' if out_dtype == 'bfloat16' else 'f32'}"
+    tile = device_func(act.with_attr("global_symbol", name))
+
+    @tile.set_reference
+    def _(i, j, X, Y):
+        rows_, cols_ = slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols)
+        Y[rows_, cols_] = np_f(X[rows_, cols_].astype(np.float32)).astype(Y.dtype)
+
+    return tile
+
+
+def error_bound(X: np.ndarray, activation: str, out_dtype: str) -> np.ndarray:
+    """The elementwise bound on ``|Y - f(X)|`` of the tile (see the module docstring)."""
+    x = X.astype(np.float64)
+    exact = ACTIVATIONS[activation][1](x)
+    bound = np.zeros_like(x) if activation == "relu" else 2.0 ** -20 * (1 + np.abs(x))
+    if out_dtype == "bfloat16":
+        bound = bound + 2.0 ** -8 * np.abs(exact)
+    return bound
+
+
+relu_tile = make_activation_tile("relu", "float32")
+relu_bf16_tile = make_activation_tile("relu", "bfloat16")

@@ -1,0 +1,54 @@
+"""A device function as an ordinary grid launch: one CTA per task, no events.
+
+The "unfused" baseline runs each ``call_device`` so, in stream order; it is also how a tile is
+tested on its own. CTA ``b`` runs the task at ``unravel(b, tile_num)``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as Tb
+
+from ..device_func import DeviceFunc
+from .inline import ThreadScopes, i32, inline_task
+
+
+def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
+    """Row-major coordinates of ``flat`` in ``grid``."""
+    out = []
+    for k, n in enumerate(grid):
+        stride = int(np.prod(grid[k + 1:], dtype=np.int64))
+        out.append(tirx.floormod(tirx.floordiv(flat, i32(stride)), i32(n)))
+    return out
+
+
+def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tirx.Buffer],
+                      name: str, num_inputs: int | None = None) -> tirx.PrimFunc:
+    """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers`` (inputs, then outputs).
+
+    With ``num_inputs``, the kernel runs ONE task instead, the one whose row-major index is an
+    int64 parameter ``task`` placed after the inputs: tasks that depend on tasks of the same
+    call launch one at a time.
+    """
+    scopes = ThreadScopes(fn.num_threads)
+    num_tasks = int(np.prod(grid, dtype=np.int64))
+    task = tirx.Var("task", "int64")
+    params = list(buffers) if num_inputs is None else [*buffers[:num_inputs], task,
+                                                       *buffers[num_inputs:]]
+    with IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name(name)
+            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True})
+            for p in params:
+                Tb.arg(p.name, p)
+            Tb.device_entry()
+            bx = IRBuilder.name("bx", Tb.cta_id([num_tasks if num_inputs is None else 1]))
+            flat = bx if num_inputs is None else bx + tirx.Cast("int32", task)
+            body = inline_task(fn, unravel(flat, grid), buffers, scopes, arena=None)
+            for d in scopes.defs:
+                Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+            Tb.add_to_parent(body)
+    return ib.get()

@@ -1,0 +1,53 @@
+"""BarrierEdgesTransform: tile-level edges become one barrier between consecutive calls."""
+import tvm
+from tvm import relax
+
+from etc_tvm import ETensor, Tensor, call_device, graph_func
+from etc_tvm.executor import RandomOrder, execute
+from etc_tvm.graph_func import GraphFunc
+from etc_tvm.relax_passes import BarrierEdgesTransform
+from etc_tvm.task_graph import TaskGraph
+
+from tiles import COLS, ROWS, mix_tile, scale_tile
+
+
+@graph_func
+def before(X: Tensor(("M", COLS))):
+    M = X.shape[0]
+    E = ETensor((M // ROWS,), name="E")
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    out_edges={E: "i->i"})
+    return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, X],
+                       out=Tensor((M, COLS), name="B"), in_edges={E: "i->i"})
+
+
+@graph_func
+def expected(X: Tensor(("M", COLS))):
+    M = X.shape[0]
+    a_done = ETensor((1,), name="A_done")
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    out_edges={a_done: "i->0"})
+    b_done = ETensor((1,), name="B_done")
+    return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, X],
+                       out=Tensor((M, COLS), name="B"), in_edges={a_done: "i->0"},
+                       out_edges={b_done: "i->0"})
+
+
+def test_before_and_after():
+    after = BarrierEdgesTransform()(before.mod)
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(after["before"].body, expected.mod["expected"].body,
+                                   map_free_vars=True)
+
+
+def test_every_task_waits_for_the_whole_previous_call(rng):
+    after = GraphFunc.from_module(BarrierEdgesTransform()(before.mod), "before")
+    after.device_funcs = before.device_funcs
+    graph = TaskGraph.build(after, {"M": 6 * ROWS})
+    graph.validate()
+    assert graph.static_counts()["A_done"].tolist() == [6]
+    assert all(graph.waits[t] == [("A_done", (0,))] for t in graph.calls[1].tasks)
+    x = rng.standard_normal((6 * ROWS, COLS)).astype("float32")
+    import numpy as np
+
+    np.testing.assert_array_equal(execute(after, x, order=RandomOrder(3)), execute(before, x))

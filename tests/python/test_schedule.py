@@ -1,0 +1,101 @@
+"""Static schedules: list scheduling, and the executor running the very same queues."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
+from etc_tvm.executor import StaticOrder, execute
+from etc_tvm.schedule import list_schedule
+from etc_tvm.task_graph import TaskGraph
+
+import graphs
+from test_executor import chain
+from test_random_dags import build as build_dag
+from test_random_dags import dags, numpy_dag
+from tiles import COLS, ROWS, TILE, scale_tile
+
+
+def param_shape(param, dims):
+    return [int(d.value) if hasattr(d, "value") else dims[d.name] for d in param.ty.shape.values]
+
+
+def check_schedule(graph, schedule):
+    listed = sorted(t for q in schedule.queues for t in q)
+    assert listed == list(range(graph.num_tasks))
+    position = {t: k for k, t in enumerate(graph.topological_order())}
+    placed = {}
+    for sm, queue in enumerate(schedule.queues):
+        for k, task in enumerate(queue):
+            placed[task] = (sm, k)
+    for task in range(graph.num_tasks):  # a task's waits are notified by tasks placed earlier
+        for elem in graph.waits[task]:
+            for producer in range(graph.num_tasks):
+                if elem in graph.notifies[producer] and placed[producer][0] == placed[task][0]:
+                    assert placed[producer][1] < placed[task][1]
+    assert position  # the graph is acyclic
+
+
+@pytest.mark.parametrize("graph,dims", [
+    (graphs.two_ops, {"M": 37 * ROWS}),
+    (graphs.row_sum, {"M": 5 * TILE, "N": 7 * TILE}),
+    (graphs.gemm_reduce_scatter, {"M": 4 * TILE, "K": 32, "N": 6 * TILE}),
+    (chain, {"M": 40 * ROWS}),
+], ids=["two_ops", "row_sum", "gemm_reduce_scatter", "chain"])
+@pytest.mark.parametrize("num_sms", [1, 3, 132])
+def test_queues_are_valid_and_the_executor_runs_them(graph, dims, num_sms, rng):
+    task_graph = TaskGraph.build(graph, dims)
+    schedule = list_schedule(task_graph, num_sms)
+    check_schedule(task_graph, schedule)
+    inputs = [rng.standard_normal(param_shape(p, dims)).astype("float32")
+              for p in graph.func.params]
+    want = execute(graph, *inputs)
+    for seed in (None, 0, 1):
+        np.testing.assert_array_equal(
+            execute(graph, *inputs, order=StaticOrder(schedule.queues, seed=seed)), want)
+
+
+def test_csr_layout():
+    task_graph = TaskGraph.build(graphs.two_ops, {"M": 5 * ROWS})
+    schedule = list_schedule(task_graph, 3)
+    indptr, tasks = schedule.csr()
+    assert indptr.dtype == np.int32 and tasks.dtype == np.int32
+    assert indptr.tolist() == [0, *np.cumsum([len(q) for q in schedule.queues]).tolist()]
+    assert tasks.tolist() == [t for q in schedule.queues for t in q]
+
+
+slow_scale_tile = device_func(scale_tile.prim_func, cost=4.0)
+
+
+@graph_func
+def chain_beside_wide(X: Tensor((64, COLS))):
+    """16 independent cheap tasks, then (in program order) a chain of 4 tasks of cost 4."""
+    link = ETensor((5,), name="link")
+    wide = call_device(scale_tile, tile_num=(16,), args=[X], out=Tensor((64, COLS)))
+    long = call_device(slow_scale_tile, tile_num=(4,), args=[X], out=Tensor((64, COLS)),
+                       in_edges={link: "i->i-1 if i > 0"}, out_edges={link: "i->i"})
+    return wide, long
+
+
+def test_critical_path_goes_first():
+    """On 2 SMs the chain (length 16) starts at once on one SM while the other runs the 16
+    cheap tasks: makespan 16, where taking tasks in program order would give 24."""
+    task_graph = TaskGraph.build(chain_beside_wide, {})
+    schedule = list_schedule(task_graph, 2)
+    chain_tasks = list(task_graph.calls[1].tasks)
+    assert schedule.makespan == 16
+    assert chain_tasks in [list(q) for q in schedule.queues]
+
+
+@given(dag=dags(), sms=st.integers(1, 6))
+@settings(max_examples=40, deadline=None)
+def test_random_dags_under_list_schedules(dag, sms):
+    calls, tiles = dag
+    graph = build_dag(calls)
+    task_graph = TaskGraph.build(graph, {"M": tiles * ROWS})
+    schedule = list_schedule(task_graph, sms)
+    check_schedule(task_graph, schedule)
+    x = np.random.default_rng(tiles).standard_normal((tiles * ROWS, COLS)).astype("float32")
+    for got, want in zip(execute(graph, x, order=StaticOrder(schedule.queues)),
+                         numpy_dag(calls, x)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

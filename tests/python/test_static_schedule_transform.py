@@ -1,0 +1,67 @@
+"""StaticScheduleTransform and UnfusedTransform: what the graph function becomes."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from etc_tvm import GraphError
+from etc_tvm.relax_passes import StaticScheduleTransform, UnfusedTransform
+from etc_tvm.schedule import list_schedule
+from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tir_sched.events import EventLayout
+
+import graphs
+
+DIMS = {"M": 64, "K": 32, "N": 48}
+
+
+def calls_of(func):
+    return [b.value for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, tvm.ir.Call)]
+
+
+def test_static_becomes_init_and_one_persistent_kernel():
+    mod = StaticScheduleTransform(DIMS, num_sms=8)(graphs.gemm_reduce_scatter.mod)
+    relax.analysis.well_formed(mod)
+    assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
+        "etc_init", "gemm_reduce_scatter", "gemm_reduce_scatter_megakernel"]
+    init, kernel = calls_of(mod["gemm_reduce_scatter"])
+    assert init.op.name == "relax.call_tir" and init.args[0].name_hint == "etc_init"
+    assert kernel.op.name == "relax.call_tir_inplace"
+    assert kernel.args[0].name_hint == "gemm_reduce_scatter_megakernel"
+    assert [int(i) for i in kernel.attrs.inplace_indices] == [4, 5, -1, -1]
+    A, B, indptr, tasks, counters, status = kernel.args[1].fields
+    graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
+    want_indptr, want_tasks = list_schedule(graph, 8).csr()
+    np.testing.assert_array_equal(indptr.value.numpy(), want_indptr)
+    np.testing.assert_array_equal(tasks.value.numpy(), want_tasks)
+    np.testing.assert_array_equal(init.args[1].fields[0].value.numpy(),
+                                  EventLayout.of(graph).initial)
+    params = mod["gemm_reduce_scatter"].params
+    assert [list(map(int, p.ty.shape.values)) for p in params] == [[64, 32], [32, 48]]
+    ret = mod["gemm_reduce_scatter"].ret_ty
+    assert [list(map(int, f.shape.values)) for f in ret.fields] == [[64, 48], [8]]
+
+
+def test_static_needs_sizes():
+    with pytest.raises(GraphError, match=r"give dims for \['N'\]"):
+        StaticScheduleTransform({"M": 64, "K": 32})(graphs.gemm_reduce_scatter.mod)
+
+
+def test_unfused_is_one_grid_launch_per_call():
+    mod = UnfusedTransform(DIMS)(graphs.gemm_reduce_scatter.mod)
+    relax.analysis.well_formed(mod)
+    calls = calls_of(mod["gemm_reduce_scatter"])
+    assert [c.op.name for c in calls] == ["relax.call_tir", "relax.call_tir"]
+    assert [c.args[0].name_hint for c in calls if c.op.name == "relax.call_tir"] == [
+        "C_grid", "D_grid"]
+    grid = mod["C_grid"]
+    assert "T.cta_id([12])" in grid.script()
+
+
+def test_event_layout_offsets_and_initial_counts():
+    graph = TaskGraph.build(graphs.row_sum, {"M": 32, "N": 48})
+    layout = EventLayout.of(graph)
+    assert layout.offsets == {"partials_done": 0}
+    assert layout.initial.tolist() == [3, 3]
+    assert str(tvm.sym.Analyzer().simplify(layout.flat_index("partials_done", [1]))) == "1"
