@@ -38,12 +38,13 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
                                      long long limit_ns) {
   if (etc_load_acquire(counter) <= 0) return 0;
   const unsigned long long start = etc_globaltimer_ns();
-  while (true) {
+  for (unsigned polls = 1;; ++polls) {
     int seen = etc_load_relaxed(counter);
     if (seen <= 0) {
       etc_load_acquire(counter);
       return 0;
     }
+    if (polls % 64 != 0) continue;  // poll hot; look at the clock and the grid now and then
     if (etc_load_relaxed(status) != 0) return 1;
     if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
       if (atomicCAS(status, 0, -1) == 0) {
@@ -57,7 +58,7 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
       }
       return 1;
     }
-    __nanosleep(32);
+    __nanosleep(20);
   }
 }
 

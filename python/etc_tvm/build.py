@@ -21,18 +21,15 @@ def default_target() -> tvm.target.Target:
 
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
           target: tvm.target.Target | None = None, num_sms: int | None = None,
-          options: KernelOptions = KernelOptions(), cuda_graph: bool = False,
-          device=None) -> CompiledGraph:
+          options: KernelOptions = KernelOptions(), device=None) -> CompiledGraph:
     """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
 
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
-    cuda_graph: replay the launches from a CUDA graph (TVM's RewriteCUDAGraph).
     """
     target = target or default_target()
     dims = dict(dims or {})
     num_sms = num_sms or (tvm.cuda(0).multi_processor_count if _has_gpu() else 132)
-    config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}
-    with target, tvm.transform.PassContext(config=config):
+    with target:
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options))
     task_graph = TaskGraph.build(graph, dims)

@@ -65,7 +65,7 @@ def graph_func(fn: Callable | None = None, *, world_size: int = 1):
     def trace(f: Callable) -> GraphFunc:
         tracer = tracing.Tracer(world_size)
         params = []
-        for p in inspect.signature(f).parameters.values():
+        for p in inspect.signature(f, eval_str=True).parameters.values():
             if not isinstance(p.annotation, Tensor):
                 raise EtcError(f"graph function {f.__name__}: parameter '{p.name}' needs a "
                                "Tensor(shape, dtype) annotation")

@@ -80,6 +80,26 @@ class CompiledGraph:
         outs = [result[k].numpy() for k in range(n)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def capture(self, *inputs):
+        """Capture one run on ``inputs`` (device tensors) into a CUDA graph.
+
+        Returns ``(replay, outputs)``: each ``replay()`` re-runs the captured launches on the
+        same buffers, refreshing ``outputs``. Uses PyTorch's CUDA graph support (torch must be
+        installed): this is how the unfused baseline is replayed without launch overhead.
+        """
+        import torch
+        import tvm_ffi
+
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side), tvm_ffi.use_torch_stream():
+            for _ in range(3):  # settle the allocator's pool before capturing
+                self.run(*inputs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
+            outputs = self.run(*inputs)
+        return graph.replay, outputs
+
     def cuda_source(self) -> str:
         """The generated CUDA C++ of every kernel (for inspection and compile-only checks)."""
         sources, todo = [], [self.executable.mod]

@@ -1,4 +1,5 @@
 """BarrierEdgesTransform: tile-level edges become one barrier between consecutive calls."""
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -27,10 +28,8 @@ def expected(X: Tensor(("M", COLS))):
     a_done = ETensor((1,), name="A_done")
     A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
                     out_edges={a_done: "i->0"})
-    b_done = ETensor((1,), name="B_done")
     return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, X],
-                       out=Tensor((M, COLS), name="B"), in_edges={a_done: "i->0"},
-                       out_edges={b_done: "i->0"})
+                       out=Tensor((M, COLS), name="B"), in_edges={a_done: "i->0"})
 
 
 def test_before_and_after():
@@ -48,6 +47,26 @@ def test_every_task_waits_for_the_whole_previous_call(rng):
     assert graph.static_counts()["A_done"].tolist() == [6]
     assert all(graph.waits[t] == [("A_done", (0,))] for t in graph.calls[1].tasks)
     x = rng.standard_normal((6 * ROWS, COLS)).astype("float32")
-    import numpy as np
-
     np.testing.assert_array_equal(execute(after, x, order=RandomOrder(3)), execute(before, x))
+
+
+@graph_func
+def chain_then_scale(X: Tensor(("M", COLS))):
+    """A chain inside one call (an internal ETensor), then a second call."""
+    M = X.shape[0]
+    link = ETensor((M // ROWS,), name="link")
+    ready = ETensor((M // ROWS,), name="ready")
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    in_edges={link: "i->i-1 if i > 0"}, out_edges={link: "i->i", ready: "i->i"})
+    return call_device(scale_tile, tile_num=(M // ROWS,), args=[A],
+                       out=Tensor((M, COLS), name="B"), in_edges={ready: "i->i"})
+
+
+def test_edges_internal_to_one_call_stay():
+    after = GraphFunc.from_module(BarrierEdgesTransform()(chain_then_scale.mod),
+                                  "chain_then_scale")
+    graph = TaskGraph.build(after, {"M": 3 * ROWS})
+    assert sorted(graph.etensors) == ["A_done", "link"]
+    assert graph.waits[1] == [("link", (0,))]
+    assert graph.notifies[1] == [("A_done", (0,)), ("link", (1,))]
+    assert graph.waits[4] == [("A_done", (0,))]

@@ -48,6 +48,7 @@ def _rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     with bb.function(name, list(func.params), attrs=dict(func.attrs) if func.attrs else None):
         value = {p: p for p in func.params}
         previous = None  # the barrier the next call waits on
+        seen = []
         with bb.dataflow():
             for block in func.body.blocks:
                 for binding in block.bindings:
@@ -59,13 +60,16 @@ def _rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                             value[binding.var] = value[v.args[0]]
                         continue
                     if ops.is_op(v, ops.CALL_DEVICE):
-                        call = ops.CallDeviceCall.of(v)
+                        call = calls[len(seen)]
+                        seen.append(call)
                         coords = "".join(chr(ord("i") + k) for k in range(len(call.tile_num)))
-                        barrier = bb.emit(ops.event_tensor([1], name=f"{call.name}_done"),
-                                          f"{call.name}_done")
                         waits = [previous] if previous is not None else []
                         in_maps = [f"{coords}->0"] * len(waits)
-                        out_maps = [f"{coords}->0"]
+                        barrier = None
+                        if len(seen) < len(calls):  # the last call needs no barrier
+                            barrier = bb.emit(ops.event_tensor([1], name=f"{call.name}_done"),
+                                              f"{call.name}_done")
+                        out_maps = [f"{coords}->0"] if barrier is not None else []
                         kept_in = [(value[e], m) for e, m in zip(call.in_events, call.in_edges)
                                    if base.get(e, e) in internal]
                         kept_out = [(value[e], m) for e, m in zip(call.out_events,
@@ -74,7 +78,8 @@ def _rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                         v = ops.call_device(call.fn, [value[a] for a in call.args],
                                             waits + [e for e, _ in kept_in],
                                             in_maps + [m for _, m in kept_in],
-                                            [barrier] + [e for e, _ in kept_out],
+                                            [barrier] * (barrier is not None)
+                                            + [e for e, _ in kept_out],
                                             out_maps + [m for _, m in kept_out],
                                             call.tile_num, call.out_ty,
                                             name=call.name, out_names=call.out_names)

@@ -13,7 +13,7 @@ After::
 The ETensors disappear: stream order between launches is a global barrier, which satisfies
 every edge between calls. A call with edges among its own tasks (a chain) launches its tasks
 one at a time, in a topological order, each into the same output tensors. This is the baseline the megakernels are measured against (the same tiles as
-separate kernels); with ``relax.backend.use_cuda_graph`` the launches replay from a CUDA graph.
+separate kernels); ``CompiledGraph.capture`` replays them from a CUDA graph.
 """
 from __future__ import annotations
 
