@@ -1,17 +1,32 @@
 """etc_tvm: an Event Tensor Compiler for GPU megakernels, as a plugin on Apache TVM.
 
 Write tiled operators (``@device_func``) and their tile-level dependencies (``ETensor`` and the
-edge maps of ``call_device``) once in a ``@graph_func``; etc_tvm checks the task graph and runs
-it (``execute``, the CPU reference executor).
-"""
-from . import edge_map
-from .device_func import DeviceFunc, device_func
-from .errors import DeadlockError, EdgeMapError, EtcError, ExecutionError, GraphError
-from .etensor import ETensor
-from .graph_func import GraphFunc, call_device, graph_func
-from .tensor import Tensor
+edge maps of ``call_device``) once in a ``@graph_func``; etc_tvm checks the task graph, runs it
+on the CPU reference executor (``executor.execute``) and compiles it into one persistent GPU
+kernel (``build``), which ``load`` runs elsewhere.
 
-__all__ = [
-    "DeadlockError", "DeviceFunc", "ETensor", "EdgeMapError", "EtcError", "ExecutionError",
-    "GraphError", "GraphFunc", "Tensor", "call_device", "device_func", "edge_map", "graph_func",
-]
+In a TVM runtime without the compiler library (``TVM_USE_RUNTIME_LIB=1``, a deployment) only
+``load`` and ``etc_tvm.runtime`` are available.
+"""
+import os
+
+from . import build_env
+
+BUILD_ENV = build_env.prepare()  # before anything imports tvm
+RUNTIME_ONLY = os.environ.get("TVM_USE_RUNTIME_LIB", "0") not in ("", "0")
+
+from .errors import DeadlockError, EdgeMapError, EtcError, ExecutionError, GraphError  # noqa: E402
+from .runtime import load  # noqa: E402
+
+__all__ = ["DeadlockError", "EdgeMapError", "EtcError", "ExecutionError", "GraphError", "load"]
+
+if not RUNTIME_ONLY:
+    from . import edge_map
+    from .build import build
+    from .device_func import DeviceFunc, device_func
+    from .etensor import ETensor
+    from .graph_func import GraphFunc, call_device, graph_func
+    from .tensor import Tensor
+
+    __all__ += ["DeviceFunc", "ETensor", "GraphFunc", "Tensor", "build", "call_device",
+                "device_func", "edge_map", "graph_func"]

@@ -28,7 +28,7 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     """
     target = target or default_target()
     dims = dict(dims or {})
-    num_sms = num_sms or (tvm.cuda(0).multi_processor_count if _has_gpu() else 132)
+    num_sms = num_sms or (tvm.cuda(0).multi_processor_count if has_gpu() else 132)
     with target:
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options))
@@ -37,11 +37,12 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
                      [[n, layout.offsets[n], list(s)] for n, s in layout.shapes.items()],
                      options.timeout_s, has_status=strategy != "unfused")
-    return CompiledGraph(executable, meta, device) if device is not None or _has_gpu() \
+    return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
 
 
-def _has_gpu() -> bool:
+def has_gpu() -> bool:
+    """Whether a CUDA GPU is usable here."""
     try:
         return tvm.cuda(0).exist
     except Exception:  # noqa: BLE001 (no CUDA runtime at all)

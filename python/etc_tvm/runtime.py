@@ -54,12 +54,12 @@ class CompiledGraph:
 
     def __init__(self, executable, meta: GraphMeta, device=None):
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
 
         self.executable = executable
         self.meta = meta
         self.device = device if device is not None else tvm.cuda(0)
-        self.vm = relax.VirtualMachine(executable, self.device)
+        self.vm = VirtualMachine(executable, self.device)
         self._fn = self.vm[meta.name]
 
     def run(self, *inputs):
@@ -124,8 +124,5 @@ def load(path: str | os.PathLike, device=None) -> CompiledGraph:
     for name in ("libtvm_runtime_cuda.so", "libtvm_runtime_extra.so"):
         if (lib_dir / name).exists():
             ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)
-    from tvm import relax
-
     meta = GraphMeta(**json.loads(Path(f"{path}.json").read_text()))
-    executable = relax.VMExecutable(tvm.runtime.load_module(str(path)))
-    return CompiledGraph(executable, meta, device)
+    return CompiledGraph(tvm.runtime.load_module(str(path)), meta, device)

@@ -1,3 +1,5 @@
+import etc_tvm  # noqa: F401  (first: prepares CUDA builds before anything imports tvm)
+
 import zlib
 
 import numpy as np

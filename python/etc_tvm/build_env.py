@@ -1,0 +1,68 @@
+"""Building CUDA code on a machine without a GPU driver.
+
+TVM's CUDA runtime library links against the driver (``libcuda.so.1``). Where no driver is
+installed it cannot load, and ``tvm.compile`` then silently keeps CUDA *source* in the module,
+so an exported library would compile at load time. To export real sm_90a machine code from
+such a machine, a stub ``libcuda.so.1`` (every entry point answers "no device") is built with
+the C compiler and loaded before TVM, and TVM compiles through ``nvcc`` (NVRTC needs the
+``cuda-bindings`` package, which driverless machines lack). This must run before ``import
+tvm``; ``etc_tvm`` does it on import. Where a driver exists nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_STUB = r"""
+typedef int CUresult;
+#define NO_DEVICE 100
+CUresult cuInit(unsigned f) { return NO_DEVICE; }
+CUresult cuDriverGetVersion(int* v) { if (v) *v = 0; return NO_DEVICE; }
+CUresult cuDeviceGetName(char* n, int l, int d) { return NO_DEVICE; }
+CUresult cuFuncSetAttribute(void* f, int a, int v) { return NO_DEVICE; }
+CUresult cuGetErrorName(CUresult e, const char** s) { if (s) *s = "CUDA_ERROR_NO_DEVICE"; return 0; }
+CUresult cuGetErrorString(CUresult e, const char** s) { if (s) *s = "no CUDA driver"; return 0; }
+CUresult cuLaunchKernelEx(const void* c, void* f, void** a, void** e) { return NO_DEVICE; }
+CUresult cuModuleGetFunction(void** f, void* m, const char* n) { return NO_DEVICE; }
+CUresult cuModuleLoadData(void** m, const void* image) { return NO_DEVICE; }
+CUresult cuModuleUnload(void* m) { return NO_DEVICE; }
+CUresult cuTensorMapEncodeTiled(void* t, int d, unsigned r, void* g, const void* gd,
+                                const void* gs, const void* bd, const void* es, int i, int s,
+                                int l2, int o) { return NO_DEVICE; }
+"""
+
+
+def has_driver() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def prepare() -> str:
+    """Make TVM able to emit machine code here; returns what was done (for diagnostics)."""
+    if has_driver():
+        return "driver present"
+    if "tvm" in sys.modules:
+        return "tvm already imported: CUDA modules keep their source"
+    if shutil.which("nvcc") is None or shutil.which("cc") is None:
+        return "no nvcc or C compiler: CUDA modules keep their source"
+    stub_dir = Path(tempfile.gettempdir()) / f"etc_tvm_cuda_stub_{os.getuid()}"
+    stub = stub_dir / "libcuda.so.1"
+    if not stub.exists():
+        stub_dir.mkdir(parents=True, exist_ok=True)
+        source = stub_dir / "libcuda_stub.c"
+        source.write_text(_STUB)
+        partial = stub_dir / f"libcuda.so.1.{os.getpid()}"
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1",
+                        "-o", str(partial), str(source)], check=True)
+        partial.replace(stub)
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    return "stub driver, nvcc"

@@ -1,0 +1,60 @@
+"""Build here, run there: an exported library carries sm_90a machine code, and a TVM runtime
+without the compiler library loads and runs it."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import etc_tvm
+from etc_tvm.build import build
+from etc_tvm.executor import execute
+
+import graphs
+from tiles import COLS, ROWS
+
+DIMS = {"M": 40 * ROWS}
+LOADER = """
+import sys
+import numpy as np
+from etc_tvm import load
+graph = load(sys.argv[1])
+x, y = np.load(sys.argv[2]), np.load(sys.argv[3])
+np.save(sys.argv[4], graph(x, y))
+assert "tvm.relax" not in sys.modules  # the compiler's Python side never loaded
+"""
+
+
+def export(tmp_path: Path) -> Path:
+    path = tmp_path / "two_ops.so"
+    build(graphs.two_ops, DIMS).export(path)
+    return path
+
+
+@pytest.mark.skipif(etc_tvm.BUILD_ENV.startswith("no nvcc"), reason="needs nvcc")
+def test_export_holds_machine_code_not_source(tmp_path):
+    data = export(tmp_path).read_bytes()
+    assert b"__global__" not in data  # no CUDA source to compile at load time
+    assert data.count(b"\x7fELF") >= 2  # the host library and the embedded GPU image
+    assert b"sm_90a" in data
+    assert (tmp_path / "two_ops.so.json").exists()
+
+
+@pytest.mark.gpu
+def test_runtime_without_compiler_library_runs_it(tmp_path, rng):
+    """Loads ``$ETC_TVM_PREBUILT/two_ops.so`` when given (exported on another machine), else
+    one exported here, in a fresh process with ``TVM_USE_RUNTIME_LIB=1``."""
+    prebuilt = os.environ.get("ETC_TVM_PREBUILT")
+    library = Path(prebuilt) / "two_ops.so" if prebuilt else export(tmp_path)
+    x, y = (rng.standard_normal((DIMS["M"], COLS)).astype("float32") for _ in range(2))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+    proc = subprocess.run([sys.executable, "-c", LOADER, str(library), str(tmp_path / "x.npy"),
+                           str(tmp_path / "y.npy"), str(tmp_path / "out.npy")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), execute(graphs.two_ops, x, y),
+                               rtol=1e-5, atol=1e-5)
