@@ -1,13 +1,21 @@
-"""The cost of a dependency: a dependent chain of N small tasks under every strategy.
+"""What a dependency costs: the same tiles under every execution strategy, on the GPU.
 
-    static              one persistent kernel; each hop a notify -> wait across SMs
-    barrier             the same kernel with barriers between operators (a single call here,
-                        so its internal chain stays: the same as static)
-    unfused             each task its own kernel launch, in stream order
-    unfused+cudagraph   those launches replayed from a CUDA graph
+(a) a dependent chain of N small tasks (N = 16 .. 1024), one call with an internal chain;
+(b) a two-layer MLP, GEMM -> ReLU -> GEMM (bf16 tensor-core tiles), pipelined tile by tile: a
+    row block of the second GEMM starts when its row of activations is done.
 
-Per-hop overhead is the slope of the median time over N (launch and set-up costs cancel).
-Prints one table and writes JSON (``--json``). Run on the GPU machine.
+Strategies (the same device functions in every one):
+    static              one persistent kernel, list-scheduled per-SM queues
+    static-rr           the same kernel, topological order dealt round-robin onto the SMs (a
+                        chain then crosses SMs at every hop: the hand-off cost)
+    barrier             the persistent kernel with one barrier between operators
+    unfused             each call (each task of a chain) its own kernel launch
+    unfused+graph       those launches replayed from a CUDA graph
+    static+graph        the persistent kernel's two launches replayed from a CUDA graph (no host
+                        work: the GPU-side cost alone)
+
+Times are medians of CUDA-event timings of one call. Per-hop cost is the slope over N. Prints
+one table per part and writes every number to JSON (``--json``).
 """
 from __future__ import annotations
 
@@ -15,18 +23,29 @@ import argparse
 import json
 import statistics
 
+import ml_dtypes
 import numpy as np
 import torch
 import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
-from etc_tvm.build import build
+from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
 from etc_tvm.executor import execute
+from etc_tvm.schedule import list_schedule, round_robin_schedule
+from etc_tvm.tiles import make_activation_tile, make_gemm_tile
 
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
+
+VARIANTS = {  # label: (strategy, scheduler, replay from a CUDA graph)
+    "static": ("static", list_schedule, False),
+    "static-rr": ("static", round_robin_schedule, False),
+    "barrier": ("barrier", list_schedule, False),
+    "unfused": ("unfused", list_schedule, False),
+    "unfused+graph": ("unfused", list_schedule, True),
+    "static+graph": ("static", list_schedule, True),
+}
 
 
 @device_func
@@ -54,8 +73,27 @@ def chain(x: Tensor(("N", WIDTH))):
                        in_edges={link: "i->i-1 if i > 0"}, out_edges={link: "i->i"})
 
 
-VARIANTS = {"static": "static", "barrier": "barrier", "unfused": "unfused",
-            "unfused+cudagraph": "unfused"}
+def make_mlp(block_rows: int, hidden: int, inter: int):
+    """GEMM (hidden -> inter) -> ReLU (bf16) -> GEMM (inter -> hidden), 64-column tiles."""
+    up = make_gemm_tile(bm=block_rows, bn=64, bk=32)
+    relu = make_activation_tile("relu", "bfloat16", rows=block_rows, cols=64)
+    down = make_gemm_tile(bm=block_rows, bn=64, bk=32)
+
+    @graph_func
+    def mlp(x: Tensor(("M", hidden), "bfloat16"), w1: Tensor((hidden, inter), "bfloat16"),
+            w2: Tensor((inter, hidden), "bfloat16")):
+        m = x.shape[0]
+        h_ready = ETensor((m // block_rows, inter // 64), name="h_ready")
+        row_ready = ETensor((m // block_rows,), name="row_ready")
+        h = call_device(up, tile_num=(m // block_rows, inter // 64), args=[x, w1],
+                        out=Tensor((m, inter), name="h"), out_edges={h_ready: "ij->ij"})
+        a = call_device(relu, tile_num=(m // block_rows, inter // 64), args=[h],
+                        out=Tensor((m, inter), "bfloat16", name="a"),
+                        in_edges={h_ready: "ij->ij"}, out_edges={row_ready: "ij->i"})
+        return call_device(down, tile_num=(m // block_rows, hidden // 64), args=[a, w2],
+                           out=Tensor((m, hidden), name="y"), in_edges={row_ready: "ij->i"})
+
+    return mlp
 
 
 def time_us(fn, reps: int = 200, warmup: int = 20) -> float:
@@ -73,48 +111,75 @@ def time_us(fn, reps: int = 200, warmup: int = 20) -> float:
     return statistics.median(times)
 
 
+def measure(graph, dims, inputs, want, rtol) -> dict:
+    """Each variant: build, check against ``want`` (relative L2 error), time."""
+    dev = tvm.cuda(0)
+    on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
+    row = {}
+    for label, (strategy, scheduler, replay) in VARIANTS.items():
+        compiled = build(graph, dims, strategy=strategy, scheduler=scheduler)
+        if replay:
+            run, outputs = compiled.capture(*on_device)
+            run()
+            torch.cuda.synchronize()
+            got = outputs[0].numpy()
+            if strategy != "unfused":
+                compiled.meta.check(outputs[len(outputs) - 1].numpy())
+        else:
+            got = compiled(*inputs)
+            run = lambda c=compiled: c.run(*on_device)  # noqa: E731
+        error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
+        assert error < rtol, f"{label}: relative error {error:.2e}"
+        row[label] = time_us(run)
+    return row
+
+
+def table(title, key, rows) -> None:
+    labels = list(VARIANTS)
+    print(f"\n{title}")
+    print(f"{key:>8} " + " ".join(f"{label:>13}" for label in labels)
+          + f" {'unfused/static':>15} {'graph/static':>13} {'barrier/static':>15}")
+    for r in rows:
+        print(f"{r[key]:>8} " + " ".join(f"{r[label]:>10.1f} us" for label in labels)
+              + f" {r['unfused'] / r['static']:>14.2f}x {r['unfused+graph'] / r['static']:>12.2f}x"
+              + f" {r['barrier'] / r['static']:>14.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=2048)
     parser.add_argument("--json", default="bench_overhead.json")
     args = parser.parse_args()
-    dev = tvm.cuda(0)
-    rows = []
+    rng = np.random.default_rng(0)
+    chains, mlps = [], []
     with tvm_ffi.use_torch_stream():
         for n in args.lengths:
-            x = np.random.default_rng(n).standard_normal((n, WIDTH)).astype("float32")
-            want = execute(chain, x)
-            row = {"N": n}
-            for label, strategy in VARIANTS.items():
-                compiled = build(chain, {"N": n}, strategy=strategy)
-                x_dev = tvm.runtime.tensor(x, dev)
-                if label.endswith("cudagraph"):
-                    run, outputs = compiled.capture(x_dev)
-                    run()
-                    torch.cuda.synchronize()
-                    got = outputs[0].numpy()
-                else:
-                    got = compiled(x)
-                    run = lambda: compiled.run(x_dev)  # noqa: E731
-                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
-                row[label] = time_us(run)
-            rows.append(row)
-    report(rows, list(VARIANTS))
+            x = rng.standard_normal((n, WIDTH)).astype("float32")
+            chains.append({"N": n, **measure(chain, {"N": n}, [x], execute(chain, x), 1e-6)})
+        for m in args.rows:
+            block = 16 if m <= 16 else 64
+            padded = -(-m // block) * block  # tiles are whole blocks of rows
+            bf16 = ml_dtypes.bfloat16
+            x = rng.standard_normal((padded, args.hidden)).astype(bf16)
+            w1 = (rng.standard_normal((args.hidden, args.inter)) / args.hidden**0.5).astype(bf16)
+            w2 = (rng.standard_normal((args.inter, args.hidden)) / args.inter**0.5).astype(bf16)
+            h = np.maximum(x.astype(np.float64) @ w1.astype(np.float64), 0)
+            want = h.astype(bf16).astype(np.float64) @ w2.astype(np.float64)
+            mlp = make_mlp(block, args.hidden, args.inter)
+            mlps.append({"M": m, "rows computed": padded,
+                         **measure(mlp, {"M": padded}, [x, w1, w2], want, 2e-2)})
+    table("(a) dependent chain of N tasks", "N", chains)
+    ns = [r["N"] for r in chains]
+    print("per hop (slope over N): " + ", ".join(
+        f"{label} {np.polyfit(ns, [r[label] for r in chains], 1)[0]:.3f} us"
+        for label in VARIANTS))
+    table(f"(b) MLP {args.hidden} -> {args.inter} -> {args.hidden}, bf16 "
+          "(M=1 and 16 computed as one 16-row block)", "M", mlps)
     with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
-
-
-def report(rows, labels) -> None:
-    ns = [r["N"] for r in rows]
-    print(f"{'N':>6} " + " ".join(f"{label:>18}" for label in labels)
-          + f" {'unfused/static':>15} {'cudagraph/static':>17}")
-    for r in rows:
-        print(f"{r['N']:>6} " + " ".join(f"{r[label]:>15.1f} us" for label in labels)
-              + f" {r['unfused'] / r['static']:>14.2f}x {r['unfused+cudagraph'] / r['static']:>16.2f}x")
-    if len(rows) > 1:
-        print("per-hop (slope over N): " + ", ".join(
-            f"{label} {np.polyfit(ns, [r[label] for r in rows], 1)[0]:.3f} us"
-            for label in labels))
+        json.dump({"chain": chains, "mlp": mlps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import tvm
 from .graph_func import GraphFunc
 from .relax_passes import pipeline
 from .runtime import CompiledGraph, GraphMeta
+from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout
 from .tir_sched.static_kernel import KernelOptions
@@ -21,17 +22,20 @@ def default_target() -> tvm.target.Target:
 
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
           target: tvm.target.Target | None = None, num_sms: int | None = None,
-          options: KernelOptions = KernelOptions(), device=None) -> CompiledGraph:
+          options: KernelOptions = KernelOptions(), scheduler=list_schedule,
+          device=None) -> CompiledGraph:
     """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
 
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
+    scheduler: how static queues are computed (``etc_tvm.schedule``).
     """
     target = target or default_target()
     dims = dict(dims or {})
     num_sms = num_sms or (tvm.cuda(0).multi_processor_count if has_gpu() else 132)
     with target:
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
-                                 relax_pipeline=pipeline(target, strategy, dims, num_sms, options))
+                                 relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
+                                                         scheduler))
     task_graph = TaskGraph.build(graph, dims)
     layout = EventLayout.of(task_graph)
     meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],

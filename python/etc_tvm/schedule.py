@@ -2,18 +2,23 @@
 
 ``list_schedule`` is list scheduling over the task graph, simulated in time: the SM that frees up
 first takes, among the tasks whose predecessors have finished by then, the one with the longest
-cost-weighted path to the end (critical path first); if none has, the first to become ready. Tasks are placed in a topological order and every SM runs its
+cost-weighted path to the end (critical path first); if none has, the first to become ready.
+A task goes to the SM of the predecessor that released it when that SM is free as early: the
+consumer then finds its data where it was written, and its wait on that producer is elided. Tasks are placed in a topological order and every SM runs its
 queue in placement order, so the earliest unfinished task in that order is never blocked: the
 schedule cannot deadlock. Costs come from each device function's ``cost`` hint.
 """
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
 from .task_graph import TaskGraph
+
+LOCAL_WAITS = 1 << 30  # flag in a queue entry: the task's producers ran earlier on its SM
 
 
 @dataclass(frozen=True)
@@ -27,12 +32,39 @@ class StaticSchedule:
     def num_sms(self) -> int:
         return len(self.queues)
 
-    def csr(self) -> tuple[np.ndarray, np.ndarray]:
-        """(indptr int32[num_sms + 1], tasks int32[num_tasks]): the layout kernels read."""
+    def csr(self, graph: TaskGraph | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(indptr int32[num_sms + 1], tasks int32[num_tasks]): the layout kernels read.
+
+        With ``graph``, a task whose waits are all notified by tasks earlier in its own queue
+        carries ``LOCAL_WAITS`` (bit 30): its CTA has run them already, so it need not wait.
+        """
         indptr = np.zeros(self.num_sms + 1, np.int32)
         indptr[1:] = np.cumsum([len(q) for q in self.queues])
-        tasks = np.array([t for q in self.queues for t in q], np.int32)
+        local = self.local_waits(graph) if graph is not None else set()
+        tasks = np.array([t | (LOCAL_WAITS if t in local else 0)
+                          for q in self.queues for t in q], np.int32)
         return indptr, tasks
+
+    def local_waits(self, graph: TaskGraph) -> set[int]:
+        """Tasks with waits, all of whose elements are notified only by tasks placed earlier
+        on the same SM (static edges; data-dependent ones never count as local)."""
+        where = {t: (sm, k) for sm, q in enumerate(self.queues) for k, t in enumerate(q)}
+        notifiers = defaultdict(list)
+        for task in range(graph.num_tasks):
+            for elem in graph.notifies[task]:
+                notifiers[elem].append(task)
+        dynamic = {c.index for c in graph.calls
+                   if any(e.map.is_data_dependent or e.map.is_trigger for e in c.in_edges)}
+        runtime = graph.dynamically_notified() | set(graph.arm_inputs())
+        local = set()
+        for task in range(graph.num_tasks):
+            sm, k = where[task]
+            if graph.waits[task] and graph.task_call[task] not in dynamic and all(
+                    e[0] not in runtime and notifiers[e]
+                    and all(where[p][0] == sm and where[p][1] < k for p in notifiers[e])
+                    for e in graph.waits[task]):
+                local.add(task)
+        return local
 
 
 def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
@@ -49,6 +81,7 @@ def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
 
     remaining = dict(indeg)
     ready_at: dict = {}
+    released_by: dict = {}  # task -> SM of the predecessor that made it ready
     waiting = []  # (ready time, -level, task): every predecessor placed
     for t in range(graph.num_tasks):
         if remaining[("t", t)] == 0:
@@ -58,25 +91,39 @@ def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
                                                               ready_at)]
     heapq.heapify(waiting)
     ready = []  # (-level, task): ready by the time the next SM frees up
-    sms = [(0.0, sm) for sm in range(num_sms)]
+    free_at = [0.0] * num_sms
     queues = [[] for _ in range(num_sms)]
     makespan = 0.0
     while waiting or ready:
-        free, sm = heapq.heappop(sms)
+        free = min(free_at)
         if not ready or (waiting and waiting[0][0] <= free):
             now = max(free, waiting[0][0]) if not ready else free
             while waiting and waiting[0][0] <= now:
-                at, priority, task = heapq.heappop(waiting)
+                _, priority, task = heapq.heappop(waiting)
                 heapq.heappush(ready, (priority, task))
             free = now
         _, task = heapq.heappop(ready)
-        finish = free + cost[task]
+        sm = free_at.index(min(free_at))
+        start = max(free, ready_at.get(("t", task), 0.0))
+        near = released_by.get(task)
+        if near is not None and free_at[near] <= start:  # as early there: stay by the producer
+            sm = near
+        finish = start + cost[task]
         queues[sm].append(task)
-        heapq.heappush(sms, (finish, sm))
+        free_at[sm] = finish
         makespan = max(makespan, finish)
         for node in _released(("t", task), finish, succ, remaining, ready_at):
+            released_by[node[1]] = sm
             heapq.heappush(waiting, (ready_at[node], -level[node], node[1]))
     return StaticSchedule(tuple(tuple(q) for q in queues), makespan)
+
+
+def round_robin_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
+    """The topological order dealt onto the SMs in turn: no cost model, no locality (every
+    dependent pair of consecutive tasks lands on different SMs). A baseline for schedules."""
+    order = graph.topological_order()
+    queues = tuple(tuple(order[k::num_sms]) for k in range(num_sms))
+    return StaticSchedule(queues, float("nan"))
 
 
 def _max_level(node, succ, level) -> float:

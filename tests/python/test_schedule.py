@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
 from etc_tvm.executor import StaticOrder, execute
-from etc_tvm.schedule import list_schedule
+from etc_tvm.schedule import LOCAL_WAITS, list_schedule, round_robin_schedule
 from etc_tvm.task_graph import TaskGraph
 
 import graphs
@@ -99,3 +99,20 @@ def test_random_dags_under_list_schedules(dag, sms):
     for got, want in zip(execute(graph, x, order=StaticOrder(schedule.queues)),
                          numpy_dag(calls, x)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_stays_on_one_sm_and_its_waits_are_local():
+    task_graph = TaskGraph.build(chain, {"M": 12 * ROWS})
+    schedule = list_schedule(task_graph, 4)
+    assert [list(q) for q in schedule.queues if q] == [list(range(12))]
+    assert schedule.local_waits(task_graph) == set(range(1, 12))
+    indptr, tasks = schedule.csr(task_graph)
+    assert (tasks[1:] & LOCAL_WAITS).all() and not tasks[0] & LOCAL_WAITS
+    assert ((tasks & (LOCAL_WAITS - 1)) == np.arange(12)).all()
+
+
+def test_round_robin_spreads_a_chain_and_nothing_is_local():
+    task_graph = TaskGraph.build(chain, {"M": 12 * ROWS})
+    schedule = round_robin_schedule(task_graph, 4)
+    assert schedule.queues[1] == (1, 5, 9)
+    assert schedule.local_waits(task_graph) == set()

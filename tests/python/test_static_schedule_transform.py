@@ -32,7 +32,7 @@ def test_static_becomes_init_and_one_persistent_kernel():
     assert [int(i) for i in kernel.attrs.inplace_indices] == [4, 5, -1, -1]
     A, B, indptr, tasks, counters, status = kernel.args[1].fields
     graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
-    want_indptr, want_tasks = list_schedule(graph, 8).csr()
+    want_indptr, want_tasks = list_schedule(graph, 8).csr(graph)
     np.testing.assert_array_equal(indptr.value.numpy(), want_indptr)
     np.testing.assert_array_equal(tasks.value.numpy(), want_tasks)
     np.testing.assert_array_equal(init.args[1].fields[0].value.numpy(),

@@ -19,6 +19,7 @@ import tvm
 from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.tirx import compilation_pipeline as tir_pipelines
 
+from ..schedule import list_schedule
 from ..tir_sched.static_kernel import KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
 from .static_schedule_transform import StaticScheduleTransform
@@ -28,21 +29,23 @@ STRATEGIES = ("static", "barrier", "unfused")
 
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
-               num_sms: int = 132, options: KernelOptions = KernelOptions()) -> list:
+               num_sms: int = 132, options: KernelOptions = KernelOptions(),
+               scheduler=list_schedule) -> list:
     """The etc passes of one execution strategy, to run before the standard Relax lowering."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     if strategy == "unfused":
         return [UnfusedTransform(dims)]
-    lowering = [StaticScheduleTransform(dims, num_sms, options)]
+    lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler)]
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 
 
 def pipeline(target: tvm.target.Target, strategy: str = "static",
              dims: Mapping[str, int] | None = None, num_sms: int = 132,
-             options: KernelOptions = KernelOptions()) -> tvm.transform.Pass:
+             options: KernelOptions = KernelOptions(),
+             scheduler=list_schedule) -> tvm.transform.Pass:
     """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on CUDA."""
-    passes = etc_passes(strategy, dims, num_sms, options)
+    passes = etc_passes(strategy, dims, num_sms, options, scheduler)
 
     @tvm.transform.module_pass(opt_level=0, name="etc.Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:

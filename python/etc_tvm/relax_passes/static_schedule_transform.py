@@ -41,18 +41,20 @@ class StaticScheduleTransform:
 
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
     num_sms: persistent CTAs, one per SM (132 on an H200).
+    scheduler: (task graph, num_sms) -> StaticSchedule; list scheduling by default.
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = KernelOptions()):
+                 options: KernelOptions = KernelOptions(), scheduler=list_schedule):
         self.dims = dict(dims or {})
         self.num_sms = num_sms
         self.options = options
+        self.scheduler = scheduler
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
             mod, graph = instantiate(mod, name, self.dims)
-            schedule = list_schedule(graph, self.num_sms)
+            schedule = self.scheduler(graph, self.num_sms)
             layout = EventLayout.of(graph)
             kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel",
                                          self.options)
@@ -69,7 +71,7 @@ def _rewrite(mod, name, graph, schedule, layout, kernel) -> tvm.IRModule:
     status_ty = relax.TensorType([STATUS_WORDS], "int32")
     params = list(func.params)
     produced = [t for t in graph.tensors if t.producer is not None]
-    indptr, tasks = schedule.csr()
+    indptr, tasks = schedule.csr(graph)
     # a plain binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape)
     # must not look into the TIRx kernels
     with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):

@@ -17,8 +17,12 @@ Each module states its numeric contract and gives an ``error_bound`` to check it
 """
 from .elementwise import make_activation_tile, relu_bf16_tile, relu_tile
 from .gemm import gemm_bf16_tile, gemm_tile, make_gemm_tile
-from .reduction import make_partial_row_sum_tile, make_row_sum_tile, partial_row_sum_tile, \
-    row_sum_tile
+from .reduction import (
+    make_partial_row_sum_tile,
+    make_row_sum_tile,
+    partial_row_sum_tile,
+    row_sum_tile,
+)
 
 __all__ = [
     "gemm_bf16_tile", "gemm_tile", "make_activation_tile", "make_gemm_tile",

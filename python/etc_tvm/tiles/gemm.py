@@ -21,9 +21,10 @@ Shared rows are padded by 8 elements (16 bytes): cp.async destinations stay 16-b
 the eight row addresses of one ldmatrix phase fall into distinct bank groups.
 
 Numeric contract: the bf16 inputs are exact in fp32 and so are their products; only the fp32
-accumulation rounds (the tensor core truncates its sums), so against a float64 product of the
-same bf16 inputs, elementwise ``|C - A @ B| <= K * 2**-22 * (|A| @ |B|)``; the bf16 variant adds
-its final rounding, ``2**-8 * |A @ B|``. ``error_bound`` computes this.
+accumulation rounds, so against a float64 product of the same bf16 inputs, elementwise
+``|C - A @ B| <= K * 2**-22 * (|A| @ |B|)``: twice the unit roundoff of truncated fp32 sums, as
+tensor cores may truncate rather than round. The bf16 variant adds its final rounding,
+``2**-8 * |A @ B|``. ``error_bound`` computes this.
 """
 from __future__ import annotations
 
@@ -59,11 +60,11 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
                    out_dtype: str = "float32", stages: int = 2) -> DeviceFunc:
-    """The GEMM tile ``gemm_<bm>x<bn>x<bk>_<out>``; one DeviceFunc per configuration (cached, so
-    graphs that name the same configuration share one device function).
+    """The GEMM tile ``gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
+    configuration (cached, so graphs that name the same configuration share one device function).
 
     ``stages`` is the depth of the cp.async ring (2: double buffering). A standalone grid kernel
     places the ring in static shared memory, where CUDA allows 48 KB; the megakernel's dynamic
@@ -86,7 +87,6 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
         raise EtcError(f"gemm tile {bm}x{bn}x{bk} x{stages} stages needs {smem} bytes of shared "
                        f"memory, more than {SMEM_LIMIT}")
     a_cols, b_cols = bk // CHUNK, bn // CHUNK  # chunks per shared row
-    out_bf16 = out_dtype == "bfloat16"
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
 
     @T.prim_func
@@ -160,19 +160,17 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
                             b_frag[n, 0], b_frag[n, 1],
                             acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
             T.cuda.cta_sync()  # every warp is done with slot ko before it is refilled
-        # Accumulator element e of block (m, n) is row g + 8*(e//2), column 2*t + e%2, with
-        # g = lane // 4 and t = lane % 4.
+        # Accumulator element 2h + v of block (m, n) is row g + 8h, column 2t + v (g = lane // 4,
+        # t = lane % 4): each thread stores pairs of adjacent columns.
         for m in T.unroll(mi):
             for n in T.unroll(ni):
-                for e in T.unroll(4):
-                    if out_bf16:
-                        C[row0 + m * 16 + lane // 4 + e // 2 * 8,
-                          col0 + n * 8 + lane % 4 * 2 + e % 2] = T.Cast("bfloat16", acc[m, n, e])
-                    else:
-                        C[row0 + m * 16 + lane // 4 + e // 2 * 8,
-                          col0 + n * 8 + lane % 4 * 2 + e % 2] = acc[m, n, e]
+                for h in T.unroll(2):
+                    for v in T.vectorized(2):
+                        C[row0 + m * 16 + h * 8 + lane // 4, col0 + n * 8 + lane % 4 * 2 + v] = \
+                            T.Cast(out_dtype, acc[m, n, h * 2 + v])
 
-    name = f"gemm_{bm}x{bn}x{bk}_{'bf16' if out_bf16 else 'f32'}"
+    out = "bf16" if out_dtype == "bfloat16" else "f32"
+    name = f"gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
     tile = device_func(gemm.with_attr("global_symbol", name))
 
     @tile.set_reference

@@ -1,11 +1,12 @@
 """Row-reduction tiles: fp32 row sums, whole rows or one column block at a time (for fan-in).
 
-``row_sum`` task ``i``:          ``Y[r] = sum(X[r, :])``                  for the ``rows`` rows of tile i
-``partial_row_sum`` task (i, j): ``P[r, j] = sum(X[r, j*cols:(j+1)*cols])`` for the same rows
+    row_sum, task i:                Y[r] = sum(X[r, :])
+    partial_row_sum, task (i, j):   P[r, j] = sum(X[r, j*cols:(j+1)*cols])
 
-so ``row_sum`` over ``P`` finishes what ``partial_row_sum`` started: a row block of the result
-then waits (``"ij->i"``) for all of its column blocks. X is fp32 (M, N), row-major; M, N and P's
-width are symbolic, M a multiple of rows (and N of cols for the partial sums).
+for the ``rows`` rows r of row block i. ``row_sum`` over ``P`` finishes what ``partial_row_sum``
+started: a row block of the result then waits (``"ij->i"``) for all of its column blocks. X is
+fp32 (M, N), row-major; M, N and P's width are symbolic, M a multiple of rows (and N of cols for
+the partial sums).
 
 One warp per row: lane l adds columns l, l+32, ... (each step reads 128 contiguous bytes), then a
 shuffle tree (``T.cuda.warp_sum``) combines the 32 lane sums and lane 0 stores. The ``rows /
@@ -36,16 +37,16 @@ def _warps(rows: int, threads: int) -> int:
     return threads // WARP
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_row_sum_tile(rows: int = 64, threads: int = 128) -> DeviceFunc:
-    """The tile ``row_sum_<rows>``: Y[r] = sum over all N columns of X[r, :]."""
+    """The tile ``row_sum_<rows>_t<threads>``: Y[r] = sum over all N columns of X[r, :]."""
     warps = _warps(rows, threads)
     M, N = (tirx.Var(d, "int32") for d in "MN")
 
     @T.prim_func
     def row_sum(i: T.int32, X: T.Buffer((M, N), "float32"), Y: T.Buffer((M,), "float32")):
         T.device_entry()
-        tx = T.thread_id([threads])
+        tx = T.thread_id([threads])  # noqa: F841 (declares the thread count)
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
         acc = T.alloc_local((1,), "float32")
@@ -59,7 +60,7 @@ def make_row_sum_tile(rows: int = 64, threads: int = 128) -> DeviceFunc:
             if lane == 0:
                 Y[row] = acc[0]
 
-    name = f"row_sum_{rows}"
+    name = f"row_sum_{rows}_t{threads}"
     tile = device_func(row_sum.with_attr("global_symbol", name))
 
     @tile.set_reference
@@ -70,9 +71,10 @@ def make_row_sum_tile(rows: int = 64, threads: int = 128) -> DeviceFunc:
     return tile
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_partial_row_sum_tile(rows: int = 64, cols: int = 64, threads: int = 128) -> DeviceFunc:
-    """The tile ``partial_row_sum_<rows>x<cols>``: P[r, j] = sum of X[r, j*cols:(j+1)*cols]."""
+    """The tile ``partial_row_sum_<rows>x<cols>_t<threads>``: P[r, j] = sum of
+    X[r, j*cols:(j+1)*cols]."""
     warps = _warps(rows, threads)
     if cols % WARP:
         raise EtcError(f"partial row sum tile: cols must be a multiple of {WARP}, got {cols}")
@@ -82,7 +84,7 @@ def make_partial_row_sum_tile(rows: int = 64, cols: int = 64, threads: int = 128
     def partial_row_sum(i: T.int32, j: T.int32, X: T.Buffer((M, N), "float32"),
                         P: T.Buffer((M, NP), "float32")):
         T.device_entry()
-        tx = T.thread_id([threads])
+        tx = T.thread_id([threads])  # noqa: F841 (declares the thread count)
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
         acc = T.alloc_local((1,), "float32")
@@ -95,7 +97,7 @@ def make_partial_row_sum_tile(rows: int = 64, cols: int = 64, threads: int = 128
             if lane == 0:
                 P[row, j] = acc[0]
 
-    name = f"partial_row_sum_{rows}x{cols}"
+    name = f"partial_row_sum_{rows}x{cols}_t{threads}"
     tile = device_func(partial_row_sum.with_attr("global_symbol", name))
 
     @tile.set_reference

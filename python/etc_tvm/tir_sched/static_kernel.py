@@ -2,11 +2,12 @@
 
     grid = one CTA per SM (cooperative launch: all co-resident, or the launch fails)
     CTA b:  for pos in indptr[b] .. indptr[b+1]-1:
-                t = tasks[pos]                       # a global task id, read by every thread
+                t = tasks[pos] & ~LOCAL_WAITS        # a global task id, read by every thread
                 if t < first[1]:   call 0, coords = unravel(t - first[0], grid[0])
                 elif t < first[2]: call 1, ...
                     wait:   thread 0 waits on each element of the in_edges (etc_wait, bounded);
                             barrier; all threads leave the loop if the grid is stopping
+                            (skipped when tasks[pos] has LOCAL_WAITS: this CTA ran them)
                     body:   the device function, inlined
                     notify: barrier; thread 0 decrements each element of the out_edges
 
@@ -24,7 +25,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
-from ..schedule import StaticSchedule
+from ..schedule import LOCAL_WAITS, StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout, lower_edge
 from .grid_kernel import unravel
@@ -73,6 +74,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
         if arena_bytes else None
     stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
     task = tirx.Var("t", "int32")
+    local = tirx.Var("local_waits", "int32")
     limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
     def wait(idx):
@@ -96,9 +98,10 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
                 step = tirx.IfThenElse(stop[0] == 0,
                                        tirx.BufferStore(stop, wait(idx), [i32(0)]), None)
                 waits.append(step if guard is None else tirx.IfThenElse(guard, step, None))
-            stmts += [tirx.IfThenElse(tx == 0, tirx.stmt_seq(*waits), None),
-                      tirx.Evaluate(Tb.cuda.cta_sync()),
-                      tirx.IfThenElse(stop[0] != 0, tirx.Break(), None)]
+            stmts.append(tirx.IfThenElse(local == 0, tirx.stmt_seq(
+                tirx.IfThenElse(tx == 0, tirx.stmt_seq(*waits), None),
+                tirx.Evaluate(Tb.cuda.cta_sync()),
+                tirx.IfThenElse(stop[0] != 0, tirx.Break(), None)), None))
         args = [buffers[t] for t in call.tensor_args()]
         stmts += tirx.stmt_list(inline_task(call.fn, coord_vars, args, scopes, arena))
         if call.out_edges:
@@ -138,7 +141,8 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
             with Tb.While(pos[0] < indptr[bx + 1]):
-                Tb.add_to_parent(tirx.Bind(task, tasks[pos[0]]))
+                Tb.add_to_parent(tirx.Bind(task, tasks[pos[0]] & i32(LOCAL_WAITS - 1)))
+                Tb.add_to_parent(tirx.Bind(local, tasks[pos[0]] >> i32(30)))
                 Tb.add_to_parent(dispatch)
                 Tb.buffer_store(pos, pos[0] + 1, [0])
     return ib.get()
