@@ -17,8 +17,6 @@ Strategies (the same device functions in every one):
 Times are medians of CUDA-event timings of one call. Per-hop cost is the slope over N. Prints
 one table per part and writes every number to JSON (``--json``).
 """
-from __future__ import annotations
-
 import argparse
 import json
 import statistics
@@ -75,9 +73,10 @@ def chain(x: Tensor(("N", WIDTH))):
 
 def make_mlp(block_rows: int, hidden: int, inter: int):
     """GEMM (hidden -> inter) -> ReLU (bf16) -> GEMM (inter -> hidden), 64-column tiles."""
-    up = make_gemm_tile(bm=block_rows, bn=64, bk=32)
+    bk = 64 if block_rows < 64 else 32  # whole 16-byte copies for every thread
+    up = make_gemm_tile(bm=block_rows, bn=64, bk=bk)
     relu = make_activation_tile("relu", "bfloat16", rows=block_rows, cols=64)
-    down = make_gemm_tile(bm=block_rows, bn=64, bk=32)
+    down = make_gemm_tile(bm=block_rows, bn=64, bk=bk)
 
     @graph_func
     def mlp(x: Tensor(("M", hidden), "bfloat16"), w1: Tensor((hidden, inter), "bfloat16"),

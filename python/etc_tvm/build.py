@@ -11,7 +11,7 @@ from .runtime import CompiledGraph, GraphMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout
-from .tir_sched.static_kernel import KernelOptions
+from .tir_sched.static_kernel import DEFAULT_OPTIONS, KernelOptions
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -22,7 +22,7 @@ def default_target() -> tvm.target.Target:
 
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
           target: tvm.target.Target | None = None, num_sms: int | None = None,
-          options: KernelOptions = KernelOptions(), scheduler=list_schedule,
+          options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
           device=None) -> CompiledGraph:
     """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
 

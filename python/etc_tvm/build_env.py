@@ -25,7 +25,7 @@ CUresult cuInit(unsigned f) { return NO_DEVICE; }
 CUresult cuDriverGetVersion(int* v) { if (v) *v = 0; return NO_DEVICE; }
 CUresult cuDeviceGetName(char* n, int l, int d) { return NO_DEVICE; }
 CUresult cuFuncSetAttribute(void* f, int a, int v) { return NO_DEVICE; }
-CUresult cuGetErrorName(CUresult e, const char** s) { if (s) *s = "CUDA_ERROR_NO_DEVICE"; return 0; }
+CUresult cuGetErrorName(CUresult e, const char** s) { if (s) *s = "NO_DEVICE"; return 0; }
 CUresult cuGetErrorString(CUresult e, const char** s) { if (s) *s = "no CUDA driver"; return 0; }
 CUresult cuLaunchKernelEx(const void* c, void* f, void** a, void** e) { return NO_DEVICE; }
 CUresult cuModuleGetFunction(void** f, void* m, const char* n) { return NO_DEVICE; }

@@ -65,7 +65,13 @@ def graph_func(fn: Callable | None = None, *, world_size: int = 1):
     def trace(f: Callable) -> GraphFunc:
         tracer = tracing.Tracer(world_size)
         params = []
-        for p in inspect.signature(f, eval_str=True).parameters.values():
+        try:
+            signature = inspect.signature(f, eval_str=True)
+        except NameError as err:
+            raise EtcError(f"graph function {f.__name__}: its annotations cannot be evaluated "
+                           f"({err}); under 'from __future__ import annotations' they may only "
+                           "name module-level values") from None
+        for p in signature.parameters.values():
             if not isinstance(p.annotation, Tensor):
                 raise EtcError(f"graph function {f.__name__}: parameter '{p.name}' needs a "
                                "Tensor(shape, dtype) annotation")

@@ -4,9 +4,10 @@
 first takes, among the tasks whose predecessors have finished by then, the one with the longest
 cost-weighted path to the end (critical path first); if none has, the first to become ready.
 A task goes to the SM of the predecessor that released it when that SM is free as early: the
-consumer then finds its data where it was written, and its wait on that producer is elided. Tasks are placed in a topological order and every SM runs its
-queue in placement order, so the earliest unfinished task in that order is never blocked: the
-schedule cannot deadlock. Costs come from each device function's ``cost`` hint.
+consumer then finds its data where it was written, and its wait on that producer is elided.
+Tasks are placed in a topological order and every SM runs its queue in placement order, so the
+earliest unfinished task in that order is never blocked: the schedule cannot deadlock. Costs
+come from each device function's ``cost`` hint.
 """
 from __future__ import annotations
 

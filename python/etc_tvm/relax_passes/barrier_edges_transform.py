@@ -13,8 +13,9 @@ After::
     D = etc.call_device(relu, ..., in_edges=[barrier0: "i->0"])
 
 Every task of a call waits for every task of the call before it, in program order (which the
-data flow already respects). ETensors internal to one call (a chain inside a call) stay. Followed by ``StaticScheduleTransform`` this is the "barrier"
-strategy: the same megakernel and tiles, without tile-level pipelining.
+data flow already respects). ETensors internal to one call (a chain inside a call) stay.
+Followed by ``StaticScheduleTransform`` this is the "barrier" strategy: the same megakernel
+and tiles, without tile-level pipelining.
 """
 from __future__ import annotations
 

@@ -14,15 +14,14 @@ from ..task_graph import TaskGraph
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
     """Names of the Relax functions that call device functions."""
-    names = []
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            found = []
-            relax.analysis.post_order_visit(func, lambda e: found.append(
-                ops.is_op(e, ops.CALL_DEVICE)))
-            if any(found):
-                names.append(gv.name_hint)
-    return names
+    return [gv.name_hint for gv, func in mod.functions_items()
+            if isinstance(func, relax.Function) and _calls_devices(func)]
+
+
+def _calls_devices(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(ops.is_op(e, ops.CALL_DEVICE)))
+    return any(found)
 
 
 def instantiate(mod: tvm.IRModule, name: str, dims: Mapping[str, int]):

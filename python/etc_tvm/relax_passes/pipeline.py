@@ -20,7 +20,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.tirx import compilation_pipeline as tir_pipelines
 
 from ..schedule import list_schedule
-from ..tir_sched.static_kernel import KernelOptions
+from ..tir_sched.static_kernel import DEFAULT_OPTIONS, KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform
@@ -29,7 +29,7 @@ STRATEGIES = ("static", "barrier", "unfused")
 
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
-               num_sms: int = 132, options: KernelOptions = KernelOptions(),
+               num_sms: int = 132, options: KernelOptions = DEFAULT_OPTIONS,
                scheduler=list_schedule) -> list:
     """The etc passes of one execution strategy, to run before the standard Relax lowering."""
     if strategy not in STRATEGIES:
@@ -42,7 +42,7 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
 
 def pipeline(target: tvm.target.Target, strategy: str = "static",
              dims: Mapping[str, int] | None = None, num_sms: int = 132,
-             options: KernelOptions = KernelOptions(),
+             options: KernelOptions = DEFAULT_OPTIONS,
              scheduler=list_schedule) -> tvm.transform.Pass:
     """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on CUDA."""
     passes = etc_passes(strategy, dims, num_sms, options, scheduler)

@@ -31,7 +31,8 @@ from tvm import relax
 from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.init_kernel import etc_init
-from ..tir_sched.static_kernel import STATUS_WORDS, KernelOptions, build_static_kernel
+from ..tir_sched.static_kernel import (DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions,
+                                       build_static_kernel)
 from .instantiate import graph_functions, instantiate, without, without_device_funcs
 
 
@@ -45,7 +46,7 @@ class StaticScheduleTransform:
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = KernelOptions(), scheduler=list_schedule):
+                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule):
         self.dims = dict(dims or {})
         self.num_sms = num_sms
         self.options = options

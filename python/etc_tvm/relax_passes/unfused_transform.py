@@ -12,8 +12,9 @@ After::
 
 The ETensors disappear: stream order between launches is a global barrier, which satisfies
 every edge between calls. A call with edges among its own tasks (a chain) launches its tasks
-one at a time, in a topological order, each into the same output tensors. This is the baseline the megakernels are measured against (the same tiles as
-separate kernels); ``CompiledGraph.capture`` replays them from a CUDA graph.
+one at a time, in a topological order, each into the same output tensors. This is the
+baseline the megakernels are measured against (the same tiles as separate kernels);
+``CompiledGraph.capture`` replays them from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -55,11 +56,6 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
                        for t in call.outputs]
             single = len(out_tys) == 1
             out_ty = out_tys[0] if single else out_tys
-
-            def unpack(result):
-                return [result] if single else [bb.emit(relax.TupleGetItem(result, k))
-                                                for k in range(len(out_tys))]
-
             inputs = [value[t] for t in call.inputs]
             if any(e.etensor in internal for e in call.in_edges):
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_task",
@@ -76,12 +72,18 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
                         result = bb.emit(relax.op.call_tir_inplace(
                             gv, [*inputs, index, *outs], inplace[0] if single else inplace,
                             out_ty))
-                    outs = unpack(result)
+                    outs = _unpack(bb, result, len(out_tys))
             else:
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_grid")
                 gv = bb.add_func(kernel, f"{call.name}_grid")
-                outs = unpack(bb.emit(relax.call_tir(gv, inputs, out_ty), call.name))
+                outs = _unpack(bb, bb.emit(relax.call_tir(gv, inputs, out_ty), call.name),
+                               len(out_tys))
             for t, out in zip(call.outputs, outs):
                 value[t] = out
         bb.emit_func_output(relax.Tuple([value[t] for t in graph.outputs]))
     return bb.finalize()
+
+
+def _unpack(bb, result, n: int) -> list:
+    """The outputs of a call_tir: the result itself, or its tuple fields."""
+    return [result] if n == 1 else [bb.emit(relax.TupleGetItem(result, k)) for k in range(n)]

@@ -51,8 +51,11 @@ class KernelOptions:
     drop_notify: int | None = None
 
 
+DEFAULT_OPTIONS = KernelOptions()
+
+
 def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
-                        name: str, options: KernelOptions = KernelOptions()) -> tirx.PrimFunc:
+                        name: str, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
     """The persistent kernel that runs ``schedule`` (per-SM queues) of ``graph``."""
     threads = {c.fn.num_threads for c in graph.calls}
     if len(threads) != 1:

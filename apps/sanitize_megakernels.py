@@ -1,0 +1,35 @@
+"""Run each megakernel of the GPU tests once, for compute-sanitizer:
+
+    for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 1 python3 apps/sanitize_megakernels.py
+    done
+
+Every graph of tests/python/test_static_megakernel_gpu.py and the GEMM -> ReLU -> GEMM tiles
+graph, under the static and barrier strategies, checked against the CPU reference executor.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+
+from etc_tvm import build  # noqa: E402
+from etc_tvm.executor import execute  # noqa: E402
+
+from test_static_megakernel_gpu import CASES  # noqa: E402
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for name, (graph, dims, make) in sorted(CASES.items()):
+        inputs = make(rng)
+        want = execute(graph, *inputs)
+        for strategy in ("static", "barrier"):
+            got = build(graph, dims, strategy=strategy)(*inputs)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            print(f"{name} {strategy}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
