@@ -5,16 +5,17 @@ and ``Y`` fp32 or bf16. The default tile (64 x 64, 128 threads) matches the defa
 a GEMM's output tile (i, j) feeds the activation task (i, j) through an ``"ij->ij"`` edge, and a
 bf16 output is the A operand of a following GEMM.
 
-Each thread moves 4 contiguous fp32 per step (one 16-byte load); a warp covers 512 contiguous
-bytes of a row, so the loads coalesce. M and N are symbolic, multiples of rows and cols.
+Each thread moves 4 contiguous fp32 per step (one 16-byte load), consecutive threads the
+consecutive pieces of a row, so the loads coalesce. M and N are symbolic, multiples of rows and
+cols.
 
 Numeric contract, elementwise against float64 ``f`` of the same fp32 input. TVM compiles CUDA
 with ``--use_fast_math``: ``expf`` is ``ex2.approx``, division is approximate, and results below
 2**-126 flush to zero. ReLU is exact in fp32; GELU (tanh form, as in GPT-2) and SiLU give
 ``|Y - f(X)| <= 2**-20 * (1 + |X|)``. GELU uses ``0.5 * (1 + tanh(u)) == sigmoid(2u)`` and so
-needs only ``expf``: fast-math ``tanhf`` is ``tanh.approx.f32``, good to about 2**-11, which
-missed this bound on the H200. A bf16 output adds one rounding, ``2**-8 * |f(X)|``.
-``error_bound`` computes this.
+needs only ``expf``: with fast math, ``tanhf`` missed this bound on the H200 (relative errors
+up to about 2**-14). A bf16 output adds one rounding, ``2**-8 * |f(X)|``. ``error_bound``
+computes this.
 """
 from __future__ import annotations
 
@@ -87,13 +88,14 @@ def make_activation_tile(activation: str = "relu", out_dtype: str = "bfloat16", 
         T.device_entry()
         tx = T.thread_id([threads])
         for s in T.unroll(steps):
-            v = T.meta_var(s * threads + tx)
+            v = T.meta_var(s * threads + tx)  # this thread's 4-vector of the tile
+            row = T.meta_var(i * rows + v // vecs_per_row)
+            col = T.meta_var(j * cols + v % vecs_per_row * VEC)
             for e in T.vectorized(VEC):
-                Y[i * rows + v // vecs_per_row, j * cols + v % vecs_per_row * VEC + e] = T.Cast(
-                    out_dtype, f(X[i * rows + v // vecs_per_row, j * cols + v % vecs_per_row * VEC
-                                   + e]))
+                Y[row, col + e] = T.Cast(out_dtype, f(X[row, col + e]))
 
-    name = f"{activation}_{rows}x{cols}_{'bf16' if out_dtype == 'bfloat16' else 'f32'}_t{threads}"
+    out = "bf16" if out_dtype == "bfloat16" else "f32"
+    name = f"{activation}_{rows}x{cols}_{out}_t{threads}"
     tile = device_func(act.with_attr("global_symbol", name))
 
     @tile.set_reference

@@ -66,7 +66,7 @@ def make_row_sum_tile(rows: int = 64, threads: int = 128) -> DeviceFunc:
     @tile.set_reference
     def _(i, X, Y):
         block = slice(i * rows, (i + 1) * rows)
-        Y[block] = X[block].astype(np.float32).sum(axis=1, dtype=np.float32)
+        Y[block] = X[block].sum(axis=1, dtype=np.float32)
 
     return tile
 
