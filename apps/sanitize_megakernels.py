@@ -4,8 +4,8 @@
         compute-sanitizer --tool $tool --error-exitcode 1 python3 apps/sanitize_megakernels.py
     done
 
-Every graph of tests/python/test_static_megakernel_gpu.py and the GEMM -> ReLU -> GEMM tiles
-graph, under the static and barrier strategies, checked against the CPU reference executor.
+Every graph of tests/python/test_static_megakernel_gpu.py under the static strategy (list and
+round-robin queues) and the barrier strategy, checked against the CPU reference executor.
 """
 import sys
 from pathlib import Path
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python")
 
 from etc_tvm import build  # noqa: E402
 from etc_tvm.executor import execute  # noqa: E402
+from etc_tvm.schedule import list_schedule, round_robin_schedule  # noqa: E402
 
 from test_static_megakernel_gpu import CASES  # noqa: E402
 
@@ -25,10 +26,11 @@ def main() -> None:
     for name, (graph, dims, make) in sorted(CASES.items()):
         inputs = make(rng)
         want = execute(graph, *inputs)
-        for strategy in ("static", "barrier"):
-            got = build(graph, dims, strategy=strategy)(*inputs)
+        for strategy, scheduler in (("static", list_schedule), ("static", round_robin_schedule),
+                                    ("barrier", list_schedule)):
+            got = build(graph, dims, strategy=strategy, scheduler=scheduler)(*inputs)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-            print(f"{name} {strategy}: ok", flush=True)
+            print(f"{name} {strategy} {scheduler.__name__}: ok", flush=True)
 
 
 if __name__ == "__main__":

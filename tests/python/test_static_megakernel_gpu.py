@@ -8,6 +8,7 @@ import pytest
 from etc_tvm import ExecutionError
 from etc_tvm.build import build
 from etc_tvm.executor import execute
+from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tir_sched.static_kernel import KernelOptions
 
 import graphs
@@ -36,11 +37,13 @@ def as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-@pytest.mark.parametrize("strategy", ["static", "barrier", "unfused"])
+@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "barrier", "unfused"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference_executor(case, strategy, rng):
     graph, dims, make = CASES[case]
-    compiled = build(graph, dims, strategy=strategy)
+    compiled = build(graph, dims, strategy=strategy.replace("_round_robin", ""),
+                     scheduler=round_robin_schedule if "round_robin" in strategy
+                     else list_schedule)
     inputs = make(rng)
     want = execute(graph, *inputs)
     for g, w in zip(as_tuple(compiled(*inputs)), as_tuple(want)):
@@ -77,10 +80,12 @@ def test_100_launches_are_identical(case, rng):
 
 def test_a_missing_notify_stops_the_kernel_with_a_named_error(rng):
     """Every task after the one whose notify is dropped waits on its predecessor's link; the
-    first to time out names itself, the link it waited on and the SM, well within the limit."""
+    first to time out names itself, the link it waited on and the SM, well within the limit.
+    Round-robin queues put each hop on another SM (a same-SM producer's wait is elided)."""
     graph, dims, make = CASES["dependent_chain"]
     dropped = 10
-    compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped))
+    compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped),
+                     scheduler=round_robin_schedule)
     start = time.perf_counter()
     with pytest.raises(ExecutionError) as err:
         compiled(*make(rng))
