@@ -6,9 +6,10 @@
 
 Strategies (the same device functions in every one):
     static              one persistent kernel, list-scheduled per-SM queues
+    static-2, static-4  the same with 2 or 4 persistent CTAs per SM
     static-rr           the same kernel, topological order dealt round-robin onto the SMs (a
                         chain then crosses SMs at every hop: the hand-off cost)
-    barrier             the persistent kernel with one barrier between operators
+    barrier, barrier-4  the persistent kernel with one barrier between operators (4 CTAs/SM)
     unfused             each call (each task of a chain) its own kernel launch
     unfused+graph       those launches replayed from a CUDA graph
     static+graph        the persistent kernel's two launches replayed from a CUDA graph (no host
@@ -32,17 +33,21 @@ from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
 from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tiles import make_activation_tile, make_gemm_tile
+from etc_tvm.tir_sched.static_kernel import KernelOptions
 
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
 
-VARIANTS = {  # label: (strategy, scheduler, replay from a CUDA graph)
-    "static": ("static", list_schedule, False),
-    "static-rr": ("static", round_robin_schedule, False),
-    "barrier": ("barrier", list_schedule, False),
-    "unfused": ("unfused", list_schedule, False),
-    "unfused+graph": ("unfused", list_schedule, True),
-    "static+graph": ("static", list_schedule, True),
+VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA graph)
+    "static": ("static", list_schedule, 1, False),
+    "static-2": ("static", list_schedule, 2, False),
+    "static-4": ("static", list_schedule, 4, False),
+    "static-rr": ("static", round_robin_schedule, 1, False),
+    "barrier": ("barrier", list_schedule, 1, False),
+    "barrier-4": ("barrier", list_schedule, 4, False),
+    "unfused": ("unfused", list_schedule, 1, False),
+    "unfused+graph": ("unfused", list_schedule, 1, True),
+    "static+graph": ("static", list_schedule, 1, True),
 }
 
 
@@ -115,8 +120,9 @@ def measure(graph, dims, inputs, want, rtol) -> dict:
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
     row = {}
-    for label, (strategy, scheduler, replay) in VARIANTS.items():
-        compiled = build(graph, dims, strategy=strategy, scheduler=scheduler)
+    for label, (strategy, scheduler, ctas, replay) in VARIANTS.items():
+        compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
+                         options=KernelOptions(ctas_per_sm=ctas))
         if replay:
             run, outputs = compiled.capture(*on_device)
             run()

@@ -24,22 +24,23 @@ LOCAL_WAITS = 1 << 30  # flag in a queue entry: the task's producers ran earlier
 
 @dataclass(frozen=True)
 class StaticSchedule:
-    """``queues[sm]``: the task ids SM ``sm`` runs, in order; ``makespan``: the estimate."""
+    """``queues[c]``: the task ids persistent CTA ``c`` runs, in order (the hardware places the
+    CTAs on SMs, several to an SM when asked); ``makespan``: the estimate."""
 
     queues: tuple[tuple[int, ...], ...]
     makespan: float
 
     @property
-    def num_sms(self) -> int:
+    def num_ctas(self) -> int:
         return len(self.queues)
 
     def csr(self, graph: TaskGraph | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(indptr int32[num_sms + 1], tasks int32[num_tasks]): the layout kernels read.
+        """(indptr int32[num_ctas + 1], tasks int32[num_tasks]): the layout kernels read.
 
         With ``graph``, a task whose waits are all notified by tasks earlier in its own queue
         carries ``LOCAL_WAITS`` (bit 30): its CTA has run them already, so it need not wait.
         """
-        indptr = np.zeros(self.num_sms + 1, np.int32)
+        indptr = np.zeros(self.num_ctas + 1, np.int32)
         indptr[1:] = np.cumsum([len(q) for q in self.queues])
         local = self.local_waits(graph) if graph is not None else set()
         tasks = np.array([t | (LOCAL_WAITS if t in local else 0)
@@ -68,10 +69,10 @@ class StaticSchedule:
         return local
 
 
-def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
-    """Critical-path-first list scheduling of ``graph`` onto ``num_sms`` queues."""
-    if num_sms < 1:
-        raise ValueError(f"num_sms must be positive, got {num_sms}")
+def list_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
+    """Critical-path-first list scheduling of ``graph`` onto ``num_queues`` queues (one per persistent CTA)."""
+    if num_queues < 1:
+        raise ValueError(f"num_queues must be positive, got {num_queues}")
     order = graph.topological_order()  # also rejects cycles
     succ, indeg = graph.dependency_graph()
     cost = [graph.call_of(t).fn.cost for t in range(graph.num_tasks)]
@@ -92,8 +93,8 @@ def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
                                                               ready_at)]
     heapq.heapify(waiting)
     ready = []  # (-level, task): ready by the time the next SM frees up
-    free_at = [0.0] * num_sms
-    queues = [[] for _ in range(num_sms)]
+    free_at = [0.0] * num_queues
+    queues = [[] for _ in range(num_queues)]
     makespan = 0.0
     while waiting or ready:
         free = min(free_at)
@@ -119,11 +120,11 @@ def list_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
     return StaticSchedule(tuple(tuple(q) for q in queues), makespan)
 
 
-def round_robin_schedule(graph: TaskGraph, num_sms: int) -> StaticSchedule:
+def round_robin_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
     """The topological order dealt onto the SMs in turn: no cost model, no locality (every
     dependent pair of consecutive tasks lands on different SMs). A baseline for schedules."""
     order = graph.topological_order()
-    queues = tuple(tuple(order[k::num_sms]) for k in range(num_sms))
+    queues = tuple(tuple(order[k::num_queues]) for k in range(num_queues))
     return StaticSchedule(queues, float("nan"))
 
 

@@ -15,7 +15,7 @@ After::
     return (D, status)
 
 The task graph is instantiated for concrete sizes (the function's own, or ``dims``), list
-scheduled onto ``num_sms`` per-SM queues (stored as constants the kernel reads) and lowered by
+scheduled onto one queue per persistent CTA (stored as constants the kernel reads) and lowered by
 ``tir_sched.static_kernel``. The device functions, now inlined, leave the module. The function
 also returns the watchdog ``status`` record, last; ``etc_tvm.runtime`` checks it. Run it before
 the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
@@ -41,7 +41,7 @@ class StaticScheduleTransform:
     """Lower every graph function of the module to an init call and one persistent kernel.
 
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
-    num_sms: persistent CTAs, one per SM (132 on an H200).
+    num_sms: SMs of the target (132 on an H200); ``options.ctas_per_sm`` persistent CTAs each.
     scheduler: (task graph, num_sms) -> StaticSchedule; list scheduling by default.
     """
 
@@ -55,7 +55,7 @@ class StaticScheduleTransform:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
             mod, graph = instantiate(mod, name, self.dims)
-            schedule = self.scheduler(graph, self.num_sms)
+            schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
             layout = EventLayout.of(graph)
             kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel",
                                          self.options)

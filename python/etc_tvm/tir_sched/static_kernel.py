@@ -1,6 +1,7 @@
 """The persistent kernel of a static schedule.
 
-    grid = one CTA per SM (cooperative launch: all co-resident, or the launch fails)
+    grid = one CTA per queue, ctas_per_sm per SM (cooperative launch: all co-resident, or the
+           launch fails)
     CTA b:  for pos in indptr[b] .. indptr[b+1]-1:
                 t = tasks[pos] & ~LOCAL_WAITS        # a global task id, read by every thread
                 if t < first[1]:   call 0, coords = unravel(t - first[0], grid[0])
@@ -12,7 +13,7 @@
                     notify: barrier; thread 0 decrements each element of the out_edges
 
 Kernel parameters, in order (the DPS order of ``R.call_tir_inplace``): the graph's input
-tensors, ``indptr`` int32[num_sms + 1], ``tasks`` int32[num_tasks], ``counters`` int32[n] and
+tensors, ``indptr`` int32[num_ctas + 1], ``tasks`` int32[num_tasks], ``counters`` int32[n] and
 ``status`` int32[STATUS_WORDS] (both updated in place), then every call's output tensors.
 ``status`` is the watchdog record of ``src/etc_runtime.cuh``.
 """
@@ -45,9 +46,13 @@ def runtime_source() -> str:
 @dataclass(frozen=True)
 class KernelOptions:
     """timeout_s: how long a wait may spin before the grid stops with an error.
+    ctas_per_sm: persistent CTAs per SM; more hide the latency of one task with another's (the
+      kernel's registers and shared memory must let them be co-resident, or the cooperative
+      launch fails).
     drop_notify: a task id whose notifies are left out (a test hook for the watchdog)."""
 
     timeout_s: float = 4.0
+    ctas_per_sm: int = 1
     drop_notify: int | None = None
 
 
@@ -68,7 +73,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     buffers = [tirx.decl_buffer(t.shape, t.dtype, t.name) for t in graph.tensors]
     inputs = [buffers[t.index] for t in graph.tensors if t.param is not None]
     outputs = [buffers[t.index] for t in graph.tensors if t.producer is not None]
-    indptr = tirx.decl_buffer((schedule.num_sms + 1,), "int32", "indptr")
+    indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     counters = tirx.decl_buffer((layout.size,), "int32", "counters")
     status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
@@ -135,7 +140,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
             for b in [*inputs, indptr, tasks, counters, status, *outputs]:
                 Tb.arg(b.name, b)
             Tb.device_entry()
-            bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_sms]))
+            bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_ctas]))
             for d in scopes.defs:
                 Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
             Tb.add_to_parent(tirx.AllocBuffer(stop))
