@@ -42,7 +42,7 @@ class StaticScheduleTransform:
 
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
     num_sms: SMs of the target (132 on an H200); ``options.ctas_per_sm`` persistent CTAs each.
-    scheduler: (task graph, num_sms) -> StaticSchedule; list scheduling by default.
+    scheduler: (task graph, number of queues) -> StaticSchedule; list scheduling by default.
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
