@@ -20,23 +20,24 @@ def calls_of(func):
             if isinstance(b.value, tvm.ir.Call)]
 
 
-def test_static_becomes_init_and_one_persistent_kernel():
+def test_static_becomes_one_persistent_kernel_launch():
     mod = StaticScheduleTransform(DIMS, num_sms=8)(graphs.gemm_reduce_scatter.mod)
     relax.analysis.well_formed(mod)
     assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
-        "etc_init", "gemm_reduce_scatter", "gemm_reduce_scatter_megakernel"]
-    init, kernel = calls_of(mod["gemm_reduce_scatter"])
-    assert init.op.name == "relax.call_tir" and init.args[0].name_hint == "etc_init"
-    assert kernel.op.name == "relax.call_tir_inplace"
+        "gemm_reduce_scatter", "gemm_reduce_scatter_megakernel"]
+    (kernel,) = [c for c in calls_of(mod["gemm_reduce_scatter"])
+                 if c.op.name.startswith("relax.call_tir")]
+    assert kernel.op.name == "relax.call_tir"
     assert kernel.args[0].name_hint == "gemm_reduce_scatter_megakernel"
-    assert [int(i) for i in kernel.attrs.inplace_indices] == [4, 5, -1, -1]
-    A, B, indptr, tasks, counters, status = kernel.args[1].fields
+    A, B, indptr, tasks, initial = kernel.args[1].fields
     graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
     want_indptr, want_tasks = list_schedule(graph, 8).csr(graph)
     np.testing.assert_array_equal(indptr.value.numpy(), want_indptr)
     np.testing.assert_array_equal(tasks.value.numpy(), want_tasks)
-    np.testing.assert_array_equal(init.args[1].fields[0].value.numpy(),
-                                  EventLayout.of(graph).initial)
+    np.testing.assert_array_equal(initial.value.numpy(), EventLayout.of(graph).initial)
+    counters, status, C, D = kernel.ty_args[0].fields
+    assert [list(map(int, t.shape.values)) for t in (counters, status, C, D)] == [
+        [12], [8], [64, 48], [64, 48]]
     params = mod["gemm_reduce_scatter"].params
     assert [list(map(int, p.ty.shape.values)) for p in params] == [[64, 32], [32, 48]]
     ret = mod["gemm_reduce_scatter"].ret_ty

@@ -9,10 +9,12 @@ Before::
 
 After::
 
-    counters, status = call_tir(etc_init, (initial_counts,))       # fresh state every launch
-    (counters, status, C, D) = call_tir_inplace(megakernel,
-        (A, B, queue_indptr, queue_tasks, counters, status), inplace_indices=[4, 5, -1, -1])
+    (counters, status, C, D) = call_tir(megakernel,
+        (A, B, queue_indptr, queue_tasks, initial_counts), out_ty=[...])
     return (D, status)
+
+The counters and the watchdog record are fresh outputs of every launch, which the kernel
+initialises from the constant ``initial_counts`` (never written) before a grid-wide barrier.
 
 The task graph is instantiated for concrete sizes (the function's own, or ``dims``), list
 scheduled onto one queue per persistent CTA (stored as constants the kernel reads) and lowered by
@@ -30,7 +32,6 @@ from tvm import relax
 
 from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
-from ..tir_sched.init_kernel import etc_init
 from ..tir_sched.static_kernel import (DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions,
                                        build_static_kernel)
 from .instantiate import graph_functions, instantiate, without, without_device_funcs
@@ -38,7 +39,7 @@ from .instantiate import graph_functions, instantiate, without, without_device_f
 
 @tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
 class StaticScheduleTransform:
-    """Lower every graph function of the module to an init call and one persistent kernel.
+    """Lower every graph function of the module to one launch of a persistent kernel.
 
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
     num_sms: SMs of the target (132 on an H200); ``options.ctas_per_sm`` persistent CTAs each.
@@ -66,30 +67,23 @@ class StaticScheduleTransform:
 def _rewrite(mod, name, graph, schedule, layout, kernel) -> tvm.IRModule:
     func = mod[name]
     bb = relax.BlockBuilder(without(mod, name))
-    init = bb.add_func(etc_init.with_attr("global_symbol", "etc_init"), "etc_init")
     megakernel = bb.add_func(kernel, kernel.attrs["global_symbol"])
-    counters_ty = relax.TensorType([layout.size], "int32")
-    status_ty = relax.TensorType([STATUS_WORDS], "int32")
     params = list(func.params)
     produced = [t for t in graph.tensors if t.producer is not None]
     indptr, tasks = schedule.csr(graph)
     # a plain binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape)
     # must not look into the TIRx kernels
     with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
-        state = bb.emit(relax.call_tir(init, [relax.const(_padded(layout.initial))],
-                                       [counters_ty, status_ty]), "state")
-        n = len(params)
         args = [*params, relax.const(indptr), relax.const(_padded(tasks)),
-                bb.emit(relax.TupleGetItem(state, 0), "counters"),
-                bb.emit(relax.TupleGetItem(state, 1), "status")]
-        out_tys = [counters_ty, status_ty] + [relax.TensorType(list(t.shape), t.dtype)
-                                              for t in produced]
-        result = bb.emit(relax.op.call_tir_inplace(
-            megakernel, args, [n + 2, n + 3] + [-1] * len(produced), out_tys), "result")
+                relax.const(_padded(layout.initial))]
+        out_tys = [relax.TensorType([layout.size], "int32"),
+                   relax.TensorType([STATUS_WORDS], "int32")]
+        out_tys += [relax.TensorType(list(t.shape), t.dtype) for t in produced]
+        result = bb.emit(relax.call_tir(megakernel, args, out_tys), "result")
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
         for k, t in enumerate(produced):
             value[t.index] = bb.emit(relax.TupleGetItem(result, 2 + k), t.name)
-        status = bb.emit(relax.TupleGetItem(result, 1), "status_out")
+        status = bb.emit(relax.TupleGetItem(result, 1), "status")
         bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), status]))
     return bb.finalize()
 

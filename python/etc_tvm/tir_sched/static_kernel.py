@@ -2,7 +2,8 @@
 
     grid = one CTA per queue, ctas_per_sm per SM (cooperative launch: all co-resident, or the
            launch fails)
-    CTA b:  for pos in indptr[b] .. indptr[b+1]-1:
+    CTA b:  counters[its slice] = initial[its slice]; status = 0 (CTA 0); grid-wide barrier
+            for pos in indptr[b] .. indptr[b+1]-1:
                 t = tasks[pos] & ~LOCAL_WAITS        # a global task id, read by every thread
                 if t < first[1]:   call 0, coords = unravel(t - first[0], grid[0])
                 elif t < first[2]: call 1, ...
@@ -12,10 +13,12 @@
                     body:   the device function, inlined
                     notify: barrier; thread 0 decrements each element of the out_edges
 
-Kernel parameters, in order (the DPS order of ``R.call_tir_inplace``): the graph's input
-tensors, ``indptr`` int32[num_ctas + 1], ``tasks`` int32[num_tasks], ``counters`` int32[n] and
-``status`` int32[STATUS_WORDS] (both updated in place), then every call's output tensors.
-``status`` is the watchdog record of ``src/etc_runtime.cuh``.
+Kernel parameters, in order (the DPS order of ``R.call_tir``): the graph's input tensors,
+``indptr`` int32[num_ctas + 1], ``tasks`` int32[num_tasks] and ``initial`` int32[n] (the
+counts every launch starts from, never written), then the outputs ``counters`` int32[n] and
+``status`` int32[STATUS_WORDS] (fresh every launch, initialised by the kernel itself before a
+grid-wide barrier: no separate launch) and every call's output tensors. ``status`` is the
+watchdog record of ``src/etc_runtime.cuh``.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     outputs = [buffers[t.index] for t in graph.tensors if t.producer is not None]
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
+    initial = tirx.decl_buffer((layout.size,), "int32", "initial")
     counters = tirx.decl_buffer((layout.size,), "int32", "counters")
     status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
     arena_bytes = max(shared_bytes(c.fn) for c in graph.calls)
@@ -137,7 +141,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
             Tb.func_name(name)
             Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
                           "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
-            for b in [*inputs, indptr, tasks, counters, status, *outputs]:
+            for b in [*inputs, indptr, tasks, initial, counters, status, *outputs]:
                 Tb.arg(b.name, b)
             Tb.device_entry()
             bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_ctas]))
@@ -146,6 +150,16 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
             Tb.add_to_parent(tirx.AllocBuffer(stop))
             if arena is not None:
                 Tb.add_to_parent(tirx.AllocBuffer(arena))
+            stride = schedule.num_ctas * scopes.num_threads
+            for k in range(-(-layout.size // stride)):
+                idx = i32(k * stride) + bx * i32(scopes.num_threads) + tx
+                with Tb.If(idx < i32(layout.size)):
+                    with Tb.Then():
+                        Tb.buffer_store(counters, initial[idx], [idx])
+            with Tb.If(tirx.And(bx == 0, tx < STATUS_WORDS)):
+                with Tb.Then():
+                    Tb.buffer_store(status, i32(0), [tx])
+            Tb.evaluate(Tb.cuda.grid_sync())
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
             with Tb.While(pos[0] < indptr[bx + 1]):
