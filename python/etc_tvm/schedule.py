@@ -70,7 +70,8 @@ class StaticSchedule:
 
 
 def list_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
-    """Critical-path-first list scheduling of ``graph`` onto ``num_queues`` queues (one per persistent CTA)."""
+    """Critical-path-first list scheduling of ``graph`` onto ``num_queues`` queues (one per
+    persistent CTA)."""
     if num_queues < 1:
         raise ValueError(f"num_queues must be positive, got {num_queues}")
     order = graph.topological_order()  # also rejects cycles

@@ -96,6 +96,20 @@ def test_row_sums_are_within_their_bound(rng):
     assert_within(P, blocks.sum(axis=2), BLOCK * 2.0 ** -24 * np.abs(blocks).sum(axis=2))
 
 
+def test_split_k_gemm_then_sum_is_within_the_gemm_bound(rng):
+    """Partial products over 4 K slices, summed by the identity epilogue, equal the product."""
+    M, N, K, S = 32, 192, 1024, 4
+    A, B = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    P, C = poisoned((S, M, N), "float32"), poisoned((M, N), "float32")
+    run_reference(gemm.make_gemm_tile(bm=16, bn=64, bk=64, split_k=S), (M // 16, N // 64, S),
+                  A, B, P)
+    run_reference(elementwise.make_activation_tile("identity", "float32", rows=16, split_k=S),
+                  (M // 16, N // 64), P, C)
+    exact = A.astype(np.float64) @ B.astype(np.float64)
+    partial_sums = S * 2.0 ** -24 * np.abs(P.astype(np.float64)).sum(axis=0)
+    assert_within(C, exact, gemm.error_bound(A, B) + partial_sums)
+
+
 # ------------------------------------------------------------------ CUDA code for sm_90a
 def gemm_case(config, M=256, N=256, K=256):
     cfg = GEMMS[config]
@@ -116,6 +130,13 @@ KERNEL_CASES = {
                         [("X", (128, 200), "float32"), ("Y", (128,), "float32")]),
     "partial_row_sum": lambda: (reduction.partial_row_sum_tile, (2, 3),
                                 [("X", (128, 192), "float32"), ("P", (128, 3), "float32")]),
+    "gemm_16x64x64_split_k4": lambda: (
+        gemm.make_gemm_tile(bm=16, bn=64, bk=64, split_k=4), (2, 3, 4),
+        [("A", (32, 1024), "bfloat16"), ("B", (1024, 192), "bfloat16"),
+         ("P", (4, 32, 192), "float32")]),
+    "relu_16x64_bf16_sum4": lambda: (
+        elementwise.make_activation_tile("relu", "bfloat16", rows=16, split_k=4), (2, 3),
+        [("P", (4, 32, 192), "float32"), ("Y", (32, 192), "bfloat16")]),
 }
 
 

@@ -7,7 +7,7 @@ GEMM -> ReLU (bf16) -> GEMM -> row sum runs as one persistent megakernel ("stati
 import numpy as np
 import pytest
 
-from etc_tvm import Tensor, call_device, graph_func
+from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.tiles import elementwise, gemm, reduction
 
@@ -108,3 +108,31 @@ def test_mlp_megakernel(strategy, M, K, N, P, rng):
         again = compiled(X, W1, W2)
         np.testing.assert_array_equal(again[0], Y)
         np.testing.assert_array_equal(again[1], S)
+
+
+def split_k_graph(S):
+    partial = gemm.make_gemm_tile(bm=16, bn=64, bk=64, split_k=S)
+    total = elementwise.make_activation_tile("identity", "float32", rows=16, split_k=S)
+
+    @graph_func
+    def split_k_gemm(A: Tensor(("M", "K"), "bfloat16"), B: Tensor(("K", "N"), "bfloat16")):
+        M, N = A.shape[0], B.shape[1]
+        done = ETensor((M // 16, N // 64), name="slices_done")
+        P = call_device(partial, tile_num=(M // 16, N // 64, S), args=[A, B],
+                        out=Tensor((S, M, N)), out_edges={done: "ijs->ij"})
+        return call_device(total, tile_num=(M // 16, N // 64), args=[P], out=Tensor((M, N)),
+                           in_edges={done: "ij->ij"})
+
+    return split_k_gemm
+
+
+@pytest.mark.parametrize("strategy", ["unfused", "static"])
+@pytest.mark.parametrize("M, K, N, S", [(16, 2048, 2048, 8), (64, 1024, 192, 4)])
+def test_split_k_gemm_and_sum(strategy, M, K, N, S, rng):
+    compiled = build(split_k_graph(S), {"M": M, "K": K, "N": N}, strategy=strategy)
+    A, B = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    exact = A.astype(np.float64) @ B.astype(np.float64)
+    slices = np.stack([A[:, s * K // S:(s + 1) * K // S].astype(np.float64)
+                       @ B[s * K // S:(s + 1) * K // S].astype(np.float64) for s in range(S)])
+    bound = gemm.error_bound(A, B) + S * 2.0 ** -24 * np.abs(slices).sum(axis=0)
+    assert_within(compiled(A, B), exact, bound)

@@ -46,6 +46,10 @@ def _silu(x):
     return x / (T.float32(1) + T.exp(-x))
 
 
+def _identity(x):
+    return x
+
+
 def _np_relu(x):
     return np.maximum(x, 0)
 
@@ -60,15 +64,24 @@ def _np_silu(x):
 
 
 # name -> (TIR expression, NumPy function: evaluated in the input's precision)
-ACTIVATIONS = {"relu": (_relu, _np_relu), "gelu": (_gelu, _np_gelu), "silu": (_silu, _np_silu)}
+ACTIVATIONS = {"relu": (_relu, _np_relu), "gelu": (_gelu, _np_gelu), "silu": (_silu, _np_silu),
+               "identity": (_identity, _identity)}
 OUT_DTYPES = ("float32", "bfloat16")
 
 
 @functools.cache
 def make_activation_tile(activation: str = "relu", out_dtype: str = "bfloat16", rows: int = 64,
-                         cols: int = 64, threads: int = 128) -> DeviceFunc:
+                         cols: int = 64, threads: int = 128, split_k: int = 1) -> DeviceFunc:
     """The tile ``<activation>_<rows>x<cols>_<out>_t<threads>``; one DeviceFunc per
-    configuration."""
+    configuration.
+
+    With ``split_k`` > 1 the input is the (split_k, M, N) fp32 partial products of a split-K
+    GEMM (``gemm.make_gemm_tile(split_k=...)``), summed in order before the activation: the
+    tile finishes that GEMM (``"identity"`` just sums). The sum adds
+    ``split_k * 2**-24 * sum(|partials|)`` to the bound.
+    """
+    if split_k < 1:
+        raise EtcError(f"activation tile: split_k must be positive, got {split_k}")
     if activation not in ACTIVATIONS:
         raise EtcError(f"activation tile: unknown activation {activation!r}; one of "
                        f"{sorted(ACTIVATIONS)}")
@@ -94,14 +107,34 @@ def make_activation_tile(activation: str = "relu", out_dtype: str = "bfloat16", 
             for e in T.vectorized(VEC):
                 Y[row, col + e] = T.Cast(out_dtype, f(X[row, col + e]))
 
+    @T.prim_func
+    def split_act(i: T.int32, j: T.int32, P: T.Buffer((split_k, M, N), "float32"),
+                  Y: T.Buffer((M, N), out_dtype)):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        total = T.alloc_local((VEC,), "float32")
+        for s in T.unroll(steps):
+            v = T.meta_var(s * threads + tx)
+            row = T.meta_var(i * rows + v // vecs_per_row)
+            col = T.meta_var(j * cols + v % vecs_per_row * VEC)
+            for e in T.vectorized(VEC):
+                total[e] = P[0, row, col + e]
+            for k in T.serial(split_k - 1):
+                for e in T.vectorized(VEC):
+                    total[e] = total[e] + P[k + 1, row, col + e]
+            for e in T.vectorized(VEC):
+                Y[row, col + e] = T.Cast(out_dtype, f(total[e]))
+
     out = "bf16" if out_dtype == "bfloat16" else "f32"
-    name = f"{activation}_{rows}x{cols}_{out}_t{threads}"
-    tile = device_func(act.with_attr("global_symbol", name))
+    name = f"{activation}_{rows}x{cols}_{out}_t{threads}" + (
+        f"_sum{split_k}" if split_k > 1 else "")
+    tile = device_func((act if split_k == 1 else split_act).with_attr("global_symbol", name))
 
     @tile.set_reference
     def _(i, j, X, Y):
         rows_, cols_ = slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols)
-        Y[rows_, cols_] = np_f(X[rows_, cols_].astype(np.float32)).astype(Y.dtype)
+        x = X[rows_, cols_] if split_k == 1 else X[:, rows_, cols_].sum(axis=0, dtype=np.float32)
+        Y[rows_, cols_] = np_f(x.astype(np.float32)).astype(Y.dtype)
 
     return tile
 

@@ -62,16 +62,22 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
 
 @functools.cache
 def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
-                   out_dtype: str = "float32", stages: int = 2) -> DeviceFunc:
+                   out_dtype: str = "float32", stages: int = 2, split_k: int = 1) -> DeviceFunc:
     """The GEMM tile ``gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
     configuration (cached, so graphs that name the same configuration share one device function).
 
-    ``stages`` is the depth of the cp.async ring (2: double buffering). Bigger tiles reuse each
-    loaded element more: as one grid launch on a 4096^3 product the H200 ran 64x64x32 at 170
+    ``stages`` is the depth of the cp.async ring (2: double buffering). With ``split_k`` > 1 the
+    task is ``(i, j, s)`` and writes the partial product over the s-th of ``split_k`` equal
+    slices of K into ``P[s]`` of a (split_k, M, N) output (K a multiple of split_k * bk): more,
+    smaller tasks for few rows, and a consumer of K slice s can start before the others.
+
+    Bigger tiles reuse each loaded element more: as one grid launch on a 4096^3 product the H200 ran 64x64x32 at 170
     TFLOP/s and 128x128x64 (70 KB of shared memory) at 350 TFLOP/s.
     """
     if out_dtype not in OUT_DTYPES:
         raise EtcError(f"gemm tile: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    if split_k < 1:
+        raise EtcError(f"gemm tile: split_k must be positive, got {split_k}")
     if threads % 32 or bk % 16 or stages < 1:
         raise EtcError(f"gemm tile: threads must be whole warps, bk a multiple of 16 and "
                        f"stages >= 1, got threads={threads}, bk={bk}, stages={stages}")
@@ -89,13 +95,9 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
     a_cols, b_cols = bk // CHUNK, bn // CHUNK  # chunks per shared row
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
 
-    @T.prim_func
-    def gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
-             B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
-        T.device_entry()
-        tx = T.thread_id([threads])
-        warp = T.warp_id([threads // 32])
-        lane = T.lane_id([32])
+    @T.inline
+    def tile_body(i, j, k0, num_k, A, B, C, tx, warp, lane):
+        # C[tile (i, j)] = A[rows i, k0:k0 + num_k*bk] @ B[k0:k0 + num_k*bk, cols j]
         As = T.alloc_shared((stages, bm, bk + PAD), "bfloat16")
         Bs = T.alloc_shared((stages, bk, bn + PAD), "bfloat16")
         acc = T.alloc_local((mi, ni, 4), "float32")
@@ -103,7 +105,6 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
         b_frag = T.alloc_local((ni, 2), "uint32")
         row0 = T.meta_var(i * bm + warp // wn * tm)  # the warp tile's first row and column
         col0 = T.meta_var(j * bn + warp % wn * tn)
-        num_k = T.meta_var(K // bk)
 
         @T.inline
         def load_stage(k_step):
@@ -113,12 +114,12 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
                 c = T.meta_var(r * threads + tx)
                 T.ptx.cp.async_.cg.shared.global_(
                     As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
-                    A.ptr_to([i * bm + c // a_cols, k_step * bk + c % a_cols * CHUNK]), 16)
+                    A.ptr_to([i * bm + c // a_cols, k0 + k_step * bk + c % a_cols * CHUNK]), 16)
             for r in T.unroll(b_loads // threads):
                 c = T.meta_var(r * threads + tx)
                 T.ptx.cp.async_.cg.shared.global_(
                     Bs.ptr_to([s, c // b_cols, c % b_cols * CHUNK]),
-                    B.ptr_to([k_step * bk + c // b_cols, j * bn + c % b_cols * CHUNK]), 16)
+                    B.ptr_to([k0 + k_step * bk + c // b_cols, j * bn + c % b_cols * CHUNK]), 16)
 
         for m in T.unroll(mi):
             for n in T.unroll(ni):
@@ -169,15 +170,47 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
                         C[row0 + m * 16 + h * 8 + lane // 4, col0 + n * 8 + lane % 4 * 2 + v] = \
                             T.Cast(out_dtype, acc[m, n, h * 2 + v])
 
+
+    if split_k == 1:
+        @T.prim_func
+        def gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                 B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // 32])
+            lane = T.lane_id([32])
+            tile_body(i, j, 0, K // bk, A, B, C, tx, warp, lane)
+    else:
+        @T.prim_func
+        def gemm(i: T.int32, j: T.int32, s: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                 B: T.Buffer((K, N), "bfloat16"), P: T.Buffer((split_k, M, N), out_dtype)):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // 32])
+            lane = T.lane_id([32])
+            Ps = T.decl_buffer((M, N), out_dtype, data=P.data, elem_offset=s * M * N)
+            tile_body(i, j, s * (K // split_k), K // split_k // bk, A, B, Ps, tx, warp, lane)
+
     out = "bf16" if out_dtype == "bfloat16" else "f32"
-    name = f"gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
+    name = f"gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" + (
+        f"_k{split_k}" if split_k > 1 else "")
     tile = device_func(gemm.with_attr("global_symbol", name))
 
-    @tile.set_reference
-    def _(i, j, A, B, C):
+    def product(i, j, A, B, ks):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
-        C[rows, cols] = (A[rows].astype(np.float32) @ B[:, cols].astype(np.float32)).astype(
-            C.dtype)
+        return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
+
+    if split_k == 1:
+        @tile.set_reference
+        def _(i, j, A, B, C):
+            rows, cols, value = product(i, j, A, B, slice(None))
+            C[rows, cols] = value.astype(C.dtype)
+    else:
+        @tile.set_reference
+        def _(i, j, s, A, B, P):
+            width = A.shape[1] // split_k
+            rows, cols, value = product(i, j, A, B, slice(s * width, (s + 1) * width))
+            P[s, rows, cols] = value.astype(P.dtype)
 
     return tile
 
