@@ -71,8 +71,8 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
     slices of K into ``P[s]`` of a (split_k, M, N) output (K a multiple of split_k * bk): more,
     smaller tasks for few rows, and a consumer of K slice s can start before the others.
 
-    Bigger tiles reuse each loaded element more: as one grid launch on a 4096^3 product the H200 ran 64x64x32 at 170
-    TFLOP/s and 128x128x64 (70 KB of shared memory) at 350 TFLOP/s.
+    Bigger tiles reuse each loaded element more: as one grid launch on a 4096^3 product the
+    H200 ran 64x64x32 at 170 TFLOP/s and 128x128x64 (70 KB of shared memory) at 350 TFLOP/s.
     """
     if out_dtype not in OUT_DTYPES:
         raise EtcError(f"gemm tile: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
