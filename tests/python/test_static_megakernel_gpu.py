@@ -1,4 +1,4 @@
-"""The static megakernel on the GPU, against float64 NumPy and the CPU reference executor."""
+"""The persistent megakernels on the GPU, against float64 NumPy and the CPU reference executor."""
 import re
 import time
 
@@ -11,66 +11,44 @@ from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tir_sched.static_kernel import KernelOptions
 
-import graphs
-from test_executor import chain
-from tiles import COLS, ROWS, TILE
+from megakernel_cases import ATOL, CASES, RTOL
 
 pytestmark = pytest.mark.gpu
 
 
-def f32(rng, *shape):
-    return rng.standard_normal(shape).astype("float32")
-
-
-CASES = {
-    "dependent_chain": (chain, {"M": 64 * ROWS}, lambda r: [f32(r, 64 * ROWS, COLS)]),
-    "two_ops": (graphs.two_ops, {"M": 300 * ROWS},
-                lambda r: [f32(r, 300 * ROWS, COLS), f32(r, 300 * ROWS, COLS)]),
-    "fan_in_row_sum": (graphs.row_sum, {"M": 20 * TILE, "N": 12 * TILE},
-                       lambda r: [f32(r, 20 * TILE, 12 * TILE)]),
-    "gemm_reduce_scatter": (graphs.gemm_reduce_scatter, {"M": 8 * TILE, "K": 64, "N": 12 * TILE},
-                            lambda r: [f32(r, 8 * TILE, 64), f32(r, 64, 12 * TILE)]),
-}
-
-
-def as_tuple(x):
-    return x if isinstance(x, tuple) else (x,)
-
-
 @pytest.mark.parametrize("strategy", ["static", "static_round_robin", "barrier", "unfused"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference_executor(case, strategy, rng):
-    graph, dims, make = CASES[case]
+def test_matches_float64_and_the_reference_executor(case, strategy, rng):
+    graph, dims, make, reference = CASES[case]
     compiled = build(graph, dims, strategy=strategy.replace("_round_robin", ""),
                      scheduler=round_robin_schedule if "round_robin" in strategy
                      else list_schedule)
     inputs = make(rng)
-    want = execute(graph, *inputs)
-    for g, w in zip(as_tuple(compiled(*inputs)), as_tuple(want)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+    got = compiled(*inputs)
+    np.testing.assert_allclose(got, reference(*inputs), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got, execute(graph, *inputs), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_unfused_replayed_from_a_cuda_graph(case, rng):
     import tvm
 
-    graph, dims, make = CASES[case]
+    graph, dims, make, reference = CASES[case]
     compiled = build(graph, dims, strategy="unfused")
     inputs = [tvm.runtime.tensor(x, tvm.cuda(0)) for x in make(rng)]
     replay, outputs = compiled.capture(*inputs)
-    want = execute(graph, *(x.numpy() for x in inputs))
     for _ in range(3):
         replay()
     import torch
 
     torch.cuda.synchronize()
-    for k, w in enumerate(as_tuple(want)):
-        np.testing.assert_allclose(outputs[k].numpy(), w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(outputs[0].numpy(), reference(*(x.numpy() for x in inputs)),
+                               rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", ["two_ops", "gemm_reduce_scatter"])
 def test_100_launches_are_identical(case, rng):
-    graph, dims, make = CASES[case]
+    graph, dims, make, _ = CASES[case]
     compiled = build(graph, dims)
     inputs = make(rng)
     first = compiled(*inputs)
@@ -82,7 +60,7 @@ def test_a_missing_notify_stops_the_kernel_with_a_named_error(rng):
     """Every task after the one whose notify is dropped waits on its predecessor's link; the
     first to time out names itself, the link it waited on and the SM, well within the limit.
     Round-robin queues put each hop on another SM (a same-SM producer's wait is elided)."""
-    graph, dims, make = CASES["dependent_chain"]
+    graph, dims, make, _ = CASES["dependent_chain"]
     dropped = 10
     compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped),
                      scheduler=round_robin_schedule)

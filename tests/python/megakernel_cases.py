@@ -1,0 +1,37 @@
+"""The graphs the GPU megakernel tests run, with inputs and float64 references.
+
+Each case: (graph function, dims, inputs from a NumPy generator, float64 reference function).
+"""
+import numpy as np
+
+import graphs
+from test_executor import chain
+from tiles import COLS, ROWS, TILE
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype("float32")
+
+
+def f64(*arrays):
+    return [np.asarray(a, np.float64) for a in arrays]
+
+
+def _scale(x):
+    return 2 * x + 1
+
+
+CASES = {
+    "dependent_chain": (chain, {"M": 64 * ROWS}, lambda r: [f32(r, 64 * ROWS, COLS)],
+                        lambda x: _scale(*f64(x))),
+    "two_ops": (graphs.two_ops, {"M": 300 * ROWS},
+                lambda r: [f32(r, 300 * ROWS, COLS), f32(r, 300 * ROWS, COLS)],
+                lambda x, y: _scale(f64(x)[0]) / 2 + np.tanh(f64(y)[0])),
+    "fan_in_row_sum": (graphs.row_sum, {"M": 20 * TILE, "N": 12 * TILE},
+                       lambda r: [f32(r, 20 * TILE, 12 * TILE)],
+                       lambda x: f64(x)[0].sum(axis=1)),
+    "gemm_reduce_scatter": (graphs.gemm_reduce_scatter, {"M": 8 * TILE, "K": 64, "N": 12 * TILE},
+                            lambda r: [f32(r, 8 * TILE, 64), f32(r, 64, 12 * TILE)],
+                            lambda a, b: np.matmul(*f64(a, b))),
+}
+RTOL, ATOL = 1e-5, 1e-4  # float32 arithmetic against float64
