@@ -4,11 +4,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from etc_tvm import GraphError
+from etc_tvm import EtcError, GraphError
 from etc_tvm.relax_passes import StaticScheduleTransform, UnfusedTransform
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout
+from etc_tvm.tir_sched.static_kernel import KernelOptions
 
 import graphs
 
@@ -66,3 +67,10 @@ def test_event_layout_offsets_and_initial_counts():
     assert layout.offsets == {"partials_done": 0}
     assert layout.initial.tolist() == [3, 3]
     assert str(tvm.sym.Analyzer().simplify(layout.flat_index("partials_done", [1]))) == "1"
+
+
+def test_persistent_ctas_that_cannot_share_an_sm_are_refused():
+    with pytest.raises(EtcError, match=r"32 persistent CTAs per SM of 128 threads .* do not fit "
+                                       r"on one SM \(2048 threads"):
+        StaticScheduleTransform(DIMS, num_sms=8, options=KernelOptions(ctas_per_sm=32))(
+            graphs.gemm_reduce_scatter.mod)

@@ -29,6 +29,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
+from ..errors import EtcError
 from ..schedule import LOCAL_WAITS, StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout, lower_edge
@@ -36,6 +37,8 @@ from .grid_kernel import unravel
 from .inline import ThreadScopes, i32, inline_task, shared_bytes
 
 STATUS_WORDS = 8
+SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
+SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
 
 
@@ -82,6 +85,11 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     counters = tirx.decl_buffer((layout.size,), "int32", "counters")
     status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
     arena_bytes = max(shared_bytes(c.fn) for c in graph.calls)
+    per_sm = options.ctas_per_sm
+    if per_sm * arena_bytes > SM_SHARED_BYTES or per_sm * scopes.num_threads > SM_THREADS:
+        raise EtcError(f"{graph.name}: {per_sm} persistent CTAs per SM of {scopes.num_threads} "
+                       f"threads and {arena_bytes} bytes of shared memory each do not fit on one "
+                       f"SM ({SM_THREADS} threads, {SM_SHARED_BYTES} bytes): lower ctas_per_sm")
     arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
         if arena_bytes else None
     stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
