@@ -12,6 +12,7 @@ from etc_tvm.tir_sched.events import EventLayout
 from etc_tvm.tir_sched.static_kernel import KernelOptions
 
 import graphs
+from moe_graph import make_moe_graph
 
 DIMS = {"M": 64, "K": 32, "N": 48}
 
@@ -74,3 +75,11 @@ def test_persistent_ctas_that_cannot_share_an_sm_are_refused():
                                        r"on one SM \(2048 threads"):
         StaticScheduleTransform(DIMS, num_sms=8, options=KernelOptions(ctas_per_sm=32))(
             graphs.gemm_reduce_scatter.mod)
+
+
+def test_data_dependent_graphs_are_refused_by_name():
+    moe = make_moe_graph(32, 8, 2, 16, 4, "tensor")
+    with pytest.raises(GraphError, match=r"data-dependent edges \[.*scatter0: expert_ready "
+                                         r"'t->topk\[t,:\]'.*wait counts known only at run "
+                                         r"time \['expert_ready'\] are not supported"):
+        StaticScheduleTransform({"T": 8})(moe.mod)

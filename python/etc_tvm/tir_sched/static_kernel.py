@@ -29,7 +29,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
-from ..errors import EtcError
+from ..errors import EtcError, GraphError
 from ..schedule import LOCAL_WAITS, StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout, lower_edge
@@ -40,6 +40,20 @@ STATUS_WORDS = 8
 SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
 SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
+
+
+def _check_static(graph: TaskGraph) -> None:
+    """This kernel knows every edge and count at compile time; refuse the rest by name."""
+    runtime = sorted(graph.arm_inputs())
+    dynamic = [f"{c.name}: {e.etensor} '{e.map}'" for c in graph.calls
+               for e in c.in_edges + c.out_edges if e.map.is_data_dependent or e.map.is_trigger]
+    if runtime or dynamic:
+        raise GraphError(
+            f"{graph.name}: the static kernel needs every edge and wait count at compile time; "
+            + (f"data-dependent edges {dynamic}" if dynamic else "")
+            + (" and " if runtime and dynamic else "")
+            + (f"wait counts known only at run time {runtime}" if runtime else "")
+            + " are not supported by it yet")
 
 
 def runtime_source() -> str:
@@ -68,6 +82,7 @@ DEFAULT_OPTIONS = KernelOptions()
 def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
                         name: str, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
     """The persistent kernel that runs ``schedule`` (per-SM queues) of ``graph``."""
+    _check_static(graph)
     threads = {c.fn.num_threads for c in graph.calls}
     if len(threads) != 1:
         raise ValueError(f"the device functions of {graph.name} run different thread counts "
