@@ -83,3 +83,5 @@ def test_data_dependent_graphs_are_refused_by_name():
                                          r"'t->topk\[t,:\]'.*wait counts known only at run "
                                          r"time \['expert_ready'\] are not supported"):
         StaticScheduleTransform({"T": 8})(moe.mod)
+    with pytest.raises(GraphError, match=r"trigger maps \(expert0: 'e=>exp_indptr\[e\]:"):
+        UnfusedTransform({"T": 8})(moe.mod)

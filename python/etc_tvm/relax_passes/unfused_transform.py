@@ -23,6 +23,7 @@ from typing import Mapping
 import tvm
 from tvm import relax, tirx
 
+from ..errors import GraphError
 from ..tir_sched.grid_kernel import build_grid_kernel
 from .instantiate import graph_functions, instantiate, without, without_device_funcs
 
@@ -42,6 +43,10 @@ class UnfusedTransform:
 
 
 def _rewrite(mod, name, graph) -> tvm.IRModule:
+    triggered = ", ".join(f"{c.name}: '{e.map}'" for c in graph.calls for e in c.triggers)
+    if triggered:
+        raise GraphError(f"{name}: trigger maps ({triggered}) release a data-dependent subset of "
+                         "a call's tasks; grid launches do not support them yet")
     func = mod[name]
     bb = relax.BlockBuilder(without(mod, name))
     params = list(func.params)
