@@ -7,7 +7,9 @@ is the order's choice, so one graph can be run
 
 * ``StaticOrder(queues)``: as a static per-SM schedule: SM k runs ``queues[k]`` in order and
   blocks at a task until it can start, as a persistent CTA spinning on its waits does;
-* ``ReadyQueueOrder()``: as the dynamic schedule's ready queue, first ready first run;
+* ``ReadyQueueOrder()``: as a ready queue, first ready first run;
+* ``DynamicQueueOrder(num_ctas)``: as the GPU dynamic schedule, persistent CTAs popping a ring
+  that a task enters when its producers have been dispatched (early push);
 * ``RandomOrder(seed)``: as a random valid interleaving.
 
 It is the oracle for schedules and GPU results: outputs start poisoned (NaN, or the most
@@ -115,6 +117,86 @@ class StaticOrder(Order):
     def blocked(self):
         return [(q[self.heads[sm]], f" on SM {sm}") for sm, q in enumerate(self.queues)
                 if self.heads[sm] < len(q)]
+
+
+class DynamicQueueOrder(Order):
+    """The GPU dynamic schedule, modelled: ``num_ctas`` persistent CTAs pop a FIFO ring.
+
+    A task is pushed once every task that notifies an element it waits on has been
+    dispatched (``early_push``, the default) or has finished; an idle CTA pops the oldest task
+    and stays on it, spinning, until its waits are satisfied. Early push is deadlock-free: the
+    earliest-dispatched unfinished task waits only on tasks dispatched before it, which have
+    finished. Tasks whose waits depend on run-time data (data-dependent in-edges, triggers,
+    ETensors notified through data or counted at run time) are pushed when they become ready.
+    ``max_queued`` records the deepest the ring got (its capacity must cover it).
+    """
+
+    def __init__(self, num_ctas: int = 132, early_push: bool = True):
+        if num_ctas < 1:
+            raise EtcError(f"num_ctas must be positive, got {num_ctas}")
+        self.num_ctas, self.early_push = num_ctas, early_push
+
+    def start(self, run):
+        super().start(run)
+        graph = run.graph
+        runtime = graph.dynamically_notified() | set(graph.arm_inputs())
+        self.late = {t for c in graph.calls for t in c.tasks
+                     if any(e.map.is_data_dependent or e.map.is_trigger or e.etensor in runtime
+                            for e in c.in_edges)}
+        notifiers = defaultdict(set)
+        for task in range(graph.num_tasks):
+            for elem in graph.notifies[task]:
+                notifiers[elem].add(task)
+        self.consumers = defaultdict(set)
+        self.pending = [0] * graph.num_tasks
+        for task in range(graph.num_tasks):
+            producers = set().union(*(notifiers[e] for e in graph.waits[task])) - {task}
+            self.pending[task] = len(producers)
+            for p in producers:
+                self.consumers[p].add(task)
+        self.ring, self.pushed = deque(), set()
+        self.ctas: list[int | None] = [None] * self.num_ctas
+        self.max_queued = 0
+        for task in range(graph.num_tasks):
+            if task not in self.late and self.pending[task] == 0:
+                self._push(task)
+
+    def _push(self, task: int) -> None:
+        if task not in self.pushed:
+            self.pushed.add(task)
+            self.ring.append(task)
+            self.max_queued = max(self.max_queued, len(self.ring))
+
+    def _release_consumers(self, task: int) -> None:
+        for c in self.consumers[task]:
+            self.pending[c] -= 1
+            if self.pending[c] == 0 and c not in self.late:
+                self._push(c)
+
+    def became_ready(self, task):
+        if task in self.late:
+            self._push(task)
+
+    def next(self):
+        for k, held in enumerate(self.ctas):
+            if held is None and self.ring:
+                self.ctas[k] = task = self.ring.popleft()
+                if self.early_push:
+                    self._release_consumers(task)
+        for k, held in enumerate(self.ctas):
+            if held is not None and self.run.is_ready(held):
+                self.ctas[k] = None
+                if not self.early_push:
+                    self._release_consumers(held)
+                return held
+        return None
+
+    def blocked(self):
+        held = [(t, f" on CTA {k}") for k, t in enumerate(self.ctas) if t is not None]
+        queued = [(t, " (in the ring)") for t in self.ring]
+        unpushed = [(t, " (not pushed)") for t in self.run.pending_tasks()
+                    if t not in self.pushed]
+        return held + queued + unpushed
 
 
 def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
@@ -364,14 +446,14 @@ class _Run:
     def _arm(self, name: str) -> None:
         """Add the runtime part of ``name``'s counts; its waiters may then proceed."""
         et = self.graph.etensors[name]
-        counts = self.counters[name]
+        added = np.zeros(et.shape, np.int64)
         if et.count_tensor is not None:
             given = self.arrays[et.count_tensor]
             if (given < 0).any():
                 source = self.graph.tensors[et.count_tensor].name
                 raise ExecutionError(f"the wait_count tensor '{source}' of {name} holds a "
                                      "negative (or unwritten) count")
-            counts += given
+            added += given
         else:
             for call in self.graph.calls:
                 dyn = [e for e in call.out_edges if e.etensor == name and e.map.is_data_dependent]
@@ -386,7 +468,10 @@ class _Run:
                         for idx in e.map.evaluate(call.coords(task), tensors):
                             check_element(et, idx, e.map, self.graph.task_name(task),
                                           ExecutionError)
-                            counts[idx] += 1
+                            added[idx] += 1
+        counts = self.counters[name]
+        counts += added
+        self.initial[name] = self.initial[name] + added
         self.armed[name] = True
         if (counts < 0).any():
             idx = tuple(int(i) for i in np.argwhere(counts < 0)[0])

@@ -5,7 +5,8 @@ from tvm.script import tirx as T
 
 from etc_tvm import (DeadlockError, ETensor, EtcError, ExecutionError, Tensor, call_device,
                      device_func, graph_func)
-from etc_tvm.executor import RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
+                              execute)
 from etc_tvm.task_graph import TaskGraph
 
 from graphs import gemm_reduce_scatter, row_sum, two_ops
@@ -13,9 +14,13 @@ from tiles import COLS, ROWS, scale_tile
 
 
 def orders(graph, dims):
-    """Every kind of order: dynamic, random interleavings, static queues on 1, 3 and 8 SMs."""
+    """Every kind of order: ready queue, GPU dynamic schedule (early push or not, 1 and 5 CTAs),
+    random interleavings, static queues on 1, 3 and 8 SMs."""
     topo = TaskGraph.build(graph, dims).topological_order()
     yield ReadyQueueOrder()
+    for ctas in (1, 5):
+        yield DynamicQueueOrder(ctas)
+        yield DynamicQueueOrder(ctas, early_push=False)
     for seed in range(3):
         yield RandomOrder(seed)
     for sms in (1, 3, 8):
@@ -150,3 +155,28 @@ def test_notify_outside_etensor_at_run_time_is_reported(rng):
 
 def test_execution_error_is_an_etc_error():
     assert issubclass(DeadlockError, ExecutionError) and issubclass(ExecutionError, EtcError)
+
+
+def test_dynamic_queue_pushes_a_chain_one_task_at_a_time(rng):
+    """Each link is pushed when the previous one is dispatched: the ring never holds two."""
+    X = rng.standard_normal((10 * ROWS, COLS)).astype("float32")
+    order, trace = DynamicQueueOrder(4), []
+    np.testing.assert_allclose(execute(chain, X, order=order, trace=trace), 2 * X + 1)
+    assert trace == list(range(10)) and order.max_queued == 1
+
+
+def test_dynamic_queue_deadlock_names_what_each_task_waits_on(rng):
+    """Counts given at run time (2 per element) that the producers never reach."""
+    @graph_func
+    def short(X: Tensor((3 * ROWS, COLS)), counts: Tensor((3,), "int32")):
+        E = ETensor((3,), wait_count=counts, name="E")
+        A = call_device(scale_tile, tile_num=(3,), args=[X], out=Tensor((3 * ROWS, COLS)),
+                        out_edges={E: "i->i"})
+        return call_device(scale_tile, tile_num=(3,), args=[A], out=Tensor((3 * ROWS, COLS)),
+                           in_edges={E: "i->i"})
+
+    counts = np.full(3, 2, np.int32)
+    with pytest.raises(DeadlockError, match=r"scale_tile1\(0\) \(not pushed\) waits on E\[0\]: "
+                                            r"counter 1 of wait count 2"):
+        execute(short, np.zeros((3 * ROWS, COLS), "float32"), counts,
+                order=DynamicQueueOrder(2))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from etc_tvm import EtcError, ExecutionError, GraphError
-from etc_tvm.executor import RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, execute
 from etc_tvm.task_graph import TaskGraph
 from moe_graph import COUNT_MODES, make_moe_graph, max_tiles, moe_reference, route
 
@@ -26,6 +26,8 @@ def deal(order, queues):
 
 ORDERS = {
     "ready": lambda tg: ReadyQueueOrder(),
+    "dynamic3": lambda tg: DynamicQueueOrder(3),
+    "dynamic1-late-push": lambda tg: DynamicQueueOrder(1, early_push=False),
     "random0": lambda tg: RandomOrder(0),
     "random1": lambda tg: RandomOrder(1),
     "random2": lambda tg: RandomOrder(2),

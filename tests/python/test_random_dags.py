@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
-from etc_tvm.executor import RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
+                              execute)
 from etc_tvm.task_graph import TaskGraph
 
 from tiles import COLS, ROWS, mix_tile, scale_tile
@@ -71,7 +72,8 @@ def test_every_valid_order_gives_the_same_result(dag, seed):
     graph = build(calls)
     x = np.random.default_rng(seed).standard_normal((tiles * ROWS, COLS)).astype("float32")
     topo = TaskGraph.build(graph, {"M": tiles * ROWS}).topological_order()
-    orders = [ReadyQueueOrder(), RandomOrder(seed), RandomOrder(seed + 1),
+    orders = [ReadyQueueOrder(), DynamicQueueOrder(1), DynamicQueueOrder(3),
+              DynamicQueueOrder(2, early_push=False), RandomOrder(seed), RandomOrder(seed + 1),
               StaticOrder([topo]), StaticOrder([topo[k::3] for k in range(3)], seed=seed)]
     results = [execute(graph, x, order=o) for o in orders]
     for got, want in zip(results[0], numpy_dag(calls, x)):
