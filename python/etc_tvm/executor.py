@@ -29,6 +29,7 @@ import tvm
 
 from .errors import DeadlockError, EtcError, ExecutionError
 from .graph_func import GraphFunc
+from .schedule import DynamicPlan
 from .task_graph import CallNode, TaskGraph, check_element
 
 class Order:
@@ -122,13 +123,12 @@ class StaticOrder(Order):
 class DynamicQueueOrder(Order):
     """The GPU dynamic schedule, modelled: ``num_ctas`` persistent CTAs pop a FIFO ring.
 
-    A task is pushed once every task that notifies an element it waits on has been
-    dispatched (``early_push``, the default) or has finished; an idle CTA pops the oldest task
-    and stays on it, spinning, until its waits are satisfied. Early push is deadlock-free: the
-    earliest-dispatched unfinished task waits only on tasks dispatched before it, which have
-    finished. Tasks whose waits depend on run-time data (data-dependent in-edges, triggers,
-    ETensors notified through data or counted at run time) are pushed when they become ready.
-    ``max_queued`` records the deepest the ring got (its capacity must cover it).
+    It follows ``schedule.DynamicPlan``: a task is pushed once every task that notifies an
+    element it waits on has been dispatched (``early_push``, the default) or has finished; an
+    idle CTA pops the oldest task and stays on it, spinning, until its waits are satisfied.
+    Early push is deadlock-free: the earliest-dispatched unfinished task waits only on tasks
+    dispatched before it, which have finished. The plan's late tasks are pushed when ready.
+    ``max_queued`` records the deepest the ring got (the plan's capacity covers it).
     """
 
     def __init__(self, num_ctas: int = 132, early_push: bool = True):
@@ -138,28 +138,13 @@ class DynamicQueueOrder(Order):
 
     def start(self, run):
         super().start(run)
-        graph = run.graph
-        runtime = graph.dynamically_notified() | set(graph.arm_inputs())
-        self.late = {t for c in graph.calls for t in c.tasks
-                     if any(e.map.is_data_dependent or e.map.is_trigger or e.etensor in runtime
-                            for e in c.in_edges)}
-        notifiers = defaultdict(set)
-        for task in range(graph.num_tasks):
-            for elem in graph.notifies[task]:
-                notifiers[elem].add(task)
-        self.consumers = defaultdict(set)
-        self.pending = [0] * graph.num_tasks
-        for task in range(graph.num_tasks):
-            producers = set().union(*(notifiers[e] for e in graph.waits[task])) - {task}
-            self.pending[task] = len(producers)
-            for p in producers:
-                self.consumers[p].add(task)
+        self.plan = DynamicPlan.of(run.graph)
+        self.pending = self.plan.pending.copy()
         self.ring, self.pushed = deque(), set()
         self.ctas: list[int | None] = [None] * self.num_ctas
         self.max_queued = 0
-        for task in range(graph.num_tasks):
-            if task not in self.late and self.pending[task] == 0:
-                self._push(task)
+        for task in self.plan.seeds:
+            self._push(task)
 
     def _push(self, task: int) -> None:
         if task not in self.pushed:
@@ -168,13 +153,13 @@ class DynamicQueueOrder(Order):
             self.max_queued = max(self.max_queued, len(self.ring))
 
     def _release_consumers(self, task: int) -> None:
-        for c in self.consumers[task]:
+        for c in self.plan.consumers(task):
             self.pending[c] -= 1
-            if self.pending[c] == 0 and c not in self.late:
-                self._push(c)
+            if self.pending[c] == 0 and c not in self.plan.late:
+                self._push(int(c))
 
     def became_ready(self, task):
-        if task in self.late:
+        if task in self.plan.late:
             self._push(task)
 
     def next(self):

@@ -1,4 +1,5 @@
-"""Static schedules: per-SM task queues computed at compile time.
+"""Schedules: per-CTA task queues computed at compile time (static), and the plan a GPU ready
+queue follows (dynamic).
 
 ``list_schedule`` is list scheduling over the task graph, simulated in time: the SM that frees up
 first takes, among the tasks whose predecessors have finished by then, the one with the longest
@@ -148,3 +149,53 @@ def _released(node, time, succ, remaining, ready_at):
                 yield m
             else:
                 yield from _released(m, ready_at[m], succ, remaining, ready_at)
+
+
+@dataclass(frozen=True)
+class DynamicPlan:
+    """What a dynamic schedule needs to know of a task graph before it runs.
+
+    pending[t]: how many tasks must be dispatched (early push) or finished before t is pushed:
+      the tasks that notify an element t waits on (static edges).
+    consumers: CSR (indptr, tasks) of the tasks each task's dispatch counts down.
+    seeds: the tasks pushed at launch (nothing to wait for), in id order.
+    late: tasks whose waits depend on run-time data (data-dependent in-edges, triggers,
+      ETensors notified through data or counted at run time): pushed once ready instead.
+    capacity: ring slots: every task is pushed once.
+    """
+
+    pending: np.ndarray
+    consumer_indptr: np.ndarray
+    consumer_tasks: np.ndarray
+    seeds: tuple[int, ...]
+    late: frozenset[int]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pending)
+
+    def consumers(self, task: int) -> np.ndarray:
+        return self.consumer_tasks[self.consumer_indptr[task]:self.consumer_indptr[task + 1]]
+
+    @staticmethod
+    def of(graph: TaskGraph) -> "DynamicPlan":
+        runtime = graph.dynamically_notified() | set(graph.arm_inputs())
+        late = frozenset(t for c in graph.calls for t in c.tasks if any(
+            e.map.is_data_dependent or e.map.is_trigger or e.etensor in runtime
+            for e in c.in_edges))
+        notifiers = defaultdict(set)
+        for task in range(graph.num_tasks):
+            for elem in graph.notifies[task]:
+                notifiers[elem].add(task)
+        consumers = [set() for _ in range(graph.num_tasks)]
+        pending = np.zeros(graph.num_tasks, np.int32)
+        for task in range(graph.num_tasks):
+            producers = set().union(*(notifiers[e] for e in graph.waits[task])) - {task}
+            pending[task] = len(producers)
+            for p in producers:
+                consumers[p].add(task)
+        indptr = np.zeros(graph.num_tasks + 1, np.int32)
+        indptr[1:] = np.cumsum([len(c) for c in consumers])
+        flat = np.array([t for c in consumers for t in sorted(c)], np.int32)
+        seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late)
+        return DynamicPlan(pending, indptr, flat, seeds, late)

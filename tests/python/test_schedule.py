@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
 from etc_tvm.executor import StaticOrder, execute
-from etc_tvm.schedule import LOCAL_WAITS, list_schedule, round_robin_schedule
+from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule, round_robin_schedule
 from etc_tvm.task_graph import TaskGraph
 
 import graphs
@@ -116,3 +116,25 @@ def test_round_robin_spreads_a_chain_and_nothing_is_local():
     schedule = round_robin_schedule(task_graph, 4)
     assert schedule.queues[1] == (1, 5, 9)
     assert schedule.local_waits(task_graph) == set()
+
+
+def test_dynamic_plan_of_a_fan_in():
+    """Row tile i of rowsum waits for the 3 partial sums of its row: pending 3, and each
+    partial sum counts down exactly that one consumer."""
+    task_graph = TaskGraph.build(graphs.row_sum, {"M": 2 * TILE, "N": 3 * TILE})
+    plan = DynamicPlan.of(task_graph)
+    assert plan.pending.tolist() == [0] * 6 + [3, 3]
+    assert plan.seeds == tuple(range(6)) and plan.late == frozenset()
+    assert [plan.consumers(t).tolist() for t in range(8)] == [[6]] * 3 + [[7]] * 3 + [[], []]
+    assert plan.capacity == 8
+
+
+def test_dynamic_plan_marks_data_dependent_waiters_late():
+    from moe_graph import make_moe_graph
+
+    moe = make_moe_graph(32, 8, 2, 16, 4, "inferred")
+    task_graph = TaskGraph.build(moe, {"T": 5})
+    plan = DynamicPlan.of(task_graph)
+    expert, combine = task_graph.calls[3], task_graph.calls[4]
+    assert set(expert.tasks) | set(combine.tasks) == plan.late
+    assert not plan.late & set(plan.seeds)
