@@ -35,7 +35,7 @@ from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
 from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tiles import make_activation_tile, make_gemm_tile
-from etc_tvm.tir_sched.static_kernel import KernelOptions
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()

@@ -11,7 +11,7 @@ from .runtime import CompiledGraph, GraphMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout
-from .tir_sched.static_kernel import DEFAULT_OPTIONS, KernelOptions
+from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 

@@ -9,7 +9,7 @@ import pytest
 
 from etc_tvm.build import build
 from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
-from etc_tvm.tir_sched.static_kernel import RUNTIME_SOURCE
+from etc_tvm.tir_sched.persistent import RUNTIME_SOURCE
 
 import graphs
 

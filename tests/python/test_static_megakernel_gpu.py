@@ -9,7 +9,7 @@ from etc_tvm import ExecutionError
 from etc_tvm.build import build
 from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
-from etc_tvm.tir_sched.static_kernel import KernelOptions
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 from megakernel_cases import ATOL, CASES, RTOL
 

@@ -9,7 +9,7 @@ from etc_tvm.relax_passes import StaticScheduleTransform, UnfusedTransform
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout
-from etc_tvm.tir_sched.static_kernel import KernelOptions
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from moe_graph import make_moe_graph

@@ -20,7 +20,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.tirx import compilation_pipeline as tir_pipelines
 
 from ..schedule import list_schedule
-from ..tir_sched.static_kernel import DEFAULT_OPTIONS, KernelOptions
+from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform

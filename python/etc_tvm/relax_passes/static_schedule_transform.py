@@ -32,8 +32,8 @@ from tvm import relax
 
 from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
-from ..tir_sched.static_kernel import (DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions,
-                                       build_static_kernel)
+from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from ..tir_sched.static_kernel import build_static_kernel
 from .instantiate import graph_functions, instantiate, without, without_device_funcs
 
 
