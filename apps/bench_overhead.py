@@ -11,6 +11,7 @@ Strategies (the same device functions in every one):
     static-2, static-4  the same with 2 or 4 persistent CTAs per SM
     static-rr           the same kernel, topological order dealt round-robin onto the SMs (a
                         chain then crosses SMs at every hop: the hand-off cost)
+    dynamic             one persistent kernel whose CTAs pop ready tasks from a ring
     barrier, barrier-4  the persistent kernel with one barrier between operators (4 CTAs/SM)
     unfused             each call (each task of a chain) its own kernel launch
     unfused+graph       those launches replayed from a CUDA graph
@@ -45,6 +46,7 @@ VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA gra
     "static-2": ("static", list_schedule, 2, False),
     "static-4": ("static", list_schedule, 4, False),
     "static-rr": ("static", round_robin_schedule, 1, False),
+    "dynamic": ("dynamic", list_schedule, 1, False),
     "barrier": ("barrier", list_schedule, 1, False),
     "barrier-4": ("barrier", list_schedule, 4, False),
     "unfused": ("unfused", list_schedule, 1, False),

@@ -5,7 +5,8 @@
     done
 
 Every graph of tests/python/megakernel_cases.py under the static strategy (list and
-round-robin queues) and the barrier strategy, checked against the CPU reference executor.
+round-robin queues), the dynamic and the barrier strategies, checked against the CPU reference
+executor.
 """
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def main() -> None:
         inputs = make(rng)
         want = execute(graph, *inputs)
         for strategy, scheduler in (("static", list_schedule), ("static", round_robin_schedule),
-                                    ("barrier", list_schedule)):
+                                    ("dynamic", list_schedule), ("barrier", list_schedule)):
             got = build(graph, dims, strategy=strategy, scheduler=scheduler)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
             print(f"{name} {strategy} {scheduler.__name__}: ok", flush=True)

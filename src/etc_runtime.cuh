@@ -9,8 +9,14 @@
 // task waited on which element, the counter value and its SM, and returns; the other CTAs see
 // status[0] != 0 at their next poll and stop too. The host reads the record after the kernel.
 //
-// status layout (int32): [0] state (0 running, 1 timed out), [1] task id, [2] element index,
+// status layout (int32): [0] state (0 running, 1 a wait timed out, 2 a pop timed out, 3 the
+//                        ready ring overflowed), [1] task id, [2] element index or ring slot,
 //                        [3] counter value seen, [4] SM id.
+//
+// The dynamic schedule's ready ring: ``ring`` has one slot per task (each task is pushed once),
+// -1 until published; ``head_tail[0]`` counts pops, ``head_tail[1]`` pushes. A pop claims the
+// next slot and waits (bounded) for its task id; a push claims a slot and publishes the id with
+// a release store.
 #ifndef ETC_TVM_RUNTIME_CUH_
 #define ETC_TVM_RUNTIME_CUH_
 
@@ -60,6 +66,54 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
     }
     __nanosleep(20);
   }
+}
+
+// Claim the stop record (first caller only) and describe why the grid stops.
+__device__ __noinline__ void etc_record_stop(int* status, int kind, int task, int where,
+                                             int seen) {
+  if (atomicCAS(status, 0, -1) == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    status[1] = task;
+    status[2] = where;
+    status[3] = seen;
+    status[4] = (int)smid;
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(kind) : "memory");
+  }
+}
+
+// The next task of the ready ring, -1 once every one of ``num_tasks`` slots is claimed, -2 if
+// the grid is stopping. Called by one thread.
+__device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int num_tasks,
+                                    int* status, long long limit_ns) {
+  const int slot = atomicAdd(head_tail, 1);
+  if (slot >= num_tasks) return -1;
+  int task = etc_load_acquire(ring + slot);
+  if (task >= 0) return task;
+  const unsigned long long start = etc_globaltimer_ns();
+  for (unsigned polls = 1;; ++polls) {
+    task = etc_load_relaxed(ring + slot);
+    if (task >= 0) return etc_load_acquire(ring + slot);
+    if (polls % 64 != 0) continue;
+    if (etc_load_relaxed(status) != 0) return -2;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      etc_record_stop(status, 2, -1, slot, task);
+      return -2;
+    }
+    __nanosleep(20);
+  }
+}
+
+// One producer of ``task`` was dispatched: the last one pushes it. Called by one thread.
+__device__ __forceinline__ void etc_count_down(int* pending, int task, int* head_tail, int* ring,
+                                               int capacity, int* status) {
+  if (atomicSub(pending + task, 1) != 1) return;
+  const int slot = atomicAdd(head_tail + 1, 1);
+  if (slot >= capacity) {
+    etc_record_stop(status, 3, task, slot, capacity);
+    return;
+  }
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + slot), "r"(task) : "memory");
 }
 
 // One release decrement: the CTA's writes (ordered before by a barrier) happen before it.

@@ -40,13 +40,24 @@ class GraphMeta:
         return f"counter {flat}"
 
     def check(self, status: np.ndarray) -> None:
-        if status[0] == 0:
+        """Raise for a stopped kernel (the record's layout is in src/etc_runtime.cuh)."""
+        kind = int(status[0])
+        if kind == 0:
             return
-        task, element, seen, sm = (int(v) for v in status[1:5])
-        raise ExecutionError(
-            f"{self.name}: task {self.task_names[task]} on SM {sm} waited on "
-            f"{self.element_name(element)} (counter {seen}) for more than {self.timeout_s} s; "
-            "the kernel stopped")
+        task, where, seen, sm = (int(v) for v in status[1:5])
+        if kind == 1:
+            why = (f"task {self.task_names[task]} on SM {sm} waited on "
+                   f"{self.element_name(where)} (counter {seen}) for more than "
+                   f"{self.timeout_s} s")
+        elif kind == 2:
+            why = (f"a CTA on SM {sm} waited for slot {where} of the ready ring for more than "
+                   f"{self.timeout_s} s: a task was never pushed")
+        elif kind == 3:
+            why = (f"the ready ring overflowed: pushing task {self.task_names[task]} took slot "
+                   f"{where} of {seen}")
+        else:
+            why = f"unknown stop record {status.tolist()}"
+        raise ExecutionError(f"{self.name}: {why}; the kernel stopped")
 
 
 class CompiledGraph:

@@ -58,3 +58,11 @@ def test_persistent_kernel_is_cooperative_with_one_cta_per_sm():
     kernel = mod["gemm_reduce_scatter_megakernel"]
     assert "tirx.use_cooperative_launch" in list(kernel.attrs["tirx.kernel_launch_params"])
     assert re.search(r"bx = T\.cta_id\(\[132\]\)", kernel.script())
+
+
+def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
+    source = build(graphs.gemm_reduce_scatter, DIMS, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("gemm_reduce_scatter_dynamic_megakernel_kernel("):]
+    order = [kernel.index(s) for s in ("tvm_builtin_cuda_grid_sync", "etc_pop(",
+                                       "etc_count_down(", "etc_notify(", "etc_wait(")]
+    assert order == sorted(order)  # pop, early pushes, then the producer's branch, then the rest

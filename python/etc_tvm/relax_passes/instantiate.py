@@ -1,8 +1,10 @@
-"""Finding graph functions in a module and fixing their sizes: what every etc pass starts with."""
+"""Finding graph functions in a module, fixing their sizes, and replacing them by a kernel:
+what the etc passes share."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -49,3 +51,37 @@ def without_device_funcs(mod: tvm.IRModule) -> tvm.IRModule:
     return without(mod, *(gv.name_hint for gv, f in mod.functions_items()
                           if isinstance(f, tvm.tirx.PrimFunc) and f.attrs
                           and "etc.device_func" in f.attrs))
+
+
+def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGraph,
+                                   kernel: tvm.tirx.PrimFunc, constants: Sequence[np.ndarray],
+                                   state: Sequence[relax.TensorType]) -> tvm.IRModule:
+    """Make ``name`` one ``call_tir`` of ``kernel``.
+
+    The kernel takes the function's parameters and ``constants`` (read-only int32 tables) and
+    returns ``state`` (fresh every launch; ``state[1]`` is the watchdog record) followed by every
+    call's outputs. The function returns its outputs, then the watchdog record. A plain binding
+    block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape) must not look into
+    TIRx kernels.
+    """
+    func = mod[name]
+    bb = relax.BlockBuilder(without(mod, name))
+    gv = bb.add_func(kernel, kernel.attrs["global_symbol"])
+    params = list(func.params)
+    produced = [t for t in graph.tensors if t.producer is not None]
+    with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
+        args = [*params, *(relax.const(_padded(c)) for c in constants)]
+        out_tys = [*state, *(relax.TensorType(list(t.shape), t.dtype) for t in produced)]
+        result = bb.emit(relax.call_tir(gv, args, out_tys), "result")
+        value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
+        for k, t in enumerate(produced):
+            value[t.index] = bb.emit(relax.TupleGetItem(result, len(state) + k), t.name)
+        status = bb.emit(relax.TupleGetItem(result, 1), "status")
+        bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), status]))
+    return bb.finalize()
+
+
+def _padded(values) -> np.ndarray:
+    """An int32 constant of at least one element (a kernel argument cannot be empty)."""
+    values = np.asarray(values, np.int32)
+    return values if values.size else np.zeros(1, np.int32)

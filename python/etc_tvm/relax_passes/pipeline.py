@@ -6,6 +6,7 @@
 ``strategy`` picks how the graph functions run:
 
 - "static": one persistent kernel, per-SM queues, tile-level events;
+- "dynamic": one persistent kernel whose CTAs pop ready tasks from a ring (early push);
 - "barrier": the same kernel with one global barrier between operators instead of the edges;
 - "unfused": each call_device its own grid launch, in stream order (the baseline).
 
@@ -22,10 +23,11 @@ from tvm.tirx import compilation_pipeline as tir_pipelines
 from ..schedule import list_schedule
 from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
+from .dynamic_schedule_transform import DynamicScheduleTransform
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform
 
-STRATEGIES = ("static", "barrier", "unfused")
+STRATEGIES = ("static", "dynamic", "barrier", "unfused")
 
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
@@ -36,6 +38,8 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     if strategy == "unfused":
         return [UnfusedTransform(dims)]
+    if strategy == "dynamic":
+        return [DynamicScheduleTransform(dims, num_sms, options)]
     lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler)]
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 

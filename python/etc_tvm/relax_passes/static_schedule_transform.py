@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import numpy as np
 import tvm
 from tvm import relax
 
@@ -34,7 +33,8 @@ from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
 from ..tir_sched.static_kernel import build_static_kernel
-from .instantiate import graph_functions, instantiate, without, without_device_funcs
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+                          without_device_funcs)
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
@@ -60,35 +60,9 @@ class StaticScheduleTransform:
             layout = EventLayout.of(graph)
             kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel",
                                          self.options)
-            mod = _rewrite(mod, name, graph, schedule, layout, kernel)
+            indptr, tasks = schedule.csr(graph)
+            state = [relax.TensorType([layout.size], "int32"),
+                     relax.TensorType([STATUS_WORDS], "int32")]
+            mod = replace_with_persistent_kernel(mod, name, graph, kernel,
+                                                 [indptr, tasks, layout.initial], state)
         return without_device_funcs(mod)
-
-
-def _rewrite(mod, name, graph, schedule, layout, kernel) -> tvm.IRModule:
-    func = mod[name]
-    bb = relax.BlockBuilder(without(mod, name))
-    megakernel = bb.add_func(kernel, kernel.attrs["global_symbol"])
-    params = list(func.params)
-    produced = [t for t in graph.tensors if t.producer is not None]
-    indptr, tasks = schedule.csr(graph)
-    # a plain binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape)
-    # must not look into the TIRx kernels
-    with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
-        args = [*params, relax.const(indptr), relax.const(_padded(tasks)),
-                relax.const(_padded(layout.initial))]
-        out_tys = [relax.TensorType([layout.size], "int32"),
-                   relax.TensorType([STATUS_WORDS], "int32")]
-        out_tys += [relax.TensorType(list(t.shape), t.dtype) for t in produced]
-        result = bb.emit(relax.call_tir(megakernel, args, out_tys), "result")
-        value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
-        for k, t in enumerate(produced):
-            value[t.index] = bb.emit(relax.TupleGetItem(result, 2 + k), t.name)
-        status = bb.emit(relax.TupleGetItem(result, 1), "status")
-        bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), status]))
-    return bb.finalize()
-
-
-def _padded(values):
-    """A constant of at least one element (a zero-size tensor cannot be a kernel argument)."""
-    values = np.asarray(values, np.int32)
-    return values if values.size else np.zeros(1, np.int32)

@@ -1,12 +1,14 @@
-"""StaticScheduleTransform and UnfusedTransform: what the graph function becomes."""
+"""StaticScheduleTransform, DynamicScheduleTransform and UnfusedTransform: what a graph function
+becomes."""
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 from etc_tvm import EtcError, GraphError
-from etc_tvm.relax_passes import StaticScheduleTransform, UnfusedTransform
-from etc_tvm.schedule import list_schedule
+from etc_tvm.relax_passes import (DynamicScheduleTransform, StaticScheduleTransform,
+                                  UnfusedTransform)
+from etc_tvm.schedule import DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -44,6 +46,29 @@ def test_static_becomes_one_persistent_kernel_launch():
     assert [list(map(int, p.ty.shape.values)) for p in params] == [[64, 32], [32, 48]]
     ret = mod["gemm_reduce_scatter"].ret_ty
     assert [list(map(int, f.shape.values)) for f in ret.fields] == [[64, 48], [8]]
+
+
+def test_dynamic_becomes_one_ready_ring_kernel_launch():
+    mod = DynamicScheduleTransform(DIMS, num_sms=8)(graphs.gemm_reduce_scatter.mod)
+    relax.analysis.well_formed(mod)
+    assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
+        "gemm_reduce_scatter", "gemm_reduce_scatter_dynamic_megakernel"]
+    (kernel,) = [c for c in calls_of(mod["gemm_reduce_scatter"])
+                 if c.op.name.startswith("relax.call_tir")]
+    A, B, initial, pending, indptr, consumers, ring, head_tail = kernel.args[1].fields
+    graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
+    plan = DynamicPlan.of(graph)
+    np.testing.assert_array_equal(initial.value.numpy(), EventLayout.of(graph).initial)
+    np.testing.assert_array_equal(pending.value.numpy(), [0] * 12 + [1] * 12)
+    np.testing.assert_array_equal(indptr.value.numpy(), plan.consumer_indptr)
+    np.testing.assert_array_equal(consumers.value.numpy(), list(range(12, 24)))
+    np.testing.assert_array_equal(ring.value.numpy(), list(range(12)) + [-1] * 12)
+    np.testing.assert_array_equal(head_tail.value.numpy(), [0, 12])
+    state = kernel.ty_args[0].fields
+    assert [list(map(int, t.shape.values)) for t in state] == [
+        [12], [8], [24], [24], [2], [64, 48], [64, 48]]
+    kernel_func = mod["gemm_reduce_scatter_dynamic_megakernel"]
+    assert "tirx.use_cooperative_launch" in list(kernel_func.attrs["tirx.kernel_launch_params"])
 
 
 def test_static_needs_sizes():

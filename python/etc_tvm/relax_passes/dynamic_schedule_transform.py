@@ -1,0 +1,60 @@
+"""DynamicScheduleTransform: a graph function becomes one persistent kernel fed by a ready ring.
+
+Before: a graph function of ``etc.event_tensor`` and ``etc.call_device`` bindings (see
+``StaticScheduleTransform``). After::
+
+    (counters, status, pending, ring, head_tail, C, D) = call_tir(dynamic_megakernel,
+        (A, B, initial_counts, pending0, consumer_indptr, consumer_tasks, ring0, head_tail0))
+    return (D, status)
+
+Instead of per-CTA queues fixed at compile time, idle CTAs pop the oldest ready task, so
+unbalanced task costs balance themselves. The task graph is instantiated for concrete sizes and
+its ``DynamicPlan`` (pending producer counts, consumer lists, seeds) stored as constants; the
+kernel's state is fresh every launch. Run it before the standard Relax lowering.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..schedule import DynamicPlan
+from ..tir_sched.dynamic_kernel import build_dynamic_kernel
+from ..tir_sched.events import EventLayout
+from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+                          without_device_funcs)
+
+
+@tvm.transform.module_pass(opt_level=0, name="etc.DynamicScheduleTransform")
+class DynamicScheduleTransform:
+    """Lower every graph function of the module to one launch of a ready-ring kernel.
+
+    dims: values of the symbolic dims. num_sms: SMs of the target; ``options.ctas_per_sm``
+    persistent CTAs each.
+    """
+
+    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
+                 options: KernelOptions = DEFAULT_OPTIONS):
+        self.dims = dict(dims or {})
+        self.num_sms = num_sms
+        self.options = options
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for name in graph_functions(mod):
+            mod, graph = instantiate(mod, name, self.dims)
+            plan = DynamicPlan.of(graph)
+            layout = EventLayout.of(graph)
+            kernel = build_dynamic_kernel(graph, plan, layout, f"{name}_dynamic_megakernel",
+                                          self.num_sms * self.options.ctas_per_sm, self.options)
+            n = max(1, graph.num_tasks)
+            ring0 = np.full(n, -1, np.int32)
+            ring0[:len(plan.seeds)] = plan.seeds
+            state = [relax.TensorType([size], "int32")
+                     for size in (layout.size, STATUS_WORDS, n, n, 2)]
+            constants = [layout.initial, plan.pending, plan.consumer_indptr, plan.consumer_tasks,
+                         ring0, np.array([0, len(plan.seeds)], np.int32)]
+            mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
+        return without_device_funcs(mod)
