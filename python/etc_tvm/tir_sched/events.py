@@ -7,6 +7,8 @@ index of the element a task waits on or notifies, with its guard.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 import numpy as np
 from tvm import tirx
@@ -55,22 +57,59 @@ _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a
            "and": tirx.And, "or": tirx.Or}
 
 
-def lower_expr(node: em.Node, coords: dict) -> tirx.Expr:
-    """A static edge-map expression as TIR over the task coordinates ``coords`` (name -> var)."""
-    if isinstance(node, em.Int):
-        return tirx.IntImm("int32", node.value)
-    if isinstance(node, em.Coord):
-        return coords[node.name]
-    if isinstance(node, em.Neg):
-        return tirx.IntImm("int32", 0) - lower_expr(node.operand, coords)
-    if isinstance(node, (em.BinOp, em.Compare, em.BoolOp)):
-        return _BINARY[node.op](lower_expr(node.lhs, coords), lower_expr(node.rhs, coords))
-    raise NotImplementedError(f"'{node}' reads a runtime tensor: data-dependent edges need the "
-                              "dynamic schedule")
+@dataclass(frozen=True)
+class LoweredEdge:
+    """An edge map as TIR: for each point of ``loops`` (nested, outermost first, each
+    ``(var, lo, hi)``: a ``:`` slice or a ``lo:hi`` range), the coordinates ``index``, if
+    ``guard`` holds. ``index`` is an event element for ``->`` maps and a task for ``=>`` maps;
+    the points come in the order ``EdgeMap.evaluate`` lists them."""
+
+    loops: tuple
+    index: tuple
+    guard: tirx.Expr | None
 
 
-def lower_edge(edge_map: em.EdgeMap, coords: dict):
-    """(element coordinates as TIR, guard as TIR or None) of a static ``->`` map."""
-    index = [lower_expr(i, coords) for i in edge_map.indices]
-    guard = lower_expr(edge_map.guard, coords) if edge_map.guard is not None else None
-    return index, guard
+class _Lowering:
+    """Lowers one map's expressions, opening a loop for every slice and range it meets."""
+
+    def __init__(self, coords: dict, tensors: Mapping[str, tirx.Buffer]):
+        self.coords, self.tensors, self.loops = coords, tensors, []
+
+    def loop(self, lo: tirx.Expr, hi: tirx.Expr) -> tirx.Var:
+        var = tirx.Var(f"k{len(self.loops)}", "int32")
+        self.loops.append((var, lo, hi))
+        return var
+
+    def expr(self, node: em.Node) -> tirx.Expr:
+        if isinstance(node, em.Int):
+            return tirx.IntImm("int32", node.value)
+        if isinstance(node, em.Coord):
+            return self.coords[node.name]
+        if isinstance(node, em.Neg):
+            return tirx.IntImm("int32", 0) - self.expr(node.operand)
+        if isinstance(node, (em.BinOp, em.Compare, em.BoolOp)):
+            return _BINARY[node.op](self.expr(node.lhs), self.expr(node.rhs))
+        if isinstance(node, em.Read):
+            if node.tensor not in self.tensors:
+                raise NotImplementedError(f"'{node}' reads a runtime tensor this kernel does not "
+                                          "bind")
+            buf = self.tensors[node.tensor]
+            index = [self.loop(tirx.IntImm("int32", 0), tirx.Cast("int32", buf.shape[k]))
+                     if isinstance(i, em.Slice) else self.expr(i)
+                     for k, i in enumerate(node.indices)]
+            return tirx.BufferLoad(buf, index)
+        if isinstance(node, em.Range):
+            lo, hi = self.expr(node.lo), self.expr(node.hi)
+            return self.loop(lo, hi)
+        raise TypeError(f"cannot lower {type(node).__name__} '{node}'")
+
+
+def lower_edge(edge_map: em.EdgeMap, coords: dict,
+               tensors: Mapping[str, tirx.Buffer] = MappingProxyType({})) -> LoweredEdge:
+    """``edge_map`` as TIR over ``coords`` (letter -> TIR), reading ``tensors`` (name -> buffer).
+
+    Without ``tensors`` a map that reads one raises ``NotImplementedError``."""
+    lowering = _Lowering(coords, tensors)
+    guard = lowering.expr(edge_map.guard) if edge_map.guard is not None else None
+    index = tuple(lowering.expr(i) for i in edge_map.indices)
+    return LoweredEdge(tuple(lowering.loops), index, guard)

@@ -141,8 +141,8 @@ class PersistentKernel:
         if call.in_edges:
             waits = [tirx.BufferStore(stop, i32(0), [i32(0)])]
             for e in call.in_edges:
-                index, guard = lower_edge(e.map, env)
-                idx = layout.flat_index(e.etensor, index)
+                lowered = lower_edge(e.map, env)
+                guard, idx = lowered.guard, layout.flat_index(e.etensor, lowered.index)
                 wait = self.runtime_call("etc_wait", self.counters.ptr_to([idx]),
                                          self.status.ptr_to([0]), task, idx, self.limit,
                                          return_type="int32")
@@ -159,9 +159,10 @@ class PersistentKernel:
         if call.out_edges:
             notifies = []
             for e in call.out_edges:
-                index, guard = lower_edge(e.map, env)
-                step = tirx.Evaluate(self.runtime_call(
-                    "etc_notify", self.counters.ptr_to([layout.flat_index(e.etensor, index)])))
+                lowered = lower_edge(e.map, env)
+                guard = lowered.guard
+                step = tirx.Evaluate(self.runtime_call("etc_notify", self.counters.ptr_to(
+                    [layout.flat_index(e.etensor, lowered.index)])))
                 notifies.append(step if guard is None else tirx.IfThenElse(guard, step, None))
             cond = tx == 0
             if self.options.drop_notify is not None:
