@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict, deque
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -185,20 +185,41 @@ class DynamicQueueOrder(Order):
 
 
 def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
-            trace: list | None = None):
+            trace: list | None = None, schedule_dims: Mapping[str, int] | None = None):
     """Run ``graph`` on NumPy ``inputs``; returns its output array(s).
 
     ``order`` defaults to ``ReadyQueueOrder()``. When ``trace`` is a list, the ids of the tasks
     run are appended to it in order (skipped tasks included).
+
+    ``schedule_dims`` runs the task graph instantiated for larger sizes (a schedule compiled for
+    a sample size, reused for a smaller one): the tasks outside the inputs' own grids are
+    skipped. A skipped task waits for nothing, runs no body and performs its static notifies,
+    so every count of the larger graph still completes.
     """
-    task_graph = TaskGraph.build(graph, bind_dims(graph, inputs))
+    dims = bind_dims(graph, inputs)
+    actual = task_graph = TaskGraph.build(graph, dims)
+    out_of_range: set[int] = set()
+    if schedule_dims is not None:
+        task_graph = TaskGraph.build(graph, _at_least(dims, schedule_dims))
+        out_of_range = {t for big, c in zip(task_graph.calls, actual.calls) for t in big.tasks
+                        if not all(x < n for x, n in zip(big.coords(t), c.grid))}
     task_graph.validate()
     for call in task_graph.calls:
         call.fn.reference  # noqa: B018 (raises for a device function without one)
-    run = _Run(task_graph, inputs, order or ReadyQueueOrder(), trace)
+    run = _Run(task_graph, inputs, order or ReadyQueueOrder(), trace, out_of_range,
+               [t.shape for t in actual.tensors])
     run.run()
     outs = tuple(run.arrays[t] for t in task_graph.outputs)
     return outs if task_graph.returns_tuple else outs[0]
+
+
+def _at_least(dims: Mapping[str, int], schedule_dims: Mapping[str, int]) -> dict[str, int]:
+    for name, n in schedule_dims.items():
+        if name not in dims:
+            raise EtcError(f"schedule_dims names '{name}', not a dim of the graph ({sorted(dims)})")
+        if n < dims[name]:
+            raise EtcError(f"schedule_dims {name}={n} is smaller than the inputs' {dims[name]}")
+    return {**dims, **schedule_dims}
 
 
 def bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]:
@@ -245,16 +266,18 @@ def poison(shape, dtype: str) -> np.ndarray:
 class _Run:
     """The state of one run: counters, armed ETensors, complete tensors, task states."""
 
-    def __init__(self, graph: TaskGraph, inputs, order: Order, trace):
+    def __init__(self, graph: TaskGraph, inputs, order: Order, trace, out_of_range, shapes):
+        """``shapes``: of the tensors at the inputs' sizes (``graph`` may be for larger ones)."""
         self.graph, self.order, self.trace = graph, order, trace
+        self.out_of_range = out_of_range
         self.arrays = {}
-        for node in graph.tensors:
+        for node, shape in zip(graph.tensors, shapes):
             if node.param is not None:
                 arr = np.array(inputs[node.param], copy=True)
                 arr.flags.writeable = False
                 self.arrays[node.index] = arr
             else:
-                self.arrays[node.index] = poison(node.shape, node.dtype)
+                self.arrays[node.index] = poison(shape, node.dtype)
         self.counters = graph.static_counts()
         self.initial = {name: c.copy() for name, c in self.counters.items()}
         self.arm_inputs = graph.arm_inputs()
@@ -284,6 +307,8 @@ class _Run:
 
     def blocker(self, task: int):
         """What ``task`` waits for now, or None if it can start."""
+        if task in self.out_of_range:
+            return None
         call = self.graph.call_of(task)
         for t in self.needs[call.index]:
             if not self.complete(t):
@@ -376,7 +401,7 @@ class _Run:
         call = self.graph.call_of(task)
         if self.blocker(task) is not None:
             raise AssertionError(f"the order chose {self.graph.task_name(task)}, not ready")
-        skipped = call.triggers and task in self.skipped[call.index]
+        skipped = task in self.out_of_range or (call.triggers and task in self.skipped[call.index])
         if not skipped:
             arrays = [self.arrays[t] for t in call.tensor_args()]
             call.fn.reference(*call.coords(task), *arrays)
@@ -465,10 +490,11 @@ class _Run:
         self._release(("arm", name))
 
     def skipped_tasks(self, call: CallNode) -> set[int]:
-        if not call.triggers:
-            return set()
-        self._triggers(call)
-        return self.skipped[call.index]
+        out = self.out_of_range & set(call.tasks)
+        if call.triggers:
+            self._triggers(call)
+            out |= self.skipped[call.index]
+        return out
 
     def _check_final_counters(self) -> None:
         for name, counter in self.counters.items():

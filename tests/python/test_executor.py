@@ -7,6 +7,7 @@ from etc_tvm import (DeadlockError, ETensor, EtcError, ExecutionError, Tensor, c
                      device_func, graph_func)
 from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
                               execute)
+from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 
 from graphs import gemm_reduce_scatter, row_sum, two_ops
@@ -180,3 +181,29 @@ def test_dynamic_queue_deadlock_names_what_each_task_waits_on(rng):
                                             r"counter 1 of wait count 2"):
         execute(short, np.zeros((3 * ROWS, COLS), "float32"), counts,
                 order=DynamicQueueOrder(2))
+
+
+@pytest.mark.parametrize("graph, make, dims, sample", [
+    (two_ops, lambda r, n: [r.standard_normal((n, COLS)).astype("float32") for _ in range(2)],
+     [ROWS, 3 * ROWS, 7 * ROWS], {"M": 8 * ROWS}),
+    (chain, lambda r, n: [r.standard_normal((n, COLS)).astype("float32")],
+     [ROWS, 5 * ROWS], {"M": 8 * ROWS}),
+    (row_sum, lambda r, n: [r.standard_normal((n, 48)).astype("float32")],
+     [16, 32], {"M": 64}),
+], ids=["two_ops", "chain", "row_sum"])
+def test_a_schedule_for_a_larger_size_serves_smaller_ones(graph, make, dims, sample, rng):
+    """The graph instantiated for the sample size, out-of-range tasks skipped, gives what the
+    graph instantiated for the actual size gives, under its sample-size static queues too."""
+    name = next(iter(sample))
+    big = TaskGraph.build(graph, {**sample, **({"N": 48} if graph is row_sum else {})})
+    queues = list_schedule(big, 3).queues
+    for n in dims:
+        inputs = make(rng, n)
+        want = execute(graph, *inputs)
+        for order in (ReadyQueueOrder(), RandomOrder(n), StaticOrder(queues),
+                      DynamicQueueOrder(2)):
+            got = execute(graph, *inputs, order=order, schedule_dims=sample)
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(EtcError, match=rf"schedule_dims {name}={sample[name]} is smaller"):
+        execute(graph, *make(rng, sample[name] + 16), schedule_dims=sample)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from etc_tvm import EtcError, ExecutionError, GraphError
-from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
+                              execute)
 from etc_tvm.task_graph import TaskGraph
 from moe_graph import COUNT_MODES, make_moe_graph, max_tiles, moe_reference, route
 
@@ -197,3 +198,17 @@ def test_expert_index_outside_expert_ready_fails_at_run_time():
 def test_expert_ready_of_another_size_than_its_counts_is_rejected():
     with pytest.raises(EtcError, match=r"its wait_count tensor counts has shape \[8\]"):
         make_moe_graph(H, E, 2, F, BT, "tensor", expert_ready_size=E - 1)
+
+
+@pytest.mark.parametrize("count_mode", COUNT_MODES)
+@pytest.mark.parametrize("routing", ["random", "idle_experts"])
+@pytest.mark.parametrize("tokens", [1, 5, 9])
+def test_a_schedule_for_more_tokens_serves_fewer(tokens, routing, count_mode):
+    """The MoE graph instantiated for 12 tokens runs 1, 5 and 9: out-of-range routers,
+    scatters, expert tiles and combines are skipped, data-dependent edges still resolve."""
+    graph = moe_graph(2, count_mode)
+    inputs = make_inputs(routing, tokens, 2)
+    want = moe_reference(*inputs, 2)
+    for order in (ReadyQueueOrder(), DynamicQueueOrder(3), RandomOrder(tokens)):
+        got = execute(graph, *inputs, order=order, schedule_dims={"T": 12})
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
