@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -47,15 +48,28 @@ class DeviceFunc:
     """A tile task: its TIRx PrimFunc, its parameters, thread count, cost hint and reference."""
 
     def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
-                 cost: float = 1.0, reference: Callable | None = None):
+                 cost=1.0, reference: Callable | None = None):
         self.prim_func = prim_func
         self.name = name
         self.coord_params, self.buffer_params = _split_params(prim_func, name)
         self.num_threads = _thread_count(prim_func, name, num_threads)
-        if not cost > 0:
-            raise EtcError(f"device function {name}: cost must be positive, got {cost}")
-        self.cost = float(cost)
+        self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
+
+    def task_cost(self, shapes) -> float:
+        """The cost hint of one task, given the concrete shapes of its tensors."""
+        if isinstance(self.cost, float):
+            return self.cost
+        analyzer = tvm.sym.Analyzer()
+        for param, shape in zip(self.buffer_params, shapes):
+            for dim, n in zip(param.shape, shape):
+                if isinstance(dim, tirx.Var):
+                    analyzer.bind(dim, int(n))
+        value = analyzer.simplify(tirx.Cast("float64", self.cost))
+        if not isinstance(value, tirx.FloatImm) or not value.value > 0:
+            raise EtcError(f"device function {self.name}: its cost {self.cost} is {value} for "
+                           f"tensors of shapes {list(shapes)}; it must be a positive number")
+        return float(value.value)
 
     @property
     def reference(self) -> Callable:
@@ -89,7 +103,9 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
     """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
 
     ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
-    already parsed ``tirx.PrimFunc``. ``cost`` is a relative run-time hint for static schedules.
+    already parsed ``tirx.PrimFunc``. ``cost`` is a relative run-time hint for static schedules:
+    a number, or an expression of the symbolic dims of the tensor parameters (a GEMM tile's
+    ``K``), evaluated for each call.
     """
 
     def wrap(f) -> DeviceFunc:
@@ -123,6 +139,23 @@ class _Decorator:
 
 
 device_func.dispatch_token = "tirx"
+
+
+def _check_cost(cost, buffer_params, name: str):
+    """A positive float, or an integer/float expression of the tensor parameters' dims."""
+    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+        if not cost > 0:
+            raise EtcError(f"device function {name}: cost must be positive, got {cost}")
+        return float(cost)
+    if not tvm.ir.is_prim_expr(cost):
+        raise EtcError(f"device function {name}: cost must be a number or an expression of its "
+                       f"tensors' dims, got {cost!r}")
+    dims = {d for p in buffer_params for d in p.shape if isinstance(d, tirx.Var)}
+    stray = [v for v in tvm.tirx.analysis.undefined_vars(cost) if v not in dims]
+    if stray:
+        raise EtcError(f"device function {name}: its cost {cost} uses {stray}, which are not "
+                       "dims of its tensor parameters")
+    return cost
 
 
 def _split_params(func: tirx.PrimFunc, name: str):

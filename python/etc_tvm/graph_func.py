@@ -42,8 +42,9 @@ class GraphFunc:
         funcs = {}
         for gv, f in mod.functions_items():
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and "etc.device_func" in f.attrs:
-                funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint,
-                                                 cost=float(f.attrs.get("etc.cost", 1.0)))
+                cost = f.attrs.get("etc.cost", 1.0)
+                funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint, cost=cost.value if
+                                                 isinstance(cost, tvm.tirx.FloatImm) else cost)
         return GraphFunc(name, mod, funcs)
 
     @property

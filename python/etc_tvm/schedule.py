@@ -8,7 +8,7 @@ A task goes to the SM of the predecessor that released it when that SM is free a
 consumer then finds its data where it was written, and its wait on that producer is elided.
 Tasks are placed in a topological order and every SM runs its queue in placement order, so the
 earliest unfinished task in that order is never blocked: the schedule cannot deadlock. Costs
-come from each device function's ``cost`` hint.
+come from each device function's ``cost`` hint, evaluated for each call's shapes.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def list_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
         raise ValueError(f"num_queues must be positive, got {num_queues}")
     order = graph.topological_order()  # also rejects cycles
     succ, indeg = graph.dependency_graph()
-    cost = [graph.call_of(t).fn.cost for t in range(graph.num_tasks)]
+    cost = [graph.call_of(t).cost for t in range(graph.num_tasks)]
 
     level: dict = {}  # longest cost-weighted path from a node to the end
     for task in reversed(order):

@@ -81,6 +81,7 @@ class CallNode:
     outputs: tuple[int, ...]
     in_edges: tuple[Edge, ...]
     out_edges: tuple[Edge, ...]
+    cost: float = 1.0  # of one task, from the device function's hint and these shapes
     first_task: int = 0
 
     @property
@@ -516,9 +517,11 @@ class _Builder:
                     tensors=tensors, etensor=et.name)))
             return tuple(out)
 
+        shapes = [self.tensors[t].shape for t in inputs + outputs]
         self.calls.append(CallNode(index, name, fn, grid, inputs, outputs,
                                    edges(call.in_events, call.in_edges, "in", inputs_readable),
-                                   edges(call.out_events, call.out_edges, "out", readable)))
+                                   edges(call.out_events, call.out_edges, "out", readable),
+                                   fn.task_cost(shapes)))
         self.value[var] = ("tensor", outputs[0]) if len(outputs) == 1 and isinstance(
             call.out_ty, relax.TensorType) else ("tuple", outputs)
 

@@ -4,12 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
+from etc_tvm import ETensor, EtcError, Tensor, call_device, device_func, graph_func
 from etc_tvm.executor import StaticOrder, execute
 from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule, round_robin_schedule
 from etc_tvm.task_graph import TaskGraph
 
 import graphs
+import tiles
 from test_executor import chain
 from test_random_dags import build as build_dag
 from test_random_dags import dags, numpy_dag
@@ -138,3 +139,35 @@ def test_dynamic_plan_marks_data_dependent_waiters_late():
     expert, combine = task_graph.calls[3], task_graph.calls[4]
     assert set(expert.tasks) | set(combine.tasks) == plan.late
     assert not plan.late & set(plan.seeds)
+
+
+costly_matmul = device_func(tiles.matmul_tile.prim_func, cost=tiles.K // 16)
+
+
+@graph_func
+def two_products(A: Tensor((32, 96)), B: Tensor((96, 16)), C: Tensor((32, 32)),
+                 D: Tensor((32, 16))):
+    return (call_device(costly_matmul, tile_num=(2, 1), args=[A, B], out=Tensor((32, 16))),
+            call_device(costly_matmul, tile_num=(2, 1), args=[C, D], out=Tensor((32, 16))))
+
+
+def test_cost_hints_are_evaluated_for_each_call():
+    task_graph = TaskGraph.build(two_products, {})
+    assert [c.cost for c in task_graph.calls] == [6.0, 2.0]
+    assert list_schedule(task_graph, 1).makespan == 2 * 6 + 2 * 2
+
+
+def test_cost_hints_must_be_positive_expressions_of_tensor_dims():
+    with pytest.raises(EtcError, match="cost must be positive"):
+        device_func(tiles.matmul_tile.prim_func, cost=0)
+    stray = __import__("tvm").tirx.Var("Q", "int32")
+    with pytest.raises(EtcError, match=r"uses \[Q\], which are not dims of its tensor"):
+        device_func(tiles.matmul_tile.prim_func, cost=stray)
+    negative = device_func(tiles.matmul_tile.prim_func, cost=tiles.K - 1000)
+
+    @graph_func
+    def g(A: Tensor((16, 32)), B: Tensor((32, 16))):
+        return call_device(negative, tile_num=(1, 1), args=[A, B], out=Tensor((16, 16)))
+
+    with pytest.raises(EtcError, match=r"its cost v - 1000 is .*-968.* it must be a positive"):
+        TaskGraph.build(g, {})

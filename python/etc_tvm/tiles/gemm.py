@@ -194,7 +194,8 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" + (
         f"_k{split_k}" if split_k > 1 else "")
-    tile = device_func(gemm.with_attr("global_symbol", name))
+    # one K step costs about one elementwise pass over the tile
+    tile = device_func(gemm.with_attr("global_symbol", name), cost=K // split_k // bk)
 
     def product(i, j, A, B, ks):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
