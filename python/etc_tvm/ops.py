@@ -35,16 +35,12 @@ def _infer_event_tensor(call, _bb):
     return relax.TensorType(call.args[0], "int32")
 
 
-def _infer_local_view(call, _bb):
+def _infer_from_ty_args(call, _bb):
     return call.ty_args[0]
 
 
-def _infer_call_device(call, _bb):
-    return call.ty_args[0]
-
-
-for _name, _infer in ((EVENT_TENSOR, _infer_event_tensor), (LOCAL_VIEW, _infer_local_view),
-                      (CALL_DEVICE, _infer_call_device)):
+for _name, _infer in ((EVENT_TENSOR, _infer_event_tensor), (LOCAL_VIEW, _infer_from_ty_args),
+                      (CALL_DEVICE, _infer_from_ty_args)):
     register_op_attr(_name, "FInferType", _infer)
     register_op_attr(_name, "FPurity", True)
 

@@ -13,7 +13,6 @@ come from each device function's ``cost`` hint, evaluated for each call's shapes
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,10 +51,7 @@ class StaticSchedule:
         """Tasks with waits, all of whose elements are notified only by tasks placed earlier
         on the same SM (static edges; data-dependent ones never count as local)."""
         where = {t: (sm, k) for sm, q in enumerate(self.queues) for k, t in enumerate(q)}
-        notifiers = defaultdict(list)
-        for task in range(graph.num_tasks):
-            for elem in graph.notifies[task]:
-                notifiers[elem].append(task)
+        notifiers = graph.element_notifiers()
         dynamic = {c.index for c in graph.calls
                    if any(e.map.is_data_dependent or e.map.is_trigger for e in c.in_edges)}
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
@@ -183,14 +179,11 @@ class DynamicPlan:
         late = frozenset(t for c in graph.calls for t in c.tasks if any(
             e.map.is_data_dependent or e.map.is_trigger or e.etensor in runtime
             for e in c.in_edges))
-        notifiers = defaultdict(set)
-        for task in range(graph.num_tasks):
-            for elem in graph.notifies[task]:
-                notifiers[elem].add(task)
+        notifiers = graph.element_notifiers()
         consumers = [set() for _ in range(graph.num_tasks)]
         pending = np.zeros(graph.num_tasks, np.int32)
         for task in range(graph.num_tasks):
-            producers = set().union(*(notifiers[e] for e in graph.waits[task])) - {task}
+            producers = {p for e in graph.waits[task] for p in notifiers[e]} - {task}
             pending[task] = len(producers)
             for p in producers:
                 consumers[p].add(task)

@@ -187,6 +187,14 @@ class TaskGraph:
             out[et.name] = {t for t in need if self.tensors[t].producer is not None}
         return out
 
+    def element_notifiers(self) -> dict[Element, list[int]]:
+        """Event element -> the tasks that notify it through static edges, in task order."""
+        notifiers = defaultdict(list)
+        for task in range(self.num_tasks):
+            for elem in self.notifies[task]:
+                notifiers[elem].append(task)
+        return notifiers
+
     def dynamically_notified(self) -> set[str]:
         """ETensors that some call notifies through a data-dependent map."""
         return {e.etensor for c in self.calls for e in c.out_edges if e.map.is_data_dependent}
@@ -220,10 +228,8 @@ class TaskGraph:
 
     def _check_counts(self) -> None:
         unchecked = set(self.arm_inputs()) | self.dynamically_notified()
-        notifiers, waiters = defaultdict(list), defaultdict(list)
+        notifiers, waiters = self.element_notifiers(), defaultdict(list)
         for task in range(self.num_tasks):
-            for elem in self.notifies[task]:
-                notifiers[elem].append(task)
             for elem in self.waits[task]:
                 waiters[elem].append(task)
         for (name, idx), tasks in waiters.items():
@@ -250,13 +256,11 @@ class TaskGraph:
         express: waits through data-dependent maps or triggers, on ETensors notified through
         data or counted at run time, and on the completion of tensors those read.
         """
-        static_notifiers, dynamic = defaultdict(set), self.dynamically_notified()
+        dynamic = self.dynamically_notified()
         notifiers = defaultdict(set)
         for call in self.calls:
             for e in call.out_edges:
                 notifiers[e.etensor].add(call.index)
-                if not e.map.is_data_dependent:
-                    static_notifiers[e.etensor].add(call.index)
         arm = self.arm_inputs()
         deps = defaultdict(set)
         for call in self.calls:
