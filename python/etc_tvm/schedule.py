@@ -8,7 +8,10 @@ A task goes to the SM of the predecessor that released it when that SM is free a
 consumer then finds its data where it was written, and its wait on that producer is elided.
 Tasks are placed in a topological order and every SM runs its queue in placement order, so the
 earliest unfinished task in that order is never blocked: the schedule cannot deadlock. Costs
-come from each device function's ``cost`` hint, evaluated for each call's shapes.
+come from each device function's ``cost`` hint, evaluated for each call's shapes, plus a fixed
+``TASK_OVERHEAD`` per task: its dispatch, waits, barriers and notifies. Without it a stream of
+cheap tasks looks free and piles up on the few SMs that are idle first, delaying everything
+that waits for them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 from .task_graph import TaskGraph
 
 LOCAL_WAITS = 1 << 30  # flag in a queue entry: the task's producers ran earlier on its SM
+TASK_OVERHEAD = 3.0  # in cost-hint units (one elementwise pass over a tile, one GEMM K step)
 
 
 @dataclass(frozen=True)
@@ -66,14 +70,17 @@ class StaticSchedule:
         return local
 
 
-def list_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
+def list_schedule(graph: TaskGraph, num_queues: int,
+                  task_overhead: float = TASK_OVERHEAD) -> StaticSchedule:
     """Critical-path-first list scheduling of ``graph`` onto ``num_queues`` queues (one per
-    persistent CTA)."""
+    persistent CTA); each task costs its hint plus ``task_overhead``."""
     if num_queues < 1:
         raise ValueError(f"num_queues must be positive, got {num_queues}")
     order = graph.topological_order()  # also rejects cycles
     succ, indeg = graph.dependency_graph()
-    cost = [graph.call_of(t).cost for t in range(graph.num_tasks)]
+    if task_overhead < 0:
+        raise ValueError(f"task_overhead must not be negative, got {task_overhead}")
+    cost = [graph.call_of(t).cost + task_overhead for t in range(graph.num_tasks)]
 
     level: dict = {}  # longest cost-weighted path from a node to the end
     for task in reversed(order):

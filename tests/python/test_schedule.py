@@ -82,7 +82,7 @@ def test_critical_path_goes_first():
     """On 2 SMs the chain (length 16) starts at once on one SM while the other runs the 16
     cheap tasks: makespan 16, where taking tasks in program order would give 24."""
     task_graph = TaskGraph.build(chain_beside_wide, {})
-    schedule = list_schedule(task_graph, 2)
+    schedule = list_schedule(task_graph, 2, task_overhead=0)
     chain_tasks = list(task_graph.calls[1].tasks)
     assert schedule.makespan == 16
     assert chain_tasks in [list(q) for q in schedule.queues]
@@ -154,7 +154,10 @@ def two_products(A: Tensor((32, 96)), B: Tensor((96, 16)), C: Tensor((32, 32)),
 def test_cost_hints_are_evaluated_for_each_call():
     task_graph = TaskGraph.build(two_products, {})
     assert [c.cost for c in task_graph.calls] == [6.0, 2.0]
-    assert list_schedule(task_graph, 1).makespan == 2 * 6 + 2 * 2
+    assert list_schedule(task_graph, 1, task_overhead=0).makespan == 2 * 6 + 2 * 2
+    assert list_schedule(task_graph, 1, task_overhead=1.5).makespan == 2 * 6 + 2 * 2 + 4 * 1.5
+    with pytest.raises(ValueError, match="task_overhead"):
+        list_schedule(task_graph, 1, task_overhead=-1)
 
 
 def test_cost_hints_must_be_positive_expressions_of_tensor_dims():
