@@ -18,8 +18,9 @@ Strategies (the same device functions in every one):
     static+graph        the persistent kernel's two launches replayed from a CUDA graph (no host
                         work: the GPU-side cost alone)
 
-Times are medians of CUDA-event timings of one call. Per-hop cost is the slope over N. Prints
-one table per part and writes every number to JSON (``--json``).
+Times are medians of CUDA-event timings of one call, the variants taking turns call by call.
+Per-hop cost is the slope over N. Prints one table per part and writes every number to JSON
+(``--json``).
 """
 import argparse
 import json
@@ -139,26 +140,31 @@ def make_split_k_mlp(hidden: int, inter: int, slice_k: int = 256, block_rows: in
     return mlp_split_k
 
 
-def time_us(fn, reps: int = 200, warmup: int = 20) -> float:
-    """Median over ``reps`` of the device time of one call, from CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
+def time_interleaved(runs: dict, reps: int = 200, warmup: int = 20) -> dict:
+    """Median device time of one call of each of ``runs`` (label -> fn), from CUDA events.
+
+    The variants take turns, one call each per round, so that a drift of the GPU's clocks or
+    of its neighbours' load over the measurement falls on every variant alike."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    times = {label: [] for label in runs}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        for label, fn in runs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[label].append(start.elapsed_time(end) * 1e3)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def measure(graph, dims, inputs, want, rtol) -> dict:
-    """Each variant: build, check against ``want`` (relative L2 error), time."""
+    """Each variant: build, check against ``want`` (relative L2 error); then time them all."""
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
-    row = {}
+    runs = {}
     for label, (strategy, scheduler, ctas, replay) in VARIANTS.items():
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
                          options=KernelOptions(ctas_per_sm=ctas))
@@ -174,8 +180,8 @@ def measure(graph, dims, inputs, want, rtol) -> dict:
             run = lambda c=compiled: c.run(*on_device)  # noqa: E731
         error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
         assert error < rtol, f"{label}: relative error {error:.2e}"
-        row[label] = time_us(run)
-    return row
+        runs[label] = run
+    return time_interleaved(runs)
 
 
 def table(title, key, rows) -> None:

@@ -5,8 +5,9 @@
     done
 
 Every graph of tests/python/megakernel_cases.py under the static strategy (list and
-round-robin queues), the dynamic and the barrier strategies, checked against the CPU reference
-executor.
+round-robin queues), the dynamic and the barrier strategies, and the MoE graph of
+tests/python/moe_graph.py (data-dependent edges, run-time counts, a trigger) under the
+strategies that run it, each checked against the CPU reference executor.
 """
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ from etc_tvm.executor import execute  # noqa: E402
 from etc_tvm.schedule import list_schedule, round_robin_schedule  # noqa: E402
 
 from megakernel_cases import ATOL, CASES, RTOL  # noqa: E402
+from moe_graph import COUNT_MODES, make_inputs, moe_graph  # noqa: E402
+
+MOE_STRATEGIES = ("static",)
 
 
 def main() -> None:
@@ -32,6 +36,13 @@ def main() -> None:
             got = build(graph, dims, strategy=strategy, scheduler=scheduler)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
             print(f"{name} {strategy} {scheduler.__name__}: ok", flush=True)
+    for count_mode in COUNT_MODES:
+        graph, inputs = moe_graph(2, count_mode), make_inputs("random", 12, 2)
+        want = execute(graph, *inputs)
+        for strategy in MOE_STRATEGIES:
+            got = build(graph, {"T": 12}, strategy=strategy)(*inputs)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            print(f"moe ({count_mode} counts) {strategy}: ok", flush=True)
 
 
 if __name__ == "__main__":

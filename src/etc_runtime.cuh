@@ -10,8 +10,17 @@
 // status[0] != 0 at their next poll and stop too. The host reads the record after the kernel.
 //
 // status layout (int32): [0] state (0 running, 1 a wait timed out, 2 a pop timed out, 3 the
-//                        ready ring overflowed), [1] task id, [2] element index or ring slot,
-//                        [3] counter value seen, [4] SM id.
+//                        ready ring overflowed, 4 a data-dependent index fell outside its
+//                        event tensor or grid, 5 a run-time wait count was negative),
+//                        [1] task id (-1: none), [2] element index, ring slot or the index,
+//                        [3] counter value seen, or the edge (kind 4) or value (kind 5),
+//                        [4] SM id.
+//
+// Run-time events. A call whose completion something waits for counts its unfinished tasks in
+// a counter of its own; the task that takes it to zero acquires every task's writes. An event
+// tensor whose wait counts are known only at run time starts each counter ETC_ARM_BIAS above
+// its static part, so no number of notifies can take it to zero early; once the tensors its
+// counts read are complete, one CTA adds the counts and then removes the bias (arming).
 //
 // The dynamic schedule's ready ring: ``ring`` has one slot per task (each task is pushed once),
 // -1 until published; ``head_tail[0]`` counts pops, ``head_tail[1]`` pushes. A pop claims the
@@ -114,6 +123,38 @@ __device__ __forceinline__ void etc_count_down(int* pending, int task, int* head
     return;
   }
   asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + slot), "r"(task) : "memory");
+}
+
+#define ETC_ARM_BIAS (1 << 29)
+
+// Count down a completion counter (release, then acquire): 1 for the caller that took it to
+// zero, which then sees every write ordered before each decrement.
+__device__ __forceinline__ int etc_complete(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], -1;"
+               : "=r"(old) : "l"(counter) : "memory");
+  return old == 1;
+}
+
+// Add ``value`` to a counter, unordered (arming adds counts, then a fence and a barrier).
+__device__ __forceinline__ void etc_add(int* counter, int value) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
+}
+
+// Remove the arming bias; returns the counter's new value (0: the element is complete).
+__device__ __forceinline__ int etc_unbias(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old) : "l"(counter), "r"(-ETC_ARM_BIAS) : "memory");
+  return old - ETC_ARM_BIAS;
+}
+
+// 1 if 0 <= value < size; otherwise records why the grid stops (kind 4) and returns 0.
+__device__ __forceinline__ int etc_in_range(int value, int size, int* status, int task,
+                                            int edge) {
+  if (value >= 0 && value < size) return 1;
+  etc_record_stop(status, 4, task, value, edge);
+  return 0;
 }
 
 // One release decrement: the CTA's writes (ordered before by a barrier) happen before it.

@@ -10,7 +10,7 @@ from .relax_passes import pipeline
 from .runtime import CompiledGraph, GraphMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph
-from .tir_sched.events import EventLayout
+from .tir_sched.events import EventLayout, edge_sites
 from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -39,8 +39,9 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     task_graph = TaskGraph.build(graph, dims)
     layout = EventLayout.of(task_graph)
     meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
-                     [[n, layout.offsets[n], list(s)] for n, s in layout.shapes.items()],
-                     options.timeout_s, has_status=strategy != "unfused")
+                     layout.names(task_graph), options.timeout_s,
+                     has_status=strategy != "unfused",
+                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
     return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
 

@@ -27,14 +27,17 @@ class GraphMeta:
 
     name: str
     task_names: list
-    etensors: list  # [name, offset, shape]
+    etensors: list  # [name, offset, shape] of every counter range
     timeout_s: float
     has_status: bool = True  # the function returns the watchdog record last
+    edges: list = ()  # the edge maps, numbered as the kernel reports them
 
     def element_name(self, flat: int) -> str:
         for name, offset, shape in self.etensors:
             size = int(np.prod(shape, dtype=np.int64))
             if offset <= flat < offset + size:
+                if not shape:
+                    return name
                 idx = np.unravel_index(flat - offset, shape)
                 return f"{name}[{','.join(str(int(i)) for i in idx)}]"
         return f"counter {flat}"
@@ -55,6 +58,13 @@ class GraphMeta:
         elif kind == 3:
             why = (f"the ready ring overflowed: pushing task {self.task_names[task]} took slot "
                    f"{where} of {seen}")
+        elif kind == 4:
+            who = f"task {self.task_names[task]}" if task >= 0 else "arming"
+            why = (f"{who} on SM {sm}: the edge map {self.edges[seen]} gave the index {where}, "
+                   "outside its event tensor or grid")
+        elif kind == 5:
+            why = (f"the run-time wait count of {self.element_name(where)} is {seen}, "
+                   "negative (or never written)")
         else:
             why = f"unknown stop record {status.tolist()}"
         raise ExecutionError(f"{self.name}: {why}; the kernel stopped")

@@ -187,6 +187,27 @@ class TaskGraph:
             out[et.name] = {t for t in need if self.tensors[t].producer is not None}
         return out
 
+    def completion_waits(self, call: CallNode) -> set[int]:
+        """The calls whose completion ``call``'s tasks wait for before reading their in-edge
+        maps: the producers of the tensors those maps read."""
+        return {self.tensors[t].producer for t in call.reads(call.in_edges)
+                if self.tensors[t].producer is not None}
+
+    def gates(self) -> dict[str, set[int]]:
+        """ETensors a kernel arms at run time -> the calls whose completion arms them.
+
+        Those counted at run time wait for the producers of the tensors their counts read; an
+        ETensor that releases tasks through a trigger map also for the producers of the
+        tensors the map reads, so that no element fires before its range can be read."""
+        gates = {name: {self.tensors[t].producer for t in need}
+                 for name, need in self.arm_inputs().items()}
+        for call in self.calls:
+            for e in call.triggers:
+                gates.setdefault(e.etensor, set()).update(
+                    self.tensors[t].producer for t in call.reads([e])
+                    if self.tensors[t].producer is not None)
+        return gates
+
     def element_notifiers(self) -> dict[Element, list[int]]:
         """Event element -> the tasks that notify it through static edges, in task order."""
         notifiers = defaultdict(list)

@@ -13,10 +13,13 @@ A pair (t, k) lives in row ``pair_slot[t, k]`` of xs and ys: expert e owns the t
 ``exp_indptr[e]`` to ``exp_indptr[e+1] - 1`` and its rows start at ``exp_indptr[e] * BT``, in
 (t, k) row-major order. ``max_tiles = (T*K + BT - 1) // BT + E`` bounds the tiles used.
 """
-import numpy as np
-from tvm.script import tirx as T
+import functools
+import itertools
+import zlib
 
+import numpy as np
 from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
+from tvm.script import tirx as T
 
 THREADS = 128
 COUNT_MODES = ("tensor", "inferred")
@@ -247,3 +250,46 @@ def moe_reference(x, w_router, bias, w_expert, top_k: int):
     hidden = np.maximum(np.einsum("th,tkhf->tkf", x.astype(np.float64),
                                   w_expert.astype(np.float64)[topk]), 0)
     return np.einsum("tk,tkf->tf", topw, hidden)
+
+
+# ---------------------------------------------------------------- the configuration the tests use
+H, E, F, BT = 32, 8, 16, 4
+HOT = 3  # every token's first choice in the "one_expert" routing
+TOKENS = (1, 7, 12)  # 7: not a multiple of BT
+ROUTINGS = [("random", 1), ("random", 2), ("one_expert", 1), ("one_expert", 2),
+            ("idle_experts", 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def moe_graph(top_k, count_mode):
+    return make_moe_graph(H, E, top_k, F, BT, count_mode)
+
+
+def routing_margin(x, w_router, bias, top_k):
+    """The smallest gap between a token's K-th and (K+1)-th logit (float64)."""
+    logits = np.sort(x.astype(np.float64) @ w_router + bias, axis=1)[:, ::-1]
+    return float((logits[:, top_k - 1] - logits[:, top_k]).min())
+
+
+def make_inputs(routing, tokens, top_k, seed=0):
+    """``(x, w_router, bias, w_expert)``, float32, seeded by the arguments; redrawn while two
+    experts nearly tie for a token's last place (float32 tiles and the float64 reference must
+    pick the same experts)."""
+    for attempt in itertools.count():
+        key = f"{routing}/{tokens}/{top_k}" + (f"/{seed}" if seed else "") \
+            + (f"#{attempt}" if attempt else "")
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        x = rng.standard_normal((tokens, H))
+        w_router = rng.standard_normal((H, E)) / np.sqrt(H)
+        w_expert = rng.standard_normal((E, H, F)) / np.sqrt(H)
+        bias = rng.standard_normal(E) * 0.1
+        if routing == "random":
+            bias[:] = 0
+        elif routing == "one_expert":  # x @ w_router is ~0.3 wide: HOT leads by about 5
+            w_router *= 0.05
+            bias[HOT] = 5
+        elif routing == "idle_experts":
+            bias[::2] = -100
+        inputs = tuple(a.astype(np.float32) for a in (x, w_router, bias, w_expert))
+        if routing_margin(*inputs[:3], top_k) > 1e-4:
+            return inputs

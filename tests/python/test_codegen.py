@@ -12,6 +12,7 @@ from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
 from etc_tvm.tir_sched.persistent import RUNTIME_SOURCE
 
 import graphs
+from moe_graph import COUNT_MODES, moe_graph
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 DIMS = {"M": 64, "K": 32, "N": 48}
@@ -66,3 +67,27 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
     order = [kernel.index(s) for s in ("tvm_builtin_cuda_grid_sync", "etc_pop(",
                                        "etc_count_down(", "etc_notify(", "etc_wait(")]
     assert order == sorted(order)  # pop, early pushes, then the producer's branch, then the rest
+
+
+@needs_nvcc
+@pytest.mark.parametrize("count_mode", COUNT_MODES)
+def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, tmp_path):
+    nvcc(build(moe_graph(2, count_mode), {"T": 7}, num_sms=132).cuda_source(), tmp_path)
+
+
+def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():
+    """The task completing grouping arms expert_ready (counts added, a fence and a barrier,
+    then the bias removed); an expert tile waits for grouping's completion, then finds the
+    element whose exp_indptr range holds it and waits on that."""
+    source = build(moe_graph(2, "tensor"), {"T": 7}, num_sms=132).cuda_source()
+    kernel = source[source.index("moe_megakernel_kernel("):]
+    arm = kernel[kernel.index("etc_complete("):]
+    arm = arm[arm.index("etc_add("):]
+    order = [arm.index(s) for s in ("tvm_builtin_cuda_thread_fence",
+                                    "tvm_builtin_cuda_cta_sync", "etc_unbias(")]
+    assert order == sorted(order)
+    expert = kernel[kernel.index("skip_ptr[0] = 1;") - 400:]
+    assert expert.index("etc_wait(") < expert.index("skip_ptr[0] = 1;") \
+        < expert.index("exp_indptr_ptr[") < expert.index("skip_ptr[0] = 0;") \
+        < expert.index("if (skip_ptr[0] == 0)")
+

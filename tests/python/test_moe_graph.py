@@ -1,23 +1,28 @@
 """The MoE graph function under the CPU reference executor: routings, schedules, skipped tiles
 and deliberately broken variants."""
 import contextlib
-import functools
-import zlib
 
 import numpy as np
 import pytest
-
 from etc_tvm import EtcError, ExecutionError, GraphError
-from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
-                              execute)
+from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, execute
 from etc_tvm.task_graph import TaskGraph
-from moe_graph import COUNT_MODES, make_moe_graph, max_tiles, moe_reference, route
-
-H, E, F, BT = 32, 8, 16, 4
-HOT = 3  # every token's first choice in the "one_expert" routing
-TOKENS = (1, 7, 12)  # 7: not a multiple of BT
-ROUTINGS = [("random", 1), ("random", 2), ("one_expert", 1), ("one_expert", 2),
-            ("idle_experts", 2)]
+from moe_graph import (
+    BT,
+    COUNT_MODES,
+    HOT,
+    ROUTINGS,
+    TOKENS,
+    E,
+    F,
+    H,
+    make_inputs,
+    make_moe_graph,
+    max_tiles,
+    moe_graph,
+    moe_reference,
+    route,
+)
 
 
 def deal(order, queues):
@@ -37,37 +42,6 @@ ORDERS = {
     "static4-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 4), seed=11),
     "static7-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 7), seed=12),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def moe_graph(top_k, count_mode):
-    return make_moe_graph(H, E, top_k, F, BT, count_mode)
-
-
-def routing_margin(x, w_router, bias, top_k):
-    """The smallest gap between a token's K-th and (K+1)-th logit (float64)."""
-    logits = np.sort(x.astype(np.float64) @ w_router + bias, axis=1)[:, ::-1]
-    return float((logits[:, top_k - 1] - logits[:, top_k]).min())
-
-
-def make_inputs(routing, tokens, top_k):
-    """``(x, w_router, bias, w_expert)``, float32, seeded by the arguments."""
-    rng = np.random.default_rng(zlib.crc32(f"{routing}/{tokens}/{top_k}".encode()))
-    x = rng.standard_normal((tokens, H))
-    w_router = rng.standard_normal((H, E)) / np.sqrt(H)
-    w_expert = rng.standard_normal((E, H, F)) / np.sqrt(H)
-    bias = rng.standard_normal(E) * 0.1
-    if routing == "random":
-        bias[:] = 0
-    elif routing == "one_expert":  # x @ w_router is ~0.3 wide: HOT leads by about 5
-        w_router *= 0.05
-        bias[HOT] = 5
-    elif routing == "idle_experts":
-        bias[::2] = -100
-    inputs = tuple(a.astype(np.float32) for a in (x, w_router, bias, w_expert))
-    # float32 tiles and the float64 reference must pick the same experts
-    assert routing_margin(*inputs[:3], top_k) > 1e-4, "a near tie in the routing: reseed"
-    return inputs
 
 
 def call_named(task_graph, fn_name):

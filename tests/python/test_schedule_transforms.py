@@ -10,7 +10,7 @@ from etc_tvm.relax_passes import (DynamicScheduleTransform, StaticScheduleTransf
                                   UnfusedTransform)
 from etc_tvm.schedule import DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
-from etc_tvm.tir_sched.events import EventLayout
+from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
@@ -102,11 +102,32 @@ def test_persistent_ctas_that_cannot_share_an_sm_are_refused():
             graphs.gemm_reduce_scatter.mod)
 
 
-def test_data_dependent_graphs_are_refused_by_name():
+def test_data_dependent_graphs_are_refused_by_name_where_unsupported():
     moe = make_moe_graph(32, 8, 2, 16, 4, "tensor")
-    with pytest.raises(GraphError, match=r"data-dependent edges \[.*scatter0: expert_ready "
-                                         r"'t->topk\[t,:\]'.*wait counts known only at run "
-                                         r"time \['expert_ready'\] are not supported"):
-        StaticScheduleTransform({"T": 8})(moe.mod)
+    with pytest.raises(GraphError, match=r"the dynamic kernel needs every edge and wait count "
+                                         r"at compile time; data-dependent edges \[.*scatter0: "
+                                         r"expert_ready 't->topk\[t,:\]'.*wait counts known only "
+                                         r"at run time \['expert_ready'\] are not supported"):
+        DynamicScheduleTransform({"T": 8})(moe.mod)
     with pytest.raises(GraphError, match=r"trigger maps \(expert0: 'e=>exp_indptr\[e\]:"):
         UnfusedTransform({"T": 8})(moe.mod)
+
+
+@pytest.mark.parametrize("count_mode", ["tensor", "inferred"])
+def test_run_time_events_of_the_moe_graph(count_mode):
+    """Combine and the expert tiles wait for grouping's completion (they read its CSR and
+    pair tiles); expert_ready is armed once its counts can be read: when grouping completes
+    (its counts tensor, and exp_indptr for the trigger), and router too when the counts are
+    inferred from scatter's notifies through topk. Its counters start ARM_BIAS high."""
+    graph = TaskGraph.build(make_moe_graph(32, 8, 2, 16, 4, count_mode), {"T": 7})
+    router, grouping = (c.index for c in graph.calls[:2])
+    layout = EventLayout.of(graph)
+    tracked = [grouping] if count_mode == "tensor" else [router, grouping]
+    assert list(layout.done) == tracked
+    (gate, calls), = layout.gates.values()
+    assert list(layout.gates) == ["expert_ready"] and calls == tuple(tracked)
+    expert_ready = layout.offsets["expert_ready"]
+    np.testing.assert_array_equal(layout.initial[expert_ready:expert_ready + 8], ARM_BIAS)
+    assert [layout.initial[at] for at in layout.done.values()] == \
+        [graph.calls[c].num_tasks for c in tracked]
+    assert layout.initial[gate] == len(tracked)

@@ -1,8 +1,10 @@
 """Event tensors in a generated kernel: one flat int32 counter array, edge maps as TIR.
 
-Every ETensor of a task graph gets a contiguous range of the ``counters`` array (row-major);
-``EventLayout`` gives the offsets, and ``lower_edge`` turns a static edge map into the TIR
-index of the element a task waits on or notifies, with its guard.
+Every ETensor of a task graph gets a contiguous range of the ``counters`` array (row-major),
+followed by the run-time events: one completion counter per call whose completion something
+waits for, and one gate per ETensor armed at run time (``TaskGraph.gates``), counting the calls
+still to complete before it is armed. ``EventLayout`` gives the offsets and the initial values;
+``lower_edge`` turns an edge map into TIR.
 """
 from __future__ import annotations
 
@@ -16,29 +18,56 @@ from tvm import tirx
 from .. import edge_map as em
 from ..task_graph import TaskGraph
 
+ARM_BIAS = 1 << 29  # ETC_ARM_BIAS of src/etc_runtime.cuh
+
 
 @dataclass(frozen=True)
 class EventLayout:
-    """Where each ETensor's counters start in the flat array, and their initial values."""
+    """Where each ETensor's counters start in the flat array, the run-time events' counters,
+    and the values every launch starts from.
+
+    done: call index -> its completion counter (its number of tasks at launch).
+    gates: ETensor -> (its gate counter, the calls whose completion arms it); its elements
+      start ``ARM_BIAS`` above their static counts.
+    """
 
     offsets: dict[str, int]
     shapes: dict[str, tuple[int, ...]]
-    initial: np.ndarray  # int32, the counts every launch starts from
+    initial: np.ndarray  # int32
+    done: dict[int, int]
+    gates: dict[str, tuple[int, tuple[int, ...]]]
 
     @staticmethod
     def of(graph: TaskGraph) -> "EventLayout":
         counts = graph.static_counts()
+        gate_calls = graph.gates()
         offsets, at = {}, 0
         for name, et in graph.etensors.items():
             offsets[name] = at
             at += int(np.prod(et.shape, dtype=np.int64))
-        flat = [counts[name].ravel() for name in graph.etensors] or [np.zeros(0, np.int64)]
+        flat = [counts[name].ravel() + (ARM_BIAS if name in gate_calls else 0)
+                for name in graph.etensors]
+        tracked = sorted(set().union(*(graph.completion_waits(c) for c in graph.calls),
+                                     *gate_calls.values()))
+        done = {c: at + k for k, c in enumerate(tracked)}
+        at += len(tracked)
+        gates = {name: (at + k, tuple(sorted(calls)))
+                 for k, (name, calls) in enumerate(sorted(gate_calls.items()))}
+        flat.append(np.array([graph.calls[c].num_tasks for c in tracked], np.int64))
+        flat.append(np.array([len(calls) for _, calls in gates.values()], np.int64))
         return EventLayout(offsets, {n: et.shape for n, et in graph.etensors.items()},
-                           np.concatenate(flat).astype(np.int32))
+                           np.concatenate(flat).astype(np.int32), done, gates)
 
     @property
     def size(self) -> int:
         return max(1, len(self.initial))
+
+    def names(self, graph: TaskGraph) -> list:
+        """``[name, offset, shape]`` of every counter range, for diagnostics."""
+        out = [[n, self.offsets[n], list(s)] for n, s in self.shapes.items()]
+        out += [[f"completion of {graph.calls[c].name}", at, []] for c, at in self.done.items()]
+        out += [[f"arming of {n}", at, []] for n, (at, _) in self.gates.items()]
+        return out
 
     def flat_index(self, etensor: str, idx) -> tirx.Expr:
         """The counter index of ``etensor[idx]`` (``idx``: TIR or int coordinates)."""
@@ -48,6 +77,12 @@ class EventLayout:
             flat = flat + i * stride
             stride *= n
         return flat
+
+
+def edge_sites(graph: TaskGraph) -> list[tuple]:
+    """Every ``(call, edge)`` of ``graph``, numbered as kernels report them: calls in order,
+    each call's in-edges, then its out-edges."""
+    return [(c, e) for c in graph.calls for e in c.in_edges + c.out_edges]
 
 
 _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
@@ -67,6 +102,12 @@ class LoweredEdge:
     loops: tuple
     index: tuple
     guard: tirx.Expr | None
+
+    def nest(self, body: tirx.Stmt) -> tirx.Stmt:
+        """``body`` run for every point: inside the loops, under the guard."""
+        for var, lo, hi in reversed(self.loops):
+            body = tirx.For(var, lo, hi - lo, tirx.ForKind.SERIAL, body)
+        return body if self.guard is None else tirx.IfThenElse(self.guard, body, None)
 
 
 class _Lowering:

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
+import numpy as np
 from tvm import tirx
 from tvm.script.ir_builder import tirx as Tb
 
 from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
-from .events import EventLayout, lower_edge
+from .events import EventLayout, LoweredEdge, edge_sites, lower_edge
 from .grid_kernel import unravel
-from .inline import ThreadScopes, i32, inline_task, shared_bytes
+from .inline import ThreadScopes, i32, inline_task, shared_bytes, substitute
 
 STATUS_WORDS = 8
 SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
@@ -95,6 +97,9 @@ class PersistentKernel:
         self.arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
             if arena_bytes else None
         self.stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
+        self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
+        self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
+        self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
     def runtime_call(self, name: str, *args, return_type: str = "void"):
@@ -105,7 +110,8 @@ class PersistentKernel:
         """Inside the kernel's device entry: scope ids, the stop flag and the arena."""
         for d in self.scopes.defs:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
-        Tb.add_to_parent(tirx.AllocBuffer(self.stop))
+        for buf in (self.stop, self.skip, self.hooks):
+            Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
 
@@ -123,6 +129,9 @@ class PersistentKernel:
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
         Tb.evaluate(Tb.cuda.grid_sync())
+        arm = self.arm_at_launch(bx)
+        if arm is not None:
+            Tb.add_to_parent(arm)
 
     def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None) -> tirx.Stmt:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits."""
@@ -132,43 +141,213 @@ class PersistentKernel:
             out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits), out)
         return out
 
+    # ------------------------------------------------------------------ one task
     def _branch(self, call, task, skip_waits) -> tirx.Stmt:
-        tx, stop, layout = self.tx, self.stop, self.layout
         coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
         values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
-        env = dict(zip(call.fn.coord_params, coord_vars))
-        if call.in_edges:
-            waits = [tirx.BufferStore(stop, i32(0), [i32(0)])]
-            for e in call.in_edges:
-                lowered = lower_edge(e.map, env)
-                guard, idx = lowered.guard, layout.flat_index(e.etensor, lowered.index)
-                wait = self.runtime_call("etc_wait", self.counters.ptr_to([idx]),
-                                         self.status.ptr_to([0]), task, idx, self.limit,
-                                         return_type="int32")
-                step = tirx.IfThenElse(stop[0] == 0, tirx.BufferStore(stop, wait, [i32(0)]),
-                                       None)
-                waits.append(step if guard is None else tirx.IfThenElse(guard, step, None))
-            block = tirx.stmt_seq(tirx.IfThenElse(tx == 0, tirx.stmt_seq(*waits), None),
-                                  tirx.Evaluate(Tb.cuda.cta_sync()),
-                                  tirx.IfThenElse(stop[0] != 0, tirx.Break(), None))
-            stmts.append(block if skip_waits is None
-                         else tirx.IfThenElse(skip_waits == 0, block, None))
+        waits = self._waits(call, task, coord_vars)
+        if waits is not None:
+            stmts.append(waits if skip_waits is None
+                         else tirx.IfThenElse(skip_waits == 0, waits, None))
         args = [self.buffers[t] for t in call.tensor_args()]
-        stmts += tirx.stmt_list(inline_task(call.fn, coord_vars, args, self.scopes, self.arena))
-        if call.out_edges:
-            notifies = []
-            for e in call.out_edges:
-                lowered = lower_edge(e.map, env)
-                guard = lowered.guard
-                step = tirx.Evaluate(self.runtime_call("etc_notify", self.counters.ptr_to(
-                    [layout.flat_index(e.etensor, lowered.index)])))
-                notifies.append(step if guard is None else tirx.IfThenElse(guard, step, None))
-            cond = tx == 0
+        body = tirx.stmt_seq(*tirx.stmt_list(
+            inline_task(call.fn, coord_vars, args, self.scopes, self.arena)))
+        stmts.append(tirx.IfThenElse(self.skip[0] == 0, body, None) if call.triggers else body)
+        # the notifies follow every thread's writes; without any, the next task may reuse the
+        # shared memory this one reads
+        stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+        notifies = self._notifies(call, task, coord_vars)
+        if notifies is not None:
+            cond = self.tx == 0
             if self.options.drop_notify is not None:
                 cond = tirx.And(cond, task != i32(self.options.drop_notify))
-            stmts += [tirx.Evaluate(Tb.cuda.cta_sync()),
-                      tirx.IfThenElse(cond, tirx.stmt_seq(*notifies), None)]
-        else:  # the next task may reuse the shared memory this one reads
-            stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+            stmts.append(tirx.IfThenElse(cond, notifies, None))
+        if call.index in self.layout.done:
+            stmts.append(self._completion(call))
         return tirx.stmt_seq(*stmts)
+
+    def _waits(self, call, task, coords) -> tirx.Stmt | None:
+        """Thread 0 waits, in order, on: the elements of static in-edges; the completion of
+        the calls whose tensors the in-edge maps read; the elements that release the task
+        through a trigger map (none: the task is skipped); data-dependent elements. Then a
+        barrier, and the CTA leaves its loop if the grid is stopping."""
+        layout, steps = self.layout, [tirx.BufferStore(self.stop, i32(0), [i32(0)])]
+        for e in call.in_edges:
+            if not (e.map.is_data_dependent or e.map.is_trigger):
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
+                step = self._wait(layout.flat_index(e.etensor, lowered.index), task)
+                steps.append(lowered.nest(step))
+        for producer in sorted(self.graph.completion_waits(call)):
+            steps.append(self._wait(i32(layout.done[producer]), task))
+        if call.triggers:
+            steps.append(tirx.BufferStore(self.skip, i32(1), [i32(0)]))
+            steps += [self._trigger_scan(call, e, task, coords) for e in call.triggers]
+        for e in call.in_edges:
+            if e.map.is_data_dependent and not e.map.is_trigger:
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
+                steps.append(lowered.nest(self._checked(
+                    call, e, task, lowered.index,
+                    lambda flat: self._wait(flat, task))))
+        if len(steps) == 1:
+            return None
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None),
+                             tirx.Evaluate(Tb.cuda.cta_sync()),
+                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+
+    def _wait(self, flat: tirx.Expr, task) -> tirx.Stmt:
+        wait = self.runtime_call("etc_wait", self.counters.ptr_to([flat]),
+                                 self.status.ptr_to([0]), task, flat, self.limit,
+                                 return_type="int32")
+        return tirx.IfThenElse(self.stop[0] == 0, tirx.BufferStore(self.stop, wait, [i32(0)]),
+                               None)
+
+    def _checked(self, call, edge, task, index, then) -> tirx.Stmt:
+        """``then(flat counter index)`` if every coordinate of ``index`` lies inside the
+        edge's ETensor; otherwise the stop is recorded (kind 4) and the CTA stops."""
+        site = self.sites[(call.index, edge)]
+        shape = self.layout.shapes[edge.etensor]
+        ok = None
+        for i, n in zip(index, shape):
+            check = self.runtime_call("etc_in_range", i, i32(n), self.status.ptr_to([0]), task,
+                                      i32(site), return_type="int32") != 0
+            ok = check if ok is None else tirx.And(ok, check)
+        flat = self.layout.flat_index(edge.etensor, index)
+        return tirx.IfThenElse(ok, then(flat),
+                               tirx.BufferStore(self.stop, i32(1), [i32(0)]))
+
+    def _trigger_scan(self, call, edge, task, coords) -> tirx.Stmt:
+        """Find the elements whose trigger map releases this task: each clears ``skip`` and
+        is waited on. A range ``lo:hi`` that gives a task coordinate is tested, not looped."""
+        shape = self.layout.shapes[edge.etensor]
+        elem = [tirx.Var(f"e{k}", "int32") for k in range(len(shape))]
+        lowered = lower_edge(edge.map, dict(zip(edge.map.coords, elem)), self.params(call))
+        loops, conds, vmap = [], [], {}
+        for var, lo, hi in lowered.loops:
+            dims = [k for k, i in enumerate(lowered.index) if i.same_as(var)]
+            if dims:
+                conds += [lo <= coords[dims[0]], coords[dims[0]] < hi]
+                vmap[var] = coords[dims[0]]
+            else:
+                loops.append((var, lo, hi))
+        conds += [substitute(i, vmap) == c for i, c in zip(lowered.index, coords)
+                  if not any(i.same_as(v) for v in vmap)]
+        hit = tirx.stmt_seq(tirx.BufferStore(self.skip, i32(0), [i32(0)]),
+                            self._wait(self.layout.flat_index(edge.etensor, elem), task))
+        cond = conds[0]
+        for c in conds[1:]:
+            cond = tirx.And(cond, c)
+        body = LoweredEdge(tuple(loops), lowered.index, lowered.guard).nest(
+            tirx.IfThenElse(cond, hit, None))
+        for var, n in reversed(list(zip(elem, shape))):
+            body = tirx.For(var, i32(0), i32(n), tirx.ForKind.SERIAL, body)
+        return body
+
+    def _notifies(self, call, task, coords) -> tirx.Stmt | None:
+        """Thread 0's decrements: static out-edges always (a skipped task's too, so that
+        fan-ins over whole grids complete), data-dependent ones unless skipped."""
+        steps = []
+        for e in call.out_edges:
+            data = e.map.is_data_dependent
+            lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)),
+                                 self.params(call) if data else MappingProxyType({}))
+
+            def notify(flat):
+                return tirx.Evaluate(self.runtime_call("etc_notify", self.counters.ptr_to([flat])))
+
+            if not data:
+                steps.append(lowered.nest(notify(self.layout.flat_index(e.etensor,
+                                                                        lowered.index))))
+                continue
+            step = lowered.nest(self._checked(call, e, task, lowered.index, notify))
+            steps.append(tirx.IfThenElse(self.skip[0] == 0, step, None) if call.triggers
+                         else step)
+        return tirx.stmt_seq(*steps) if steps else None
+
+    # ------------------------------------------------------------------ run-time events
+    def _completion(self, call) -> tirx.Stmt:
+        """Thread 0 counts the call's completion down; the task that completes it counts down
+        the gates the call opens, and the CTA arms each ETensor whose gate it opened."""
+        done = self.runtime_call("etc_complete", self.counters.ptr_to([i32(self.layout.done[
+            call.index])]), return_type="int32")
+        steps = [tirx.BufferStore(self.hooks, done, [i32(0)])]
+        opened = [(k, name) for k, (name, (_, calls)) in enumerate(self.layout.gates.items())
+                  if call.index in calls]
+        for k, name in opened:
+            gate = self.runtime_call("etc_complete", self.counters.ptr_to([i32(
+                self.layout.gates[name][0])]), return_type="int32")
+            steps.append(tirx.IfThenElse(self.hooks[0] != 0,
+                                         tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
+                                         tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
+        out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
+        if opened:
+            out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+            out += [tirx.IfThenElse(self.hooks[k + 1] != 0, self.arm(name), None)
+                    for k, name in opened]
+        return tirx.stmt_seq(*out)
+
+    def arm(self, name: str) -> tirx.Stmt:
+        """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
+        its count tensor, or one per data-dependent notify its notifiers will make), then,
+        after a fence and a barrier, remove the bias: its elements can now complete."""
+        et, layout = self.graph.etensors[name], self.layout
+        offset, size = layout.offsets[name], int(np.prod(et.shape, dtype=np.int64))
+        status = self.status.ptr_to([0])
+        steps = []
+        if et.count_tensor is not None:
+            counts = self.buffers[et.count_tensor]
+            if tuple(int(d) for d in counts.shape) != tuple(et.shape):
+                raise GraphError(f"{self.graph.name}: the wait_count tensor of {name} has shape "
+                                 f"{[int(d) for d in counts.shape]}, {name} {list(et.shape)}")
+            value = tirx.Var("count", "int32")
+            steps.append(self._strided(size, lambda i: tirx.stmt_seq(
+                tirx.Bind(value, tirx.Cast("int32", counts[tuple(unravel(i, et.shape))])),
+                tirx.IfThenElse(
+                    value < 0,
+                    tirx.Evaluate(self.runtime_call("etc_record_stop", status, i32(5), i32(-1),
+                                                    i32(offset) + i, value)),
+                    tirx.Evaluate(self.runtime_call("etc_add", self.counters.ptr_to(
+                        [i32(offset) + i]), value))))))
+        else:
+            steps += [self._count_notifies(call, e) for call in self.graph.calls
+                      for e in call.out_edges
+                      if e.etensor == name and e.map.is_data_dependent]
+        steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync()),
+                  self._strided(size, lambda i: tirx.Evaluate(self.runtime_call(
+                      "etc_unbias", self.counters.ptr_to([i32(offset) + i]),
+                      return_type="int32")))]
+        return tirx.stmt_seq(*steps)
+
+    def _count_notifies(self, call, edge) -> tirx.Stmt:
+        """All threads: +1 on every element that ``edge`` will make a task of ``call``
+        notify, for all its tasks."""
+        if call.triggers:
+            raise GraphError(
+                f"{self.graph.name}: the wait counts of {edge.etensor} are inferred from the "
+                f"notifies of {call.name}, whose tasks a trigger releases: give {edge.etensor} "
+                "a wait_count tensor")
+        coords = [tirx.Var(f"{c}_arm", "int32") for c in call.fn.coord_params]
+        lowered = lower_edge(edge.map, dict(zip(edge.map.coords, coords)), self.params(call))
+        count = lowered.nest(self._checked(call, edge, i32(-1), lowered.index, lambda flat: (
+            tirx.Evaluate(self.runtime_call("etc_add", self.counters.ptr_to([flat]), i32(1))))))
+        return self._strided(call.num_tasks, lambda j: tirx.stmt_seq(
+            *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))], count))
+
+    def _strided(self, n: int, body) -> tirx.Stmt:
+        """``body(i)`` for i in 0..n-1, spread over the CTA's threads."""
+        threads = self.scopes.num_threads
+        r = tirx.Var("r", "int32")
+        i = r * i32(threads) + self.tx
+        return tirx.For(r, i32(0), i32(-(-n // threads)), tirx.ForKind.SERIAL,
+                        tirx.IfThenElse(i < i32(n), body(i), None))
+
+    def arm_at_launch(self, bx) -> tirx.Stmt | None:
+        """CTA 0 arms, after the grid-wide barrier, the ETensors no call's completion gates."""
+        ready = [name for name, (_, calls) in self.layout.gates.items() if not calls]
+        if not ready:
+            return None
+        return tirx.IfThenElse(bx == 0, tirx.stmt_seq(*(self.arm(n) for n in ready)), None)
+
+    def params(self, call) -> dict:
+        """The call's device-function parameter names -> the kernel's buffers."""
+        return {p.name: self.buffers[t] for p, t in zip(call.fn.buffer_params, call.tensor_args())}

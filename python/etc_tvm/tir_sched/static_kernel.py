@@ -30,13 +30,12 @@ from ..schedule import LOCAL_WAITS, StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout
 from .inline import i32
-from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel, check_compile_time_edges
+from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
 
 
 def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
                         name: str, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
     """The persistent kernel that runs ``schedule`` (per-CTA queues) of ``graph``."""
-    check_compile_time_edges(graph, "static")
     kernel = PersistentKernel(graph, layout, options)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
