@@ -119,7 +119,14 @@ class CompiledGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
             outputs = self.run(*inputs)
-        return graph.replay, outputs
+
+        def replay() -> None:
+            graph.replay()
+
+        # the captured launches use this library's kernels and the output buffers: they live
+        # as long as the replay does
+        replay.compiled, replay.outputs = self, outputs
+        return replay, outputs
 
     def cuda_source(self) -> str:
         """The generated CUDA C++ of every kernel (for inspection and compile-only checks)."""
