@@ -23,7 +23,7 @@ from etc_tvm.schedule import list_schedule, round_robin_schedule  # noqa: E402
 from megakernel_cases import ATOL, CASES, RTOL  # noqa: E402
 from moe_graph import COUNT_MODES, make_inputs, moe_graph  # noqa: E402
 
-MOE_STRATEGIES = ("static",)
+MOE_STRATEGIES = ("static", "dynamic")
 
 
 def main() -> None:

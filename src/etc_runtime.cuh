@@ -11,7 +11,8 @@
 //
 // status layout (int32): [0] state (0 running, 1 a wait timed out, 2 a pop timed out, 3 the
 //                        ready ring overflowed, 4 a data-dependent index fell outside its
-//                        event tensor or grid, 5 a run-time wait count was negative),
+//                        event tensor or grid, 5 a run-time wait count was negative, 6 a
+//                        trigger released a task twice),
 //                        [1] task id (-1: none), [2] element index, ring slot or the index,
 //                        [3] counter value seen, or the edge (kind 4) or value (kind 5),
 //                        [4] SM id.
@@ -22,10 +23,10 @@
 // its static part, so no number of notifies can take it to zero early; once the tensors its
 // counts read are complete, one CTA adds the counts and then removes the bias (arming).
 //
-// The dynamic schedule's ready ring: ``ring`` has one slot per task (each task is pushed once),
-// -1 until published; ``head_tail[0]`` counts pops, ``head_tail[1]`` pushes. A pop claims the
-// next slot and waits (bounded) for its task id; a push claims a slot and publishes the id with
-// a release store.
+// The dynamic schedule's ready ring: ``ring`` has one slot per task (each task is pushed at
+// most once), -1 until published; ``head_tail[0]`` counts pops, ``head_tail[1]`` pushes and
+// ``head_tail[2]`` the tasks that will be pushed. A pop claims the next slot and waits
+// (bounded) for its task id; a push claims a slot and publishes the id with a release store.
 #ifndef ETC_TVM_RUNTIME_CUH_
 #define ETC_TVM_RUNTIME_CUH_
 
@@ -91,12 +92,13 @@ __device__ __noinline__ void etc_record_stop(int* status, int kind, int task, in
   }
 }
 
-// The next task of the ready ring, -1 once every one of ``num_tasks`` slots is claimed, -2 if
-// the grid is stopping. Called by one thread.
-__device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int num_tasks,
-                                    int* status, long long limit_ns) {
+// The next task of the ready ring, -1 once every slot a task will fill is claimed, -2 if the
+// grid is stopping. ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered
+// at run time by the tasks no trigger releases. Called by one thread.
+__device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int* status,
+                                    long long limit_ns) {
   const int slot = atomicAdd(head_tail, 1);
-  if (slot >= num_tasks) return -1;
+  if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
   int task = etc_load_acquire(ring + slot);
   if (task >= 0) return task;
   const unsigned long long start = etc_globaltimer_ns();
@@ -104,6 +106,7 @@ __device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int num_tas
     task = etc_load_relaxed(ring + slot);
     if (task >= 0) return etc_load_acquire(ring + slot);
     if (polls % 64 != 0) continue;
+    if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
     if (etc_load_relaxed(status) != 0) return -2;
     if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
       etc_record_stop(status, 2, -1, slot, task);
@@ -113,16 +116,52 @@ __device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int num_tas
   }
 }
 
-// One producer of ``task`` was dispatched: the last one pushes it. Called by one thread.
-__device__ __forceinline__ void etc_count_down(int* pending, int task, int* head_tail, int* ring,
-                                               int capacity, int* status) {
-  if (atomicSub(pending + task, 1) != 1) return;
+// Publish ``task`` in the next free slot of the ring (release).
+__device__ __forceinline__ void etc_push(int* head_tail, int* ring, int task, int capacity,
+                                         int* status) {
   const int slot = atomicAdd(head_tail + 1, 1);
   if (slot >= capacity) {
     etc_record_stop(status, 3, task, slot, capacity);
     return;
   }
   asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + slot), "r"(task) : "memory");
+}
+
+// One producer of ``task`` was dispatched: the last one pushes it. Called by one thread.
+__device__ __forceinline__ void etc_count_down(int* pending, int task, int* head_tail, int* ring,
+                                               int capacity, int* status) {
+  if (atomicSub(pending + task, 1) == 1) etc_push(head_tail, ring, task, capacity, status);
+}
+
+// One task a whole call waits for was dispatched (or skipped): the last one pushes the call's
+// tasks ``first`` .. ``first + count - 1``.
+__device__ __forceinline__ void etc_count_down_call(int* pending, int first, int count,
+                                                    int* head_tail, int* ring, int capacity,
+                                                    int* status) {
+  if (atomicSub(pending, 1) != 1) return;
+  for (int k = 0; k < count; ++k) etc_push(head_tail, ring, first + k, capacity, status);
+}
+
+// A trigger releases ``task`` (kind 6 if it already did).
+__device__ __forceinline__ void etc_mark_released(int* marks, int task, int* status) {
+  if (atomicAdd(marks + task, 1) != 0) etc_record_stop(status, 6, task, task, 0);
+}
+
+// One more (a shared-memory tally of one CTA's threads).
+__device__ __forceinline__ void etc_count(int* tally) { atomicAdd(tally, 1); }
+
+// Whether a trigger released ``task``.
+__device__ __forceinline__ int etc_released(const int* marks, int task) {
+  return etc_load_relaxed(marks + task) != 0;
+}
+
+// A decrement (release, then acquire) that says whether it completed the element: the caller
+// then releases the tasks its trigger maps give, having seen every notifier's writes.
+__device__ __forceinline__ int etc_notify_last(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], -1;"
+               : "=r"(old) : "l"(counter) : "memory");
+  return old == 1;
 }
 
 #define ETC_ARM_BIAS (1 << 29)

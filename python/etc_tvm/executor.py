@@ -127,7 +127,8 @@ class DynamicQueueOrder(Order):
     element it waits on has been dispatched (``early_push``, the default) or has finished; an
     idle CTA pops the oldest task and stays on it, spinning, until its waits are satisfied.
     Early push is deadlock-free: the earliest-dispatched unfinished task waits only on tasks
-    dispatched before it, which have finished. The plan's late tasks are pushed when ready.
+    dispatched before it, which have finished. A late call's tasks are pushed together once
+    every task of the calls it depends on is dispatched; a triggered task once it is ready.
     ``max_queued`` records the deepest the ring got (the plan's capacity covers it).
     """
 
@@ -140,6 +141,7 @@ class DynamicQueueOrder(Order):
         super().start(run)
         self.plan = DynamicPlan.of(run.graph)
         self.pending = self.plan.pending.copy()
+        self.late_pending = [lc.pending for lc in self.plan.late_calls]
         self.ring, self.pushed = deque(), set()
         self.ctas: list[int | None] = [None] * self.num_ctas
         self.max_queued = 0
@@ -155,11 +157,18 @@ class DynamicQueueOrder(Order):
     def _release_consumers(self, task: int) -> None:
         for c in self.plan.consumers(task):
             self.pending[c] -= 1
-            if self.pending[c] == 0 and c not in self.plan.late:
+            if self.pending[c] == 0:
                 self._push(int(c))
+        for k in self.plan.late_dependents(self.run.graph.task_call[task]):
+            self.late_pending[k] -= 1
+            if self.late_pending[k] == 0:
+                for t in self.run.graph.calls[self.plan.late_calls[k].call].tasks:
+                    self._push(t)
 
     def became_ready(self, task):
-        if task in self.plan.late:
+        """A triggered task is pushed when its releasing element completes (or, skipped, when
+        its trigger resolves)."""
+        if self.run.graph.task_call[task] in self.plan.triggered:
             self._push(task)
 
     def next(self):

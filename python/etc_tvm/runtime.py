@@ -65,6 +65,9 @@ class GraphMeta:
         elif kind == 5:
             why = (f"the run-time wait count of {self.element_name(where)} is {seen}, "
                    "negative (or never written)")
+        elif kind == 6:
+            why = (f"trigger maps released task {self.task_names[task]} twice (their ranges "
+                   "overlap)")
         else:
             why = f"unknown stop record {status.tolist()}"
         raise ExecutionError(f"{self.name}: {why}; the kernel stopped")

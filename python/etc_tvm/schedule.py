@@ -155,22 +155,37 @@ def _released(node, time, succ, remaining, ready_at):
 
 
 @dataclass(frozen=True)
+class LateCall:
+    """A call whose tasks' waits are known only at run time (data-dependent in-edges, events
+    counted or notified through data): all its tasks are pushed at once when every task of
+    the calls it depends on (``deps``) has been dispatched or skipped, ``pending`` in all."""
+
+    call: int
+    deps: tuple[int, ...]
+    pending: int
+
+
+@dataclass(frozen=True)
 class DynamicPlan:
     """What a dynamic schedule needs to know of a task graph before it runs.
 
     pending[t]: how many tasks must be dispatched (early push) or finished before t is pushed:
       the tasks that notify an element t waits on (static edges).
-    consumers: CSR (indptr, tasks) of the tasks each task's dispatch counts down.
+    consumers: CSR (indptr, tasks) of the tasks each task's dispatch counts down (late tasks
+      are never among them).
     seeds: the tasks pushed at launch (nothing to wait for), in id order.
-    late: tasks whose waits depend on run-time data (data-dependent in-edges, triggers,
-      ETensors notified through data or counted at run time): pushed once ready instead.
-    capacity: ring slots: every task is pushed once.
+    late_calls: calls pushed whole once the calls they depend on are dispatched.
+    triggered: calls whose tasks their trigger maps push, when the releasing element completes.
+    late: the tasks of late and triggered calls.
+    capacity: ring slots: every task is pushed at most once.
     """
 
     pending: np.ndarray
     consumer_indptr: np.ndarray
     consumer_tasks: np.ndarray
     seeds: tuple[int, ...]
+    late_calls: tuple[LateCall, ...]
+    triggered: frozenset[int]
     late: frozenset[int]
 
     @property
@@ -180,16 +195,28 @@ class DynamicPlan:
     def consumers(self, task: int) -> np.ndarray:
         return self.consumer_tasks[self.consumer_indptr[task]:self.consumer_indptr[task + 1]]
 
+    def late_dependents(self, call: int) -> list[int]:
+        """Positions in ``late_calls`` of the late calls that wait for ``call``."""
+        return [k for k, late in enumerate(self.late_calls) if call in late.deps]
+
     @staticmethod
     def of(graph: TaskGraph) -> "DynamicPlan":
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
-        late = frozenset(t for c in graph.calls for t in c.tasks if any(
-            e.map.is_data_dependent or e.map.is_trigger or e.etensor in runtime
-            for e in c.in_edges))
+        triggered = frozenset(c.index for c in graph.calls if c.triggers)
+        deps = graph.call_dependencies()
+        late_calls = tuple(
+            LateCall(c.index, tuple(sorted(deps[c.index])),
+                     sum(graph.calls[d].num_tasks for d in deps[c.index]))
+            for c in graph.calls if c.index not in triggered and any(
+                e.map.is_data_dependent or e.etensor in runtime for e in c.in_edges))
+        late = frozenset(t for k in (*triggered, *(lc.call for lc in late_calls))
+                         for t in graph.calls[k].tasks)
         notifiers = graph.element_notifiers()
         consumers = [set() for _ in range(graph.num_tasks)]
         pending = np.zeros(graph.num_tasks, np.int32)
         for task in range(graph.num_tasks):
+            if task in late:
+                continue
             producers = {p for e in graph.waits[task] for p in notifiers[e]} - {task}
             pending[task] = len(producers)
             for p in producers:
@@ -197,5 +224,6 @@ class DynamicPlan:
         indptr = np.zeros(graph.num_tasks + 1, np.int32)
         indptr[1:] = np.cumsum([len(c) for c in consumers])
         flat = np.array([t for c in consumers for t in sorted(c)], np.int32)
-        seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late)
-        return DynamicPlan(pending, indptr, flat, seeds, late)
+        seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late) \
+            + tuple(t for lc in late_calls if lc.pending == 0 for t in graph.calls[lc.call].tasks)
+        return DynamicPlan(pending, indptr, flat, seeds, late_calls, triggered, late)

@@ -70,9 +70,13 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
 
 
 @needs_nvcc
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
 @pytest.mark.parametrize("count_mode", COUNT_MODES)
-def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, tmp_path):
-    nvcc(build(moe_graph(2, count_mode), {"T": 7}, num_sms=132).cuda_source(), tmp_path)
+def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, strategy,
+                                                                 tmp_path):
+    source = build(moe_graph(2, count_mode), {"T": 7}, strategy=strategy,
+                   num_sms=132).cuda_source()
+    nvcc(source, tmp_path)
 
 
 def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():

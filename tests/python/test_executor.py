@@ -177,7 +177,7 @@ def test_dynamic_queue_deadlock_names_what_each_task_waits_on(rng):
                            in_edges={E: "i->i"})
 
     counts = np.full(3, 2, np.int32)
-    with pytest.raises(DeadlockError, match=r"scale_tile1\(0\) \(not pushed\) waits on E\[0\]: "
+    with pytest.raises(DeadlockError, match=r"scale_tile1\(0\) on CTA 0 waits on E\[0\]: "
                                             r"counter 1 of wait count 2"):
         execute(short, np.zeros((3 * ROWS, COLS), "float32"), counts,
                 order=DynamicQueueOrder(2))

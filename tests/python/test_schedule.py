@@ -130,7 +130,7 @@ def test_dynamic_plan_of_a_fan_in():
     assert plan.capacity == 8
 
 
-def test_dynamic_plan_marks_data_dependent_waiters_late():
+def test_dynamic_plan_pushes_data_dependent_waiters_late():
     from moe_graph import make_moe_graph
 
     moe = make_moe_graph(32, 8, 2, 16, 4, "inferred")
@@ -139,6 +139,10 @@ def test_dynamic_plan_marks_data_dependent_waiters_late():
     expert, combine = task_graph.calls[3], task_graph.calls[4]
     assert set(expert.tasks) | set(combine.tasks) == plan.late
     assert not plan.late & set(plan.seeds)
+    assert plan.triggered == {expert.index}
+    (late,) = plan.late_calls  # combine: pushed once grouping and every expert tile are done
+    assert (late.call, late.deps) == (combine.index, (1, expert.index))
+    assert late.pending == 1 + expert.num_tasks and plan.late_dependents(1) == [0]
 
 
 costly_matmul = device_func(tiles.matmul_tile.prim_func, cost=tiles.K // 16)

@@ -3,14 +3,16 @@
 Before: a graph function of ``etc.event_tensor`` and ``etc.call_device`` bindings (see
 ``StaticScheduleTransform``). After::
 
-    (counters, status, pending, ring, head_tail, C, D) = call_tir(dynamic_megakernel,
+    (counters, status, pending, ring, head_tail, marks, C, D) = call_tir(dynamic_megakernel,
         (A, B, initial_counts, pending0, consumer_indptr, consumer_tasks, ring0, head_tail0))
     return (D, status)
 
 Instead of per-CTA queues fixed at compile time, idle CTAs pop the oldest ready task, so
-unbalanced task costs balance themselves. The task graph is instantiated for concrete sizes and
-its ``DynamicPlan`` (pending producer counts, consumer lists, seeds) stored as constants; the
-kernel's state is fresh every launch. Run it before the standard Relax lowering.
+unbalanced task costs balance themselves; tasks released by data (trigger maps) enter the ring
+only when their element completes, and the tasks no element releases never take a CTA. The
+task graph is instantiated for concrete sizes and its ``DynamicPlan`` (pending producer counts,
+consumer lists, seeds, late calls) stored as constants; the kernel's state is fresh every
+launch. Run it before the standard Relax lowering.
 """
 from __future__ import annotations
 
@@ -52,9 +54,10 @@ class DynamicScheduleTransform:
             n = max(1, graph.num_tasks)
             ring0 = np.full(n, -1, np.int32)
             ring0[:len(plan.seeds)] = plan.seeds
-            state = [relax.TensorType([size], "int32")
-                     for size in (layout.size, STATUS_WORDS, n, n, 2)]
-            constants = [layout.initial, plan.pending, plan.consumer_indptr, plan.consumer_tasks,
-                         ring0, np.array([0, len(plan.seeds)], np.int32)]
+            pending0 = np.concatenate([plan.pending, [lc.pending for lc in plan.late_calls]])
+            state = [relax.TensorType([size], "int32") for size in (
+                layout.size, STATUS_WORDS, len(pending0), n, 3, n)]
+            constants = [layout.initial, pending0, plan.consumer_indptr, plan.consumer_tasks,
+                         ring0, np.array([0, len(plan.seeds), graph.num_tasks], np.int32)]
             mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
         return without_device_funcs(mod)

@@ -1,21 +1,30 @@
 """The persistent kernel of a dynamic schedule: CTAs pop tasks from a ready ring in memory.
 
     grid = ctas CTAs (cooperative launch)
-    prologue: counters, pending counts, ring (seeds then -1) and head/tail from their initial
-              values; status cleared; grid-wide barrier
+    prologue: counters, pending counts, ring (seeds then -1), head/tail/expected and the
+              release marks from their initial values; status cleared; grid-wide barrier
     CTA:  loop:
-              thread 0: t = etc_pop(ring)                 # -1: every task taken, -2: stopping
+              thread 0: t = etc_pop(ring)           # -1: every task taken, -2: stopping
                         if t >= 0: for each consumer c of t: etc_count_down(pending[c])
                                    (early push: c enters the ring once its last producer is
                                    dispatched; it still waits on its events before its body)
+                                   for each late call L waiting for t's call: count L down
+                                   (the last dispatch pushes all of L's tasks)
               barrier; t broadcast through shared memory; leave the loop if t < 0
               run task t as the static kernel does: waits, inlined body, notifies
 
-The plan (pending counts, consumer lists, seeds) is ``schedule.DynamicPlan``; the CPU executor's
-``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in order: the
-graph's inputs; the read-only initial state ``initial`` (counts), ``pending0``, ``consumer_indptr``,
-``consumer_tasks``, ``ring0`` (seeds padded with -1), ``head_tail0``; then the outputs
-``counters``, ``status``, ``pending``, ``ring``, ``head_tail`` and every call's output tensors.
+Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
+(its last notify, or the arming that removes its bias) pushes the tasks the maps release;
+arming first *resolves* each triggered call: marks the tasks some element will release and
+dispatches the others as skipped (their static notifies and count-downs, and ``expected``, the
+number of tasks the ring will hold, lowered by their number).
+
+The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
+CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
+order: the graph's inputs; the read-only initial state ``initial`` (counts), ``pending0``,
+``consumer_indptr``, ``consumer_tasks``, ``ring0`` (seeds padded with -1), ``head_tail0``; then
+the outputs ``counters``, ``status``, ``pending``, ``ring``, ``head_tail``, ``marks`` and every
+call's output tensors.
 """
 from __future__ import annotations
 
@@ -23,33 +32,170 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
+from ..errors import GraphError
 from ..schedule import DynamicPlan
 from ..task_graph import TaskGraph
-from .events import EventLayout
+from .events import EventLayout, lower_edge
+from .grid_kernel import unravel
 from .inline import i32
-from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel, check_compile_time_edges
+from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
+
+
+def pointer(buf: tirx.Buffer, at: int = 0):
+    return buf.ptr_to([i32(at)])
+
+
+def _ravel(index, grid) -> tirx.Expr:
+    flat = i32(0)
+    for i, n in zip(index, grid):
+        flat = flat * i32(n) + i
+    return flat
+
+
+class ReadyRing:
+    """The ring operations of a dynamic kernel, as TIR statements for ``PersistentKernel``."""
+
+    def __init__(self, kernel: PersistentKernel, plan: DynamicPlan, work: dict,
+                 consumer_indptr: tirx.Buffer, consumer_tasks: tirx.Buffer):
+        self.kernel, self.graph, self.plan = kernel, kernel.graph, plan
+        self.pending, self.ring = work["pending"], work["ring"]
+        self.head_tail, self.marks = work["head_tail"], work["marks"]
+        self.consumer_indptr, self.consumer_tasks = consumer_indptr, consumer_tasks
+        self.skipped = tirx.decl_buffer((1,), "int32", "skipped", scope="shared")
+        self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers}
+        self._check(kernel.layout)
+
+    def _check(self, layout: EventLayout) -> None:
+        for call in self.graph.calls:
+            if not call.triggers:
+                continue
+            why = None
+            if len(call.triggers) > 1:
+                why = "has more than one trigger map"
+            elif len(call.in_edges) > 1:
+                why = "waits on other events besides its trigger"
+            elif call.index in layout.done:
+                why = "has a completion that other calls wait for"
+            if why:
+                raise GraphError(f"{self.graph.name}: {call.name} {why}; the dynamic kernel "
+                                 "supports a triggered call with one trigger map as its only "
+                                 "in-edge, whose completion nothing waits for")
+
+    def _call(self, name: str, *args, return_type: str = "void"):
+        return self.kernel.runtime_call(name, *args, return_type=return_type)
+
+    def push(self, task: tirx.Expr) -> tirx.Stmt:
+        return tirx.Evaluate(self._call("etc_push", pointer(self.head_tail), pointer(self.ring),
+                                        task, i32(self.plan.capacity),
+                                        pointer(self.kernel.status)))
+
+    def count_down_consumers(self, task: tirx.Expr) -> tirx.Stmt:
+        """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
+        for it; the last count-down of each pushes it."""
+        k = tirx.Var("k", "int32")
+        n = len(self.plan.pending)
+        steps = [tirx.For(k, self.consumer_indptr[task], self.consumer_indptr[task + 1]
+                          - self.consumer_indptr[task], tirx.ForKind.SERIAL, tirx.Evaluate(
+            self._call("etc_count_down", pointer(self.pending), self.consumer_tasks[k],
+                       pointer(self.head_tail), pointer(self.ring), i32(n),
+                       pointer(self.kernel.status))))]
+        late = None
+        for call in reversed(self.graph.calls):
+            dependents = self.plan.late_dependents(call.index)
+            if not dependents:
+                continue
+            downs = [tirx.Evaluate(self._call(
+                "etc_count_down_call", pointer(self.pending, n + j),
+                i32(self.graph.calls[self.plan.late_calls[j].call].first_task),
+                i32(self.graph.calls[self.plan.late_calls[j].call].num_tasks),
+                pointer(self.head_tail), pointer(self.ring), i32(n),
+                pointer(self.kernel.status))) for j in dependents]
+            inside = tirx.And(i32(call.first_task) <= task,
+                              task < i32(call.first_task + call.num_tasks))
+            late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
+        if late is not None:
+            steps.append(late)
+        return tirx.stmt_seq(*steps)
+
+    def fire(self, etensor: str, elem) -> tirx.Stmt:
+        """Element ``elem`` of ``etensor`` completed: push every task its trigger maps give."""
+        steps = []
+        for call in self.graph.calls:
+            for e in call.triggers:
+                if e.etensor != etensor:
+                    continue
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, elem)),
+                                     self.kernel.params(call))
+                steps.append(lowered.nest(self.kernel.checked(
+                    call, e, i32(-1), lowered.index,
+                    lambda idx, call=call: self.push(i32(call.first_task) + _ravel(idx, call.grid)),
+                    shape=call.grid)))
+        return tirx.stmt_seq(*steps)
+
+    def resolve(self, call) -> tirx.Stmt:
+        """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
+        element will release (twice is an error), then dispatch the unmarked ones as skipped,
+        and lower ``expected`` by their number."""
+        kernel, (edge,) = self.kernel, call.triggers
+        shape = kernel.layout.shapes[edge.etensor]
+        size = 1
+        for n in shape:
+            size *= n
+        elem = [tirx.Var(f"e{k}_resolve", "int32") for k in range(len(shape))]
+        lowered = lower_edge(edge.map, dict(zip(edge.map.coords, elem)), kernel.params(call))
+        mark = lowered.nest(kernel.checked(
+            call, edge, i32(-1), lowered.index,
+            lambda idx: tirx.Evaluate(self._call(
+                "etc_mark_released", pointer(self.marks),
+                i32(call.first_task) + _ravel(idx, call.grid), pointer(kernel.status))),
+            shape=call.grid))
+        coords = [tirx.Var(f"{c}_skip", "int32") for c in call.fn.coord_params]
+        task = tirx.Var("skipped_task", "int32")
+
+        def skip(j):
+            return tirx.stmt_seq(
+                tirx.Bind(task, i32(call.first_task) + j),
+                tirx.IfThenElse(self._call("etc_released", pointer(self.marks), task,
+                                           return_type="int32") == 0, tirx.stmt_seq(*[
+                    s for s in (
+                        *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))],
+                        kernel.static_notifies(call, coords),
+                        self.count_down_consumers(task),
+                        tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)]))))
+                    if s is not None]), None))
+
+        tx = kernel.tx
+        return tirx.stmt_seq(
+            tirx.IfThenElse(tx == 0, tirx.BufferStore(self.skipped, i32(0), [i32(0)]), None),
+            kernel.strided(size, lambda i: tirx.stmt_seq(
+                *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark)),
+            tirx.Evaluate(Tb.cuda.thread_fence()),
+            tirx.Evaluate(Tb.cuda.cta_sync()),
+            kernel.strided(call.num_tasks, skip),
+            tirx.Evaluate(Tb.cuda.cta_sync()),
+            tirx.IfThenElse(tx == 0, tirx.Evaluate(self._call(
+                "etc_add", pointer(self.head_tail, 2), i32(0) - self.skipped[0])), None))
 
 
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,
                          num_ctas: int, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
     """The persistent kernel that runs ``graph`` from a ready ring, following ``plan``."""
-    check_compile_time_edges(graph, "dynamic")
     kernel = PersistentKernel(graph, layout, options)
     n = max(1, graph.num_tasks)
-    state = {  # name: (read-only initial value, working copy)
-        "pending": (n,), "ring": (n,), "head_tail": (2,)}
-    initial = {k: tirx.decl_buffer(shape, "int32", f"{k}0") for k, shape in state.items()}
-    work = {k: tirx.decl_buffer(shape, "int32", k) for k, shape in state.items()}
+    state = {  # name: (shape, initialised from a read-only initial value, or zeros)
+        "pending": ((n + len(plan.late_calls),), True), "ring": ((n,), True),
+        "head_tail": ((3,), True), "marks": ((n,), False)}
+    initial = {k: tirx.decl_buffer(shape, "int32", f"{k}0")
+               for k, (shape, copied) in state.items() if copied}
+    work = {k: tirx.decl_buffer(shape, "int32", k) for k, (shape, _) in state.items()}
     consumer_indptr = tirx.decl_buffer((n + 1,), "int32", "consumer_indptr")
     consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
                                       "consumer_tasks")
+    ring = kernel.ring = ReadyRing(kernel, plan, work, consumer_indptr, consumer_tasks)
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     task = tirx.Var("t", "int32")
     dispatch = kernel.dispatch(task)
     tx, status = kernel.tx, kernel.status
-
-    def pointer(buf):
-        return buf.ptr_to([0])
 
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -58,29 +204,24 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                           "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
             for b in [*kernel.inputs, kernel.initial, initial["pending"], consumer_indptr,
                       consumer_tasks, initial["ring"], initial["head_tail"], kernel.counters,
-                      status, work["pending"], work["ring"], work["head_tail"], *kernel.outputs]:
+                      status, *work.values(), *kernel.outputs]:
                 Tb.arg(b.name, b)
             Tb.device_entry()
             bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
             kernel.declare()
-            Tb.add_to_parent(tirx.AllocBuffer(slot))
-            kernel.initialise(bx, num_ctas, [(work[k], initial[k], shape[0])
-                                             for k, shape in state.items()])
+            for buf in (slot, ring.skipped):
+                Tb.add_to_parent(tirx.AllocBuffer(buf))
+            kernel.initialise(bx, num_ctas, [(work[k], initial.get(k), shape[0])
+                                             for k, (shape, _) in state.items()])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         Tb.buffer_store(slot, kernel.runtime_call(
                             "etc_pop", pointer(work["head_tail"]), pointer(work["ring"]),
-                            i32(graph.num_tasks), pointer(status), kernel.limit,
-                            return_type="int32"), [0])
+                            pointer(status), kernel.limit, return_type="int32"), [0])
                         with Tb.If(slot[0] >= 0):
                             with Tb.Then():
-                                with Tb.serial(consumer_indptr[slot[0]],
-                                               consumer_indptr[slot[0] + 1]) as k:
-                                    Tb.evaluate(kernel.runtime_call(
-                                        "etc_count_down", pointer(work["pending"]),
-                                        consumer_tasks[k], pointer(work["head_tail"]),
-                                        pointer(work["ring"]), i32(n), pointer(status)))
+                                Tb.add_to_parent(ring.count_down_consumers(slot[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())  # the slot is rewritten by the next pop

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import numpy as np
 from tvm import tirx
@@ -56,20 +55,6 @@ class KernelOptions:
 DEFAULT_OPTIONS = KernelOptions()
 
 
-def check_compile_time_edges(graph: TaskGraph, kernel: str) -> None:
-    """Refuse, by name, the edges and counts only run-time data can instantiate."""
-    runtime = sorted(graph.arm_inputs())
-    dynamic = [f"{c.name}: {e.etensor} '{e.map}'" for c in graph.calls
-               for e in c.in_edges + c.out_edges if e.map.is_data_dependent or e.map.is_trigger]
-    if runtime or dynamic:
-        raise GraphError(
-            f"{graph.name}: the {kernel} kernel needs every edge and wait count at compile time; "
-            + (f"data-dependent edges {dynamic}" if dynamic else "")
-            + (" and " if runtime and dynamic else "")
-            + (f"wait counts known only at run time {runtime}" if runtime else "")
-            + " are not supported by it yet")
-
-
 class PersistentKernel:
     """The buffers, scopes and statement builders shared by the persistent kernels."""
 
@@ -100,6 +85,7 @@ class PersistentKernel:
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
+        self.ring = None  # the ready ring's operations, set by the dynamic kernel
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
     def runtime_call(self, name: str, *args, return_type: str = "void"):
@@ -116,15 +102,16 @@ class PersistentKernel:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
 
     def initialise(self, bx, num_ctas: int, extra=()) -> None:
-        """Counters from their initial values (and each (dst, src, n) of ``extra``), status
-        cleared, then a grid-wide barrier: every launch starts from fresh state."""
+        """Counters from their initial values (and each (dst, src, n) of ``extra``; zeros where
+        src is None), status cleared, then a grid-wide barrier: every launch starts from fresh
+        state."""
         stride = num_ctas * self.scopes.num_threads
         for dst, src, n in [(self.counters, self.initial, self.layout.size), *extra]:
             for k in range(-(-n // stride)):
                 idx = i32(k * stride) + bx * i32(self.scopes.num_threads) + self.tx
                 with Tb.If(idx < i32(n)):
                     with Tb.Then():
-                        Tb.buffer_store(dst, src[idx], [idx])
+                        Tb.buffer_store(dst, src[idx] if src is not None else i32(0), [idx])
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
@@ -153,7 +140,8 @@ class PersistentKernel:
         args = [self.buffers[t] for t in call.tensor_args()]
         body = tirx.stmt_seq(*tirx.stmt_list(
             inline_task(call.fn, coord_vars, args, self.scopes, self.arena)))
-        stmts.append(tirx.IfThenElse(self.skip[0] == 0, body, None) if call.triggers else body)
+        stmts.append(tirx.IfThenElse(self.skip[0] == 0, body, None) if self._scans(call)
+                     else body)
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
@@ -180,13 +168,13 @@ class PersistentKernel:
                 steps.append(lowered.nest(step))
         for producer in sorted(self.graph.completion_waits(call)):
             steps.append(self._wait(i32(layout.done[producer]), task))
-        if call.triggers:
+        if self._scans(call):
             steps.append(tirx.BufferStore(self.skip, i32(1), [i32(0)]))
             steps += [self._trigger_scan(call, e, task, coords) for e in call.triggers]
         for e in call.in_edges:
             if e.map.is_data_dependent and not e.map.is_trigger:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
-                steps.append(lowered.nest(self._checked(
+                steps.append(lowered.nest(self.checked(
                     call, e, task, lowered.index,
                     lambda flat: self._wait(flat, task))))
         if len(steps) == 1:
@@ -202,19 +190,18 @@ class PersistentKernel:
         return tirx.IfThenElse(self.stop[0] == 0, tirx.BufferStore(self.stop, wait, [i32(0)]),
                                None)
 
-    def _checked(self, call, edge, task, index, then) -> tirx.Stmt:
+    def checked(self, call, edge, task, index, then, shape=None) -> tirx.Stmt:
         """``then(flat counter index)`` if every coordinate of ``index`` lies inside the
-        edge's ETensor; otherwise the stop is recorded (kind 4) and the CTA stops."""
+        edge's ETensor (or, given ``shape``, ``then(index)`` if inside ``shape``); otherwise
+        the stop is recorded (kind 4) and the CTA stops."""
         site = self.sites[(call.index, edge)]
-        shape = self.layout.shapes[edge.etensor]
         ok = None
-        for i, n in zip(index, shape):
+        for i, n in zip(index, shape or self.layout.shapes[edge.etensor]):
             check = self.runtime_call("etc_in_range", i, i32(n), self.status.ptr_to([0]), task,
                                       i32(site), return_type="int32") != 0
             ok = check if ok is None else tirx.And(ok, check)
-        flat = self.layout.flat_index(edge.etensor, index)
-        return tirx.IfThenElse(ok, then(flat),
-                               tirx.BufferStore(self.stop, i32(1), [i32(0)]))
+        body = then(index) if shape else then(self.layout.flat_index(edge.etensor, index))
+        return tirx.IfThenElse(ok, body, tirx.BufferStore(self.stop, i32(1), [i32(0)]))
 
     def _trigger_scan(self, call, edge, task, coords) -> tirx.Stmt:
         """Find the elements whose trigger map releases this task: each clears ``skip`` and
@@ -243,26 +230,45 @@ class PersistentKernel:
             body = tirx.For(var, i32(0), i32(n), tirx.ForKind.SERIAL, body)
         return body
 
+    def _scans(self, call) -> bool:
+        """Whether ``call``'s tasks find their releasing elements themselves (the static
+        kernel); a ready ring instead pushes them when an element completes."""
+        return bool(call.triggers) and self.ring is None
+
     def _notifies(self, call, task, coords) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
         fan-ins over whole grids complete), data-dependent ones unless skipped."""
+        steps = [self.static_notifies(call, coords)]
+        for e in call.out_edges:
+            if e.map.is_data_dependent:
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
+                step = lowered.nest(self.checked(call, e, task, lowered.index,
+                                                  lambda flat, e=e: self._notify(e, flat)))
+                steps.append(tirx.IfThenElse(self.skip[0] == 0, step, None) if self._scans(call)
+                             else step)
+        steps = [s for s in steps if s is not None]
+        return tirx.stmt_seq(*steps) if steps else None
+
+    def static_notifies(self, call, coords) -> tirx.Stmt | None:
+        """The decrements of ``call``'s static out-edges for the task at ``coords``."""
         steps = []
         for e in call.out_edges:
-            data = e.map.is_data_dependent
-            lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)),
-                                 self.params(call) if data else MappingProxyType({}))
-
-            def notify(flat):
-                return tirx.Evaluate(self.runtime_call("etc_notify", self.counters.ptr_to([flat])))
-
-            if not data:
-                steps.append(lowered.nest(notify(self.layout.flat_index(e.etensor,
-                                                                        lowered.index))))
-                continue
-            step = lowered.nest(self._checked(call, e, task, lowered.index, notify))
-            steps.append(tirx.IfThenElse(self.skip[0] == 0, step, None) if call.triggers
-                         else step)
+            if not e.map.is_data_dependent:
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
+                steps.append(lowered.nest(self._notify(
+                    e, self.layout.flat_index(e.etensor, lowered.index))))
         return tirx.stmt_seq(*steps) if steps else None
+
+    def _notify(self, edge, flat) -> tirx.Stmt:
+        """One decrement; on an element whose completion a ready ring acts on, the decrement
+        that completes it fires it."""
+        counter = self.counters.ptr_to([flat])
+        if self.ring is None or edge.etensor not in self.ring.trigger_sources:
+            return tirx.Evaluate(self.runtime_call("etc_notify", counter))
+        last = self.runtime_call("etc_notify_last", counter, return_type="int32")
+        shape = self.layout.shapes[edge.etensor]
+        return tirx.IfThenElse(last != 0, self.ring.fire(
+            edge.etensor, unravel(flat - i32(self.layout.offsets[edge.etensor]), shape)), None)
 
     # ------------------------------------------------------------------ run-time events
     def _completion(self, call) -> tirx.Stmt:
@@ -300,7 +306,7 @@ class PersistentKernel:
                 raise GraphError(f"{self.graph.name}: the wait_count tensor of {name} has shape "
                                  f"{[int(d) for d in counts.shape]}, {name} {list(et.shape)}")
             value = tirx.Var("count", "int32")
-            steps.append(self._strided(size, lambda i: tirx.stmt_seq(
+            steps.append(self.strided(size, lambda i: tirx.stmt_seq(
                 tirx.Bind(value, tirx.Cast("int32", counts[tuple(unravel(i, et.shape))])),
                 tirx.IfThenElse(
                     value < 0,
@@ -312,11 +318,19 @@ class PersistentKernel:
             steps += [self._count_notifies(call, e) for call in self.graph.calls
                       for e in call.out_edges
                       if e.etensor == name and e.map.is_data_dependent]
+        if self.ring is not None:
+            steps += [self.ring.resolve(c) for c in self.graph.calls
+                      if any(e.etensor == name for e in c.triggers)]
         steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync()),
-                  self._strided(size, lambda i: tirx.Evaluate(self.runtime_call(
-                      "etc_unbias", self.counters.ptr_to([i32(offset) + i]),
-                      return_type="int32")))]
+                  self.strided(size, lambda i: self._unbias(name, i32(offset) + i))]
         return tirx.stmt_seq(*steps)
+
+    def _unbias(self, name: str, flat) -> tirx.Stmt:
+        left = self.runtime_call("etc_unbias", self.counters.ptr_to([flat]), return_type="int32")
+        if self.ring is None or name not in self.ring.trigger_sources:
+            return tirx.Evaluate(left)
+        return tirx.IfThenElse(left == 0, self.ring.fire(
+            name, unravel(flat - i32(self.layout.offsets[name]), self.layout.shapes[name])), None)
 
     def _count_notifies(self, call, edge) -> tirx.Stmt:
         """All threads: +1 on every element that ``edge`` will make a task of ``call``
@@ -328,12 +342,12 @@ class PersistentKernel:
                 "a wait_count tensor")
         coords = [tirx.Var(f"{c}_arm", "int32") for c in call.fn.coord_params]
         lowered = lower_edge(edge.map, dict(zip(edge.map.coords, coords)), self.params(call))
-        count = lowered.nest(self._checked(call, edge, i32(-1), lowered.index, lambda flat: (
+        count = lowered.nest(self.checked(call, edge, i32(-1), lowered.index, lambda flat: (
             tirx.Evaluate(self.runtime_call("etc_add", self.counters.ptr_to([flat]), i32(1))))))
-        return self._strided(call.num_tasks, lambda j: tirx.stmt_seq(
+        return self.strided(call.num_tasks, lambda j: tirx.stmt_seq(
             *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))], count))
 
-    def _strided(self, n: int, body) -> tirx.Stmt:
+    def strided(self, n: int, body) -> tirx.Stmt:
         """``body(i)`` for i in 0..n-1, spread over the CTA's threads."""
         threads = self.scopes.num_threads
         r = tirx.Var("r", "int32")
