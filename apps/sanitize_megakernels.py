@@ -4,11 +4,14 @@
         compute-sanitizer --tool $tool --error-exitcode 1 python3 apps/sanitize_megakernels.py
     done
 
+(``apps/sanitize_megakernels.py mixed dynamic``: only those strategies.)
+
 Every graph of tests/python/megakernel_cases.py under the static strategy (list and
-round-robin queues), the dynamic and the barrier strategies, and the MoE graph of
+round-robin queues), the dynamic, mixed and barrier strategies, and the MoE graph of
 tests/python/moe_graph.py (data-dependent edges, run-time counts, a trigger) under the
 strategies that run it, each checked against the CPU reference executor.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,16 +26,23 @@ from etc_tvm.schedule import list_schedule, round_robin_schedule  # noqa: E402
 from megakernel_cases import ATOL, CASES, RTOL  # noqa: E402
 from moe_graph import COUNT_MODES, make_inputs, moe_graph  # noqa: E402
 
-MOE_STRATEGIES = ("static", "dynamic")
+MOE_STRATEGIES = ("static", "dynamic", "mixed")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("strategies", nargs="*", default=None,
+                        help="run only these strategies (default: all)")
+    wanted = parser.parse_args().strategies or None
     rng = np.random.default_rng(0)
     for name, (graph, dims, make, _) in sorted(CASES.items()):
         inputs = make(rng)
         want = execute(graph, *inputs)
         for strategy, scheduler in (("static", list_schedule), ("static", round_robin_schedule),
-                                    ("dynamic", list_schedule), ("barrier", list_schedule)):
+                                    ("dynamic", list_schedule), ("mixed", list_schedule),
+                                    ("barrier", list_schedule)):
+            if wanted and strategy not in wanted:
+                continue
             got = build(graph, dims, strategy=strategy, scheduler=scheduler)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
             print(f"{name} {strategy} {scheduler.__name__}: ok", flush=True)
@@ -40,6 +50,8 @@ def main() -> None:
         graph, inputs = moe_graph(2, count_mode), make_inputs("random", 12, 2)
         want = execute(graph, *inputs)
         for strategy in MOE_STRATEGIES:
+            if wanted and strategy not in wanted:
+                continue
             got = build(graph, {"T": 12}, strategy=strategy)(*inputs)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
             print(f"moe ({count_mode} counts) {strategy}: ok", flush=True)

@@ -12,7 +12,8 @@
 // status layout (int32): [0] state (0 running, 1 a wait timed out, 2 a pop timed out, 3 the
 //                        ready ring overflowed, 4 a data-dependent index fell outside its
 //                        event tensor or grid, 5 a run-time wait count was negative, 6 a
-//                        trigger released a task twice),
+//                        trigger released a task twice, 7 a CTA found nothing to run for too
+//                        long),
 //                        [1] task id (-1: none), [2] element index, ring slot or the index,
 //                        [3] counter value seen, or the edge (kind 4) or value (kind 5),
 //                        [4] SM id.
@@ -29,6 +30,13 @@
 // (bounded) for its task id; a push claims a slot and publishes the id with a release store.
 #ifndef ETC_TVM_RUNTIME_CUH_
 #define ETC_TVM_RUNTIME_CUH_
+
+#ifdef __CUDACC_RTC__
+#include <cuda/std/cstdint>
+using cuda::std::uint64_t;
+#else
+#include <cstdint>
+#endif
 
 __device__ __forceinline__ unsigned long long etc_globaltimer_ns() {
   unsigned long long t;
@@ -140,6 +148,55 @@ __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int
                                                     int* status) {
   if (atomicSub(pending, 1) != 1) return;
   for (int k = 0; k < count; ++k) etc_push(head_tail, ring, first + k, capacity, status);
+}
+
+// The next task of the ready ring if one is there now: the task, -1 once every task the ring
+// will hold is taken, -2 if the grid is stopping, -3 if none is ready now. A CTA that also has
+// a static queue must not block on the ring. Called by one thread.
+__device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* status,
+                                        long long limit_ns) {
+  int head = etc_load_relaxed(head_tail);
+  for (;;) {
+    if (head >= etc_load_relaxed(head_tail + 2)) return -1;
+    if (head >= etc_load_relaxed(head_tail + 1)) return -3;
+    const int seen = atomicCAS(head_tail, head, head + 1);
+    if (seen == head) break;
+    head = seen;
+  }
+  // a push claimed slot ``head``: its task id is being published
+  const unsigned long long start = etc_globaltimer_ns();
+  for (unsigned polls = 1;; ++polls) {
+    const int task = etc_load_acquire(ring + head);
+    if (task >= 0) return task;
+    if (polls % 64 != 0) continue;
+    if (etc_load_relaxed(status) != 0) return -2;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      etc_record_stop(status, 2, -1, head, task);
+      return -2;
+    }
+  }
+}
+
+// 1 if ``counter`` is complete now (acquire), else 0: a wait that does not block.
+__device__ __forceinline__ int etc_poll(const int* counter) {
+  return etc_load_acquire(counter) <= 0;
+}
+
+// A CTA found nothing to run: 1 if the grid is stopping, or if it has found nothing for longer
+// than the limit (then it records kind 7 with its next queued task, -1 if none). ``since``:
+// when the idle stretch began, 0 while the CTA is busy.
+__device__ __noinline__ int etc_idle(uint64_t* since, int* status, int task,
+                                     long long limit_ns) {
+  if (etc_load_relaxed(status) != 0) return 1;
+  const unsigned long long now = etc_globaltimer_ns();
+  if (*since == 0) {
+    *since = now;
+  } else if ((long long)(now - *since) > limit_ns) {
+    etc_record_stop(status, 7, task, -1, 0);
+    return 1;
+  }
+  __nanosleep(32);
+  return 0;
 }
 
 // A trigger releases ``task`` (kind 6 if it already did).

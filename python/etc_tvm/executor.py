@@ -10,6 +10,7 @@ is the order's choice, so one graph can be run
 * ``ReadyQueueOrder()``: as a ready queue, first ready first run;
 * ``DynamicQueueOrder(num_ctas)``: as the GPU dynamic schedule, persistent CTAs popping a ring
   that a task enters when its producers have been dispatched (early push);
+* ``MixedOrder(queues, ring_calls)``: as the GPU mixed schedule, static queues and a ring;
 * ``RandomOrder(seed)``: as a random valid interleaving.
 
 It is the oracle for schedules and GPU results: outputs start poisoned (NaN, or the most
@@ -191,6 +192,59 @@ class DynamicQueueOrder(Order):
         unpushed = [(t, " (not pushed)") for t in self.run.pending_tasks()
                     if t not in self.pushed]
         return held + queued + unpushed
+
+
+class MixedOrder(DynamicQueueOrder):
+    """The GPU mixed schedule, modelled: persistent CTA k runs ``queues[k]`` (the static
+    calls' tasks) and the ready ring of ``ring_calls``' tasks. An idle CTA takes the head of
+    its queue if it can start, else pops the ring (never blocking on an empty ring); taking a
+    task counts down its consumers in the ring either way."""
+
+    def __init__(self, queues: Sequence[Sequence[int]], ring_calls):
+        super().__init__(num_ctas=len(queues))
+        self.queues = [list(map(int, q)) for q in queues]
+        self.ring_calls = set(ring_calls)
+
+    def start(self, run):
+        Order.start(self, run)
+        self.plan = DynamicPlan.of(run.graph, self.ring_calls)
+        ring_tasks = {t for c in self.ring_calls for t in run.graph.calls[c].tasks}
+        listed = sorted(t for q in self.queues for t in q)
+        if listed != sorted(set(range(run.graph.num_tasks)) - ring_tasks):
+            raise EtcError("the queues of a mixed schedule must hold every task outside the "
+                           "ring exactly once, and none of the ring's")
+        self.pending = self.plan.pending.copy()
+        self.late_pending = [lc.pending for lc in self.plan.late_calls]
+        self.ring, self.pushed = deque(), set()
+        self.ctas = [None] * len(self.queues)
+        self.heads = [0] * len(self.queues)
+        self.max_queued = 0
+        for task in self.plan.seeds:
+            self._push(task)
+
+    def next(self):
+        for k, held in enumerate(self.ctas):
+            if held is not None:
+                continue
+            queue, head = self.queues[k], self.heads[k]
+            if head < len(queue) and self.run.is_ready(queue[head]):
+                self.heads[k] += 1
+                self.ctas[k] = queue[head]
+            elif self.ring:
+                self.ctas[k] = self.ring.popleft()
+            else:
+                continue
+            self._release_consumers(self.ctas[k])
+        for k, held in enumerate(self.ctas):
+            if held is not None and self.run.is_ready(held):
+                self.ctas[k] = None
+                return held
+        return None
+
+    def blocked(self):
+        queued = [(q[self.heads[k]], f" (next in the queue of CTA {k})")
+                  for k, q in enumerate(self.queues) if self.heads[k] < len(q)]
+        return super().blocked() + queued
 
 
 def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,

@@ -98,16 +98,21 @@ def graph_func(fn: Callable | None = None, *, world_size: int = 1):
 
 def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
                 in_edges: Mapping[ETensor, str] | None = None,
-                out_edges: Mapping[ETensor, str] | None = None):
+                out_edges: Mapping[ETensor, str] | None = None, schedule: str | None = None):
     """Launch a grid of ``tile_num`` tasks of ``fn``; returns its output tensor(s).
 
     ``args`` are the input tensors and ``out`` the output type(s), matching ``fn``'s tensor
     parameters in order. ``in_edges`` maps each ETensor a task waits on to its edge map,
-    ``out_edges`` each ETensor it notifies (see ``edge_map``).
+    ``out_edges`` each ETensor it notifies (see ``edge_map``). ``schedule`` ("static" or
+    "dynamic") places this call's tasks under the "mixed" strategy: in the per-SM queues or
+    in the ready ring of the same kernel (unset: static); other strategies ignore it.
     """
     tracer = tracing.current("call_device")
     if not isinstance(fn, DeviceFunc):
         raise EtcError(f"call_device needs a @device_func, got {fn!r}")
+    if schedule not in SCHEDULES:
+        raise EtcError(f"call_device({fn.name}): schedule must be one of {SCHEDULES}, "
+                       f"got {schedule!r}")
     grid = _as_tuple(tile_num)
     if len(grid) != fn.num_coords:
         raise EtcError(f"call_device({fn.name}): tile_num has {len(grid)} dims but {fn.name} "
@@ -142,12 +147,16 @@ def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
     name = tracer.claim_name(outs[0].name if single else None, fn.name)
     out_names = [name] if single else [tracer.claim_name(o.name, f"{name}_out") for o in outs]
     call = ops.call_device(tracer.global_var(fn), [a.var for a in args], in_events, in_maps,
-                           out_events, out_maps, grid, out_ty, name=name, out_names=out_names)
+                           out_events, out_maps, grid, out_ty, name=name, out_names=out_names,
+                           schedule=schedule or "")
     if single:
         return TensorValue(tracer.emit(call, name))
     tup = tracer.emit(call, name)
     return tuple(TensorValue(tracer.emit(relax.TupleGetItem(tup, k), n))
                  for k, n in enumerate(out_names))
+
+
+SCHEDULES = (None, "static", "dynamic")
 
 
 def _as_tuple(x) -> tuple:

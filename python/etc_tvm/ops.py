@@ -64,12 +64,12 @@ def local_view(etensor: relax.Expr, shape, world_size: int) -> ir.Call:
 
 
 def call_device(fn: ir.GlobalVar, args, in_events, in_edges, out_events, out_edges, tile_num,
-                out_ty, *, name: str, out_names) -> ir.Call:
+                out_ty, *, name: str, out_names, schedule: str = "") -> ir.Call:
     return ir.Call(Op.get(CALL_DEVICE),
                    [fn, relax.Tuple(list(args)), relax.Tuple(list(in_events)),
                     relax.Tuple(list(out_events)), relax.ShapeExpr(list(tile_num))],
                    attrs={"in_edges": list(in_edges), "out_edges": list(out_edges), "name": name,
-                          "out_names": list(out_names)},
+                          "out_names": list(out_names), "schedule": schedule},
                    ty_args=[out_ty])
 
 
@@ -111,6 +111,7 @@ class CallDeviceCall:
     out_ty: ir.Type
     name: str
     out_names: tuple
+    schedule: str | None  # "static", "dynamic", or None: the strategy's
 
     @staticmethod
     def of(call: ir.Call) -> "CallDeviceCall":
@@ -119,7 +120,9 @@ class CallDeviceCall:
                               tuple(str(s) for s in call.attrs["in_edges"]), tuple(outs.fields),
                               tuple(str(s) for s in call.attrs["out_edges"]), tuple(grid.values),
                               call.ty_args[0], str(call.attrs["name"]),
-                              tuple(str(n) for n in call.attrs["out_names"]))
+                              tuple(str(n) for n in call.attrs["out_names"]),
+                              str(call.attrs["schedule"]) or None
+                              if "schedule" in call.attrs else None)
 
     @property
     def out_types(self) -> tuple:

@@ -65,6 +65,10 @@ class GraphMeta:
         elif kind == 5:
             why = (f"the run-time wait count of {self.element_name(where)} is {seen}, "
                    "negative (or never written)")
+        elif kind == 7:
+            nxt = self.task_names[task] if task >= 0 else "none"
+            why = (f"a CTA on SM {sm} found no task ready, in its queue or the ready ring, for "
+                   f"more than {self.timeout_s} s (its next queued task: {nxt})")
         elif kind == 6:
             why = (f"trigger maps released task {self.task_names[task]} twice (their ranges "
                    "overlap)")

@@ -51,20 +51,27 @@ class StaticSchedule:
                           for q in self.queues for t in q], np.int32)
         return indptr, tasks
 
+    def without(self, tasks) -> "StaticSchedule":
+        """The queues less ``tasks`` (those a ready ring runs instead), in the same order."""
+        tasks = set(tasks)
+        return StaticSchedule(tuple(tuple(t for t in q if t not in tasks) for q in self.queues),
+                              self.makespan)
+
     def local_waits(self, graph: TaskGraph) -> set[int]:
         """Tasks with waits, all of whose elements are notified only by tasks placed earlier
-        on the same SM (static edges; data-dependent ones never count as local)."""
+        on the same SM (static edges; data-dependent ones never count as local, nor tasks of
+        a ready ring)."""
         where = {t: (sm, k) for sm, q in enumerate(self.queues) for k, t in enumerate(q)}
         notifiers = graph.element_notifiers()
         dynamic = {c.index for c in graph.calls
                    if any(e.map.is_data_dependent or e.map.is_trigger for e in c.in_edges)}
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
         local = set()
-        for task in range(graph.num_tasks):
-            sm, k = where[task]
+        for task, (sm, k) in where.items():
             if graph.waits[task] and graph.task_call[task] not in dynamic and all(
                     e[0] not in runtime and notifiers[e]
-                    and all(where[p][0] == sm and where[p][1] < k for p in notifiers[e])
+                    and all(p in where and where[p][0] == sm and where[p][1] < k
+                            for p in notifiers[e])
                     for e in graph.waits[task]):
                 local.add(task)
         return local
@@ -125,6 +132,19 @@ def list_schedule(graph: TaskGraph, num_queues: int,
     return StaticSchedule(tuple(tuple(q) for q in queues), makespan)
 
 
+def mixed_schedule(graph: TaskGraph, num_queues: int, ring_calls=None,
+                   scheduler=list_schedule) -> tuple[StaticSchedule, set[int]]:
+    """(the static queues, the ring's calls) of a mixed schedule: ``ring_calls`` (by default
+    the calls marked ``schedule="dynamic"``) go through the ready ring; the others keep their
+    places in ``scheduler``'s queues over the whole graph, so that queues and ring follow one
+    topological order."""
+    if ring_calls is None:
+        ring_calls = {c.index for c in graph.calls if c.schedule == "dynamic"}
+    ring_calls = set(ring_calls)
+    schedule = scheduler(graph, num_queues)
+    return schedule.without(t for c in ring_calls for t in graph.calls[c].tasks), ring_calls
+
+
 def round_robin_schedule(graph: TaskGraph, num_queues: int) -> StaticSchedule:
     """The topological order dealt onto the SMs in turn: no cost model, no locality (every
     dependent pair of consecutive tasks lands on different SMs). A baseline for schedules."""
@@ -177,6 +197,7 @@ class DynamicPlan:
     late_calls: calls pushed whole once the calls they depend on are dispatched.
     triggered: calls whose tasks their trigger maps push, when the releasing element completes.
     late: the tasks of late and triggered calls.
+    num_ring_tasks: the tasks that go through the ring (before any is skipped).
     capacity: ring slots: every task is pushed at most once.
     """
 
@@ -187,6 +208,7 @@ class DynamicPlan:
     late_calls: tuple[LateCall, ...]
     triggered: frozenset[int]
     late: frozenset[int]
+    num_ring_tasks: int
 
     @property
     def capacity(self) -> int:
@@ -200,14 +222,19 @@ class DynamicPlan:
         return [k for k, late in enumerate(self.late_calls) if call in late.deps]
 
     @staticmethod
-    def of(graph: TaskGraph) -> "DynamicPlan":
+    def of(graph: TaskGraph, ring_calls: set[int] | None = None) -> "DynamicPlan":
+        """The plan for the tasks of ``ring_calls`` (all calls by default); the others run
+        from static queues in the same kernel and count their consumers down as the ring's
+        tasks do."""
+        ring_calls = set(range(len(graph.calls))) if ring_calls is None else set(ring_calls)
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
-        triggered = frozenset(c.index for c in graph.calls if c.triggers)
+        triggered = frozenset(c.index for c in graph.calls
+                              if c.triggers and c.index in ring_calls)
         deps = graph.call_dependencies()
         late_calls = tuple(
             LateCall(c.index, tuple(sorted(deps[c.index])),
                      sum(graph.calls[d].num_tasks for d in deps[c.index]))
-            for c in graph.calls if c.index not in triggered and any(
+            for c in graph.calls if c.index in ring_calls and c.index not in triggered and any(
                 e.map.is_data_dependent or e.etensor in runtime for e in c.in_edges))
         late = frozenset(t for k in (*triggered, *(lc.call for lc in late_calls))
                          for t in graph.calls[k].tasks)
@@ -215,7 +242,7 @@ class DynamicPlan:
         consumers = [set() for _ in range(graph.num_tasks)]
         pending = np.zeros(graph.num_tasks, np.int32)
         for task in range(graph.num_tasks):
-            if task in late:
+            if task in late or graph.task_call[task] not in ring_calls:
                 continue
             producers = {p for e in graph.waits[task] for p in notifiers[e]} - {task}
             pending[task] = len(producers)
@@ -224,6 +251,8 @@ class DynamicPlan:
         indptr = np.zeros(graph.num_tasks + 1, np.int32)
         indptr[1:] = np.cumsum([len(c) for c in consumers])
         flat = np.array([t for c in consumers for t in sorted(c)], np.int32)
-        seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late) \
+        seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late
+                      and graph.task_call[t] in ring_calls) \
             + tuple(t for lc in late_calls if lc.pending == 0 for t in graph.calls[lc.call].tasks)
-        return DynamicPlan(pending, indptr, flat, seeds, late_calls, triggered, late)
+        return DynamicPlan(pending, indptr, flat, seeds, late_calls, triggered, late,
+                           sum(graph.calls[c].num_tasks for c in ring_calls))

@@ -83,6 +83,7 @@ class CallNode:
     out_edges: tuple[Edge, ...]
     cost: float = 1.0  # of one task, from the device function's hint and these shapes
     first_task: int = 0
+    schedule: str | None = None  # the call_device's choice for the "mixed" strategy
 
     @property
     def num_tasks(self) -> int:
@@ -546,7 +547,7 @@ class _Builder:
         self.calls.append(CallNode(index, name, fn, grid, inputs, outputs,
                                    edges(call.in_events, call.in_edges, "in", inputs_readable),
                                    edges(call.out_events, call.out_edges, "out", readable),
-                                   fn.task_cost(shapes)))
+                                   fn.task_cost(shapes), schedule=call.schedule))
         self.value[var] = ("tensor", outputs[0]) if len(outputs) == 1 and isinstance(
             call.out_ty, relax.TensorType) else ("tuple", outputs)
 

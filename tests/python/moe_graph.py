@@ -37,7 +37,9 @@ def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
 def make_moe_graph(hidden: int, experts: int, top_k: int, out_features: int, tile_rows: int,
                    count_mode: str, *, combine_waits: bool = True,
                    expert_ready_size: int | None = None):
-    """The MoE graph function ``moe(x, w_router, bias, w_expert) -> out``.
+    """The MoE graph function ``moe(x, w_router, bias, w_expert) -> out``; under the "mixed"
+    strategy the expert tiles (data-dependent count, released by a trigger) go through the
+    ready ring and the other calls through static queues.
 
     count_mode: the wait counts of ``expert_ready``, "tensor" (the ``counts`` grouping writes)
       or "inferred" (from scatter's data-dependent notifies, at run time).
@@ -213,7 +215,7 @@ def make_moe_graph(hidden: int, experts: int, top_k: int, out_features: int, til
         ys = call_device(expert, tile_num=(tiles,), args=[xs, w_expert, exp_indptr, counts],
                          out=Tensor((tiles * BT, F)),
                          in_edges={expert_ready: "e=>exp_indptr[e]:exp_indptr[e+1]"},
-                         out_edges={tile_done: "g->g"})
+                         out_edges={tile_done: "g->g"}, schedule="dynamic")
         return call_device(combine, tile_num=(tokens,), args=[topw, pair_slot, pair_tile, ys],
                            out=Tensor((tokens, F)),
                            in_edges={tile_done: "t->pair_tile[t,:]"} if combine_waits else None)

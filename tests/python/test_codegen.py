@@ -70,7 +70,7 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
 @pytest.mark.parametrize("count_mode", COUNT_MODES)
 def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, strategy,
                                                                  tmp_path):

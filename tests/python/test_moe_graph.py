@@ -4,25 +4,15 @@ import contextlib
 
 import numpy as np
 import pytest
+
 from etc_tvm import EtcError, ExecutionError, GraphError
-from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, execute
+from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
+                              StaticOrder, execute)
+from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
-from moe_graph import (
-    BT,
-    COUNT_MODES,
-    HOT,
-    ROUTINGS,
-    TOKENS,
-    E,
-    F,
-    H,
-    make_inputs,
-    make_moe_graph,
-    max_tiles,
-    moe_graph,
-    moe_reference,
-    route,
-)
+
+from moe_graph import (BT, COUNT_MODES, HOT, ROUTINGS, TOKENS, E, F, H, make_inputs,
+                       make_moe_graph, max_tiles, moe_graph, moe_reference, route)
 
 
 def deal(order, queues):
@@ -41,7 +31,16 @@ ORDERS = {
     "static7": lambda tg: StaticOrder(deal(tg.topological_order(), 7)),
     "static4-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 4), seed=11),
     "static7-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 7), seed=12),
+    "mixed3": lambda tg: MixedOrder(*_mixed(tg, 3)),
+    "mixed1": lambda tg: MixedOrder(*_mixed(tg, 1)),
 }
+
+
+def _mixed(task_graph, ctas):
+    """Static queues for all but the expert tiles, which go through the ring."""
+    schedule, ring_calls = mixed_schedule(task_graph, ctas)
+    assert ring_calls == {call_named(task_graph, "expert").index}
+    return schedule.queues, ring_calls
 
 
 def call_named(task_graph, fn_name):

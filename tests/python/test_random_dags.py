@@ -4,8 +4,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
-from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
-                              execute)
+from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
+                              StaticOrder, execute)
+from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 
 from tiles import COLS, ROWS, mix_tile, scale_tile
@@ -66,15 +67,21 @@ def numpy_dag(calls, x):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dag=dags(), seed=st.integers(0, 2**16))
-def test_every_valid_order_gives_the_same_result(dag, seed):
+@given(dag=dags(), seed=st.integers(0, 2**16), ring=st.sets(st.integers(0, 5)),
+       ctas=st.integers(1, 4))
+def test_every_valid_order_gives_the_same_result(dag, seed, ring, ctas):
+    """...including mixed schedules with any subset of the calls in the ring (1 CTA: every
+    hand-over between queue and ring happens on the one CTA)."""
     calls, tiles = dag
     graph = build(calls)
     x = np.random.default_rng(seed).standard_normal((tiles * ROWS, COLS)).astype("float32")
-    topo = TaskGraph.build(graph, {"M": tiles * ROWS}).topological_order()
+    task_graph = TaskGraph.build(graph, {"M": tiles * ROWS})
+    topo = task_graph.topological_order()
+    queues, ring_calls = mixed_schedule(task_graph, ctas, ring & set(range(len(calls))))
     orders = [ReadyQueueOrder(), DynamicQueueOrder(1), DynamicQueueOrder(3),
               DynamicQueueOrder(2, early_push=False), RandomOrder(seed), RandomOrder(seed + 1),
-              StaticOrder([topo]), StaticOrder([topo[k::3] for k in range(3)], seed=seed)]
+              StaticOrder([topo]), StaticOrder([topo[k::3] for k in range(3)], seed=seed),
+              MixedOrder(queues.queues, ring_calls)]
     results = [execute(graph, x, order=o) for o in orders]
     for got, want in zip(results[0], numpy_dag(calls, x)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -6,9 +6,9 @@ import tvm
 from tvm import relax
 
 from etc_tvm import EtcError, GraphError
-from etc_tvm.relax_passes import (DynamicScheduleTransform, StaticScheduleTransform,
-                                  UnfusedTransform)
-from etc_tvm.schedule import DynamicPlan, list_schedule
+from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
+                                  StaticScheduleTransform, UnfusedTransform)
+from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -126,3 +126,21 @@ def test_run_time_events_of_the_moe_graph(count_mode):
     assert [layout.initial[at] for at in layout.done.values()] == \
         [graph.calls[c].num_tasks for c in tracked]
     assert layout.initial[gate] == len(tracked)
+
+
+def test_mixed_keeps_the_expert_tiles_out_of_the_queues():
+    """Under "mixed" the expert tiles (schedule="dynamic") go through the ring and every other
+    task through the queues; the ring will hold exactly the expert tiles, pushed by their
+    trigger (no seeds)."""
+    moe = make_moe_graph(32, 8, 2, 16, 4, "tensor")
+    mod = MixedScheduleTransform({"T": 7}, num_sms=4)(moe.mod)
+    (kernel,) = [c for c in calls_of(mod["moe"]) if c.op.name.startswith("relax.call_tir")]
+    args = kernel.args[1].fields
+    indptr, tasks, ring0, head_tail0 = (args[k].value.numpy() for k in (4, 5, 10, 11))
+    graph = TaskGraph.build(moe, {"T": 7})
+    expert = graph.calls[3]
+    assert len(indptr) == 5 and indptr[-1] == graph.num_tasks - expert.num_tasks
+    queued = set((tasks & (LOCAL_WAITS - 1)).tolist())
+    assert queued == set(range(graph.num_tasks)) - set(expert.tasks)
+    assert (ring0 == -1).all()
+    assert head_tail0.tolist() == [0, 0, expert.num_tasks]

@@ -16,8 +16,8 @@ from megakernel_cases import ATOL, CASES, RTOL
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "dynamic", "barrier",
-                                      "unfused"])
+@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "dynamic", "mixed",
+                                      "barrier", "unfused"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_float64_and_the_reference_executor(case, strategy, rng):
     graph, dims, make, reference = CASES[case]

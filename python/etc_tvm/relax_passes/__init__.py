@@ -1,9 +1,11 @@
 """The etc Relax passes, one a file, and the pipeline that composes them for tvm.compile."""
 from .barrier_edges_transform import BarrierEdgesTransform
 from .dynamic_schedule_transform import DynamicScheduleTransform
+from .mixed_schedule_transform import MixedScheduleTransform
 from .pipeline import STRATEGIES, etc_passes, pipeline
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform
 
 __all__ = ["STRATEGIES", "BarrierEdgesTransform", "DynamicScheduleTransform",
-           "StaticScheduleTransform", "UnfusedTransform", "etc_passes", "pipeline"]
+           "MixedScheduleTransform", "StaticScheduleTransform", "UnfusedTransform", "etc_passes",
+           "pipeline"]

@@ -83,7 +83,8 @@ def _rewrite(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                                             + [e for e, _ in kept_out],
                                             out_maps + [m for _, m in kept_out],
                                             call.tile_num, call.out_ty,
-                                            name=call.name, out_names=call.out_names)
+                                            name=call.name, out_names=call.out_names,
+                                            schedule=call.schedule or "")
                         previous = barrier
                     else:
                         v = _substitute(v, value)

@@ -58,6 +58,6 @@ class DynamicScheduleTransform:
             state = [relax.TensorType([size], "int32") for size in (
                 layout.size, STATUS_WORDS, len(pending0), n, 3, n)]
             constants = [layout.initial, pending0, plan.consumer_indptr, plan.consumer_tasks,
-                         ring0, np.array([0, len(plan.seeds), graph.num_tasks], np.int32)]
+                         ring0, np.array([0, len(plan.seeds), plan.num_ring_tasks], np.int32)]
             mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
         return without_device_funcs(mod)

@@ -7,6 +7,8 @@
 
 - "static": one persistent kernel, per-SM queues, tile-level events;
 - "dynamic": one persistent kernel whose CTAs pop ready tasks from a ring (early push);
+- "mixed": one persistent kernel, static queues for the calls marked ``schedule="static"``
+  (or unmarked), a ready ring for those marked ``schedule="dynamic"``;
 - "barrier": the same kernel with one global barrier between operators instead of the edges;
 - "unfused": each call_device its own grid launch, in stream order (the baseline).
 
@@ -24,10 +26,11 @@ from ..schedule import list_schedule
 from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
 from .dynamic_schedule_transform import DynamicScheduleTransform
+from .mixed_schedule_transform import MixedScheduleTransform
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform
 
-STRATEGIES = ("static", "dynamic", "barrier", "unfused")
+STRATEGIES = ("static", "dynamic", "mixed", "barrier", "unfused")
 
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
@@ -40,6 +43,8 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
         return [UnfusedTransform(dims)]
     if strategy == "dynamic":
         return [DynamicScheduleTransform(dims, num_sms, options)]
+    if strategy == "mixed":
+        return [MixedScheduleTransform(dims, num_sms, options, scheduler)]
     lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler)]
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 

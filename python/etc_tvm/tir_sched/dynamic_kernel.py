@@ -55,19 +55,47 @@ def _ravel(index, grid) -> tirx.Expr:
 class ReadyRing:
     """The ring operations of a dynamic kernel, as TIR statements for ``PersistentKernel``."""
 
-    def __init__(self, kernel: PersistentKernel, plan: DynamicPlan, work: dict,
-                 consumer_indptr: tirx.Buffer, consumer_tasks: tirx.Buffer):
-        self.kernel, self.graph, self.plan = kernel, kernel.graph, plan
-        self.pending, self.ring = work["pending"], work["ring"]
-        self.head_tail, self.marks = work["head_tail"], work["marks"]
-        self.consumer_indptr, self.consumer_tasks = consumer_indptr, consumer_tasks
+    def __init__(self, kernel: PersistentKernel, plan: DynamicPlan, calls: set[int]):
+        """``calls``: the calls whose tasks go through the ring (the others run from static
+        queues of the same kernel). Declares the ring's buffers; ``kernel.ring`` becomes it."""
+        self.kernel, self.graph, self.plan, self.calls = kernel, kernel.graph, plan, set(calls)
+        self.triggered = plan.triggered
+        n = max(1, self.graph.num_tasks)
+        shapes = {"pending": n + len(plan.late_calls), "ring": n, "head_tail": 3, "marks": n}
+        self.work = {k: tirx.decl_buffer((m,), "int32", k) for k, m in shapes.items()}
+        self.initial = {k: tirx.decl_buffer((shapes[k],), "int32", f"{k}0")
+                        for k in ("pending", "ring", "head_tail")}
+        self.pending, self.ring = self.work["pending"], self.work["ring"]
+        self.head_tail, self.marks = self.work["head_tail"], self.work["marks"]
+        self.consumer_indptr = tirx.decl_buffer((n + 1,), "int32", "consumer_indptr")
+        self.consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
+                                               "consumer_tasks")
         self.skipped = tirx.decl_buffer((1,), "int32", "skipped", scope="shared")
-        self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers}
+        self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers
+                                if c.index in self.triggered}
         self._check(kernel.layout)
+        kernel.ring = self
+
+    @property
+    def inputs(self) -> list:
+        """Read-only parameters, in order: initial pending counts, consumer CSR, initial ring
+        (the seeds), initial head/tail/expected."""
+        return [self.initial["pending"], self.consumer_indptr, self.consumer_tasks,
+                self.initial["ring"], self.initial["head_tail"]]
+
+    @property
+    def outputs(self) -> list:
+        """The ring's working state, fresh every launch: pending, ring, head_tail, marks."""
+        return list(self.work.values())
+
+    def initialisation(self) -> list:
+        """``(dst, src, n)`` for ``PersistentKernel.initialise``: working state from the
+        initial values, release marks zeroed."""
+        return [(buf, self.initial.get(k), int(buf.shape[0])) for k, buf in self.work.items()]
 
     def _check(self, layout: EventLayout) -> None:
         for call in self.graph.calls:
-            if not call.triggers:
+            if call.index not in self.triggered:
                 continue
             why = None
             if len(call.triggers) > 1:
@@ -122,7 +150,7 @@ class ReadyRing:
         steps = []
         for call in self.graph.calls:
             for e in call.triggers:
-                if e.etensor != etensor:
+                if e.etensor != etensor or call.index not in self.triggered:
                     continue
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, elem)),
                                      self.kernel.params(call))
@@ -181,17 +209,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                          num_ctas: int, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
     """The persistent kernel that runs ``graph`` from a ready ring, following ``plan``."""
     kernel = PersistentKernel(graph, layout, options)
-    n = max(1, graph.num_tasks)
-    state = {  # name: (shape, initialised from a read-only initial value, or zeros)
-        "pending": ((n + len(plan.late_calls),), True), "ring": ((n,), True),
-        "head_tail": ((3,), True), "marks": ((n,), False)}
-    initial = {k: tirx.decl_buffer(shape, "int32", f"{k}0")
-               for k, (shape, copied) in state.items() if copied}
-    work = {k: tirx.decl_buffer(shape, "int32", k) for k, (shape, _) in state.items()}
-    consumer_indptr = tirx.decl_buffer((n + 1,), "int32", "consumer_indptr")
-    consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
-                                      "consumer_tasks")
-    ring = kernel.ring = ReadyRing(kernel, plan, work, consumer_indptr, consumer_tasks)
+    ring = ReadyRing(kernel, plan, set(range(len(graph.calls))))
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     task = tirx.Var("t", "int32")
     dispatch = kernel.dispatch(task)
@@ -202,22 +220,20 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             Tb.func_name(name)
             Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
                           "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
-            for b in [*kernel.inputs, kernel.initial, initial["pending"], consumer_indptr,
-                      consumer_tasks, initial["ring"], initial["head_tail"], kernel.counters,
-                      status, *work.values(), *kernel.outputs]:
+            for b in [*kernel.inputs, kernel.initial, *ring.inputs, kernel.counters, status,
+                      *ring.outputs, *kernel.outputs]:
                 Tb.arg(b.name, b)
             Tb.device_entry()
             bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
             kernel.declare()
             for buf in (slot, ring.skipped):
                 Tb.add_to_parent(tirx.AllocBuffer(buf))
-            kernel.initialise(bx, num_ctas, [(work[k], initial.get(k), shape[0])
-                                             for k, (shape, _) in state.items()])
+            kernel.initialise(bx, num_ctas, ring.initialisation())
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         Tb.buffer_store(slot, kernel.runtime_call(
-                            "etc_pop", pointer(work["head_tail"]), pointer(work["ring"]),
+                            "etc_pop", pointer(ring.head_tail), pointer(ring.ring),
                             pointer(status), kernel.limit, return_type="int32"), [0])
                         with Tb.If(slot[0] >= 0):
                             with Tb.Then():

@@ -160,28 +160,56 @@ class PersistentKernel:
         the calls whose tensors the in-edge maps read; the elements that release the task
         through a trigger map (none: the task is skipped); data-dependent elements. Then a
         barrier, and the CTA leaves its loop if the grid is stopping."""
+        steps = self._wait_steps(call, task, coords, self._wait)
+        if steps is None:
+            return None
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx == 0, steps, None),
+                             tirx.Evaluate(Tb.cuda.cta_sync()),
+                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+
+    def _wait_steps(self, call, task, coords, wait) -> tirx.Stmt | None:
+        """``stop[0] = 0``, then ``wait(counter index, task)`` on each element in turn."""
         layout, steps = self.layout, [tirx.BufferStore(self.stop, i32(0), [i32(0)])]
         for e in call.in_edges:
             if not (e.map.is_data_dependent or e.map.is_trigger):
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
-                step = self._wait(layout.flat_index(e.etensor, lowered.index), task)
+                step = wait(layout.flat_index(e.etensor, lowered.index), task)
                 steps.append(lowered.nest(step))
         for producer in sorted(self.graph.completion_waits(call)):
-            steps.append(self._wait(i32(layout.done[producer]), task))
+            steps.append(wait(i32(layout.done[producer]), task))
+        # the maps below read tensors only once their producers are complete
+        reading = []
         if self._scans(call):
-            steps.append(tirx.BufferStore(self.skip, i32(1), [i32(0)]))
-            steps += [self._trigger_scan(call, e, task, coords) for e in call.triggers]
+            reading.append(tirx.BufferStore(self.skip, i32(1), [i32(0)]))
+            reading += [self._trigger_scan(call, e, task, coords, wait) for e in call.triggers]
         for e in call.in_edges:
             if e.map.is_data_dependent and not e.map.is_trigger:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
-                steps.append(lowered.nest(self.checked(
-                    call, e, task, lowered.index,
-                    lambda flat: self._wait(flat, task))))
-        if len(steps) == 1:
-            return None
-        return tirx.stmt_seq(tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None),
-                             tirx.Evaluate(Tb.cuda.cta_sync()),
-                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+                reading.append(lowered.nest(self.checked(
+                    call, e, task, lowered.index, lambda flat: wait(flat, task))))
+        if reading:
+            steps.append(tirx.IfThenElse(self.stop[0] == 0, tirx.stmt_seq(*reading), None))
+        return tirx.stmt_seq(*steps) if len(steps) > 1 else None
+
+    def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
+        """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
+        one of ``calls``) is satisfied now, else nonzero."""
+        out = tirx.BufferStore(self.stop, i32(0), [i32(0)])
+        for call in reversed([self.graph.calls[c] for c in sorted(calls)]):
+            coords = [tirx.Var(f"{c}_poll", "int32") for c in call.fn.coord_params]
+            steps = self._wait_steps(call, task, coords, self._poll)
+            if steps is not None:
+                steps = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
+                    coords, unravel(task - i32(call.first_task), call.grid))], steps)
+                out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
+                                               task < i32(call.first_task + call.num_tasks)),
+                                      steps, out)
+        return out
+
+    def _poll(self, flat: tirx.Expr, task) -> tirx.Stmt:
+        ready = self.runtime_call("etc_poll", self.counters.ptr_to([flat]), return_type="int32")
+        return tirx.IfThenElse(self.stop[0] == 0,
+                               tirx.BufferStore(self.stop, i32(1) - ready, [i32(0)]), None)
 
     def _wait(self, flat: tirx.Expr, task) -> tirx.Stmt:
         wait = self.runtime_call("etc_wait", self.counters.ptr_to([flat]),
@@ -203,7 +231,7 @@ class PersistentKernel:
         body = then(index) if shape else then(self.layout.flat_index(edge.etensor, index))
         return tirx.IfThenElse(ok, body, tirx.BufferStore(self.stop, i32(1), [i32(0)]))
 
-    def _trigger_scan(self, call, edge, task, coords) -> tirx.Stmt:
+    def _trigger_scan(self, call, edge, task, coords, wait) -> tirx.Stmt:
         """Find the elements whose trigger map releases this task: each clears ``skip`` and
         is waited on. A range ``lo:hi`` that gives a task coordinate is tested, not looped."""
         shape = self.layout.shapes[edge.etensor]
@@ -220,7 +248,7 @@ class PersistentKernel:
         conds += [substitute(i, vmap) == c for i, c in zip(lowered.index, coords)
                   if not any(i.same_as(v) for v in vmap)]
         hit = tirx.stmt_seq(tirx.BufferStore(self.skip, i32(0), [i32(0)]),
-                            self._wait(self.layout.flat_index(edge.etensor, elem), task))
+                            wait(self.layout.flat_index(edge.etensor, elem), task))
         cond = conds[0]
         for c in conds[1:]:
             cond = tirx.And(cond, c)
@@ -233,7 +261,7 @@ class PersistentKernel:
     def _scans(self, call) -> bool:
         """Whether ``call``'s tasks find their releasing elements themselves (the static
         kernel); a ready ring instead pushes them when an element completes."""
-        return bool(call.triggers) and self.ring is None
+        return bool(call.triggers) and (self.ring is None or call.index not in self.ring.calls)
 
     def _notifies(self, call, task, coords) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
@@ -320,7 +348,8 @@ class PersistentKernel:
                       if e.etensor == name and e.map.is_data_dependent]
         if self.ring is not None:
             steps += [self.ring.resolve(c) for c in self.graph.calls
-                      if any(e.etensor == name for e in c.triggers)]
+                      if c.index in self.ring.triggered
+                      and any(e.etensor == name for e in c.triggers)]
         steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync()),
                   self.strided(size, lambda i: self._unbias(name, i32(offset) + i))]
         return tirx.stmt_seq(*steps)

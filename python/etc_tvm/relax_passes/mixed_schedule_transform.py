@@ -1,0 +1,66 @@
+"""MixedScheduleTransform: static queues and a ready ring in one persistent kernel.
+
+Before: a graph function whose ``call_device`` bindings say ``schedule="static"`` or
+``schedule="dynamic"`` (unset: static). After::
+
+    (counters, status, pending, ring, head_tail, marks, C, D) = call_tir(mixed_megakernel,
+        (A, B, queue_indptr, queue_tasks, initial_counts, pending0, consumer_indptr,
+         consumer_tasks, ring0, head_tail0))
+    return (D, status)
+
+The queues and the ring's calls come from ``schedule.mixed_schedule``; the ring follows
+``DynamicPlan.of(graph, ring_calls)``. Costs that vary with data
+(expert tiles, variable lengths) belong in the ring, predictable ones in the queues.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..schedule import DynamicPlan, list_schedule, mixed_schedule
+from ..tir_sched.events import EventLayout
+from ..tir_sched.mixed_kernel import build_mixed_kernel
+from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+                          without_device_funcs)
+
+
+@tvm.transform.module_pass(opt_level=0, name="etc.MixedScheduleTransform")
+class MixedScheduleTransform:
+    """Lower every graph function to one kernel of static queues and a ready ring.
+
+    dims: values of the symbolic dims. num_sms: SMs of the target; ``options.ctas_per_sm``
+    persistent CTAs each. scheduler: (task graph, number of queues) -> StaticSchedule.
+    """
+
+    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
+                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule):
+        self.dims = dict(dims or {})
+        self.num_sms = num_sms
+        self.options = options
+        self.scheduler = scheduler
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for name in graph_functions(mod):
+            mod, graph = instantiate(mod, name, self.dims)
+            schedule, ring_calls = mixed_schedule(
+                graph, self.num_sms * self.options.ctas_per_sm, scheduler=self.scheduler)
+            plan = DynamicPlan.of(graph, ring_calls)
+            layout = EventLayout.of(graph)
+            kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout,
+                                        f"{name}_mixed_megakernel", self.options)
+            indptr, tasks = schedule.csr(graph)
+            n = max(1, graph.num_tasks)
+            ring0 = np.full(n, -1, np.int32)
+            ring0[:len(plan.seeds)] = plan.seeds
+            pending0 = np.concatenate([plan.pending, [lc.pending for lc in plan.late_calls]])
+            state = [relax.TensorType([size], "int32") for size in (
+                layout.size, STATUS_WORDS, len(pending0), n, 3, n)]
+            constants = [indptr, tasks, layout.initial, pending0, plan.consumer_indptr,
+                         plan.consumer_tasks, ring0,
+                         np.array([0, len(plan.seeds), plan.num_ring_tasks], np.int32)]
+            mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
+        return without_device_funcs(mod)
