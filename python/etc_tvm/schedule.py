@@ -217,6 +217,19 @@ class DynamicPlan:
     def consumers(self, task: int) -> np.ndarray:
         return self.consumer_tasks[self.consumer_indptr[task]:self.consumer_indptr[task + 1]]
 
+    def tables(self) -> list[np.ndarray]:
+        """The read-only int32 tables a ring kernel takes (``ReadyRing.inputs``): pending
+        counts (tasks, then late calls), the consumer CSR, the ring's initial slots (seeds,
+        then -1) and its initial head, tail and expected task count."""
+        ring0 = np.full(max(1, self.capacity), -1, np.int32)
+        ring0[:len(self.seeds)] = self.seeds
+        return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks, ring0,
+                np.array([0, len(self.seeds), self.num_ring_tasks], np.int32)]
+
+    def initial_pending(self) -> np.ndarray:
+        return np.concatenate([self.pending, [lc.pending for lc in self.late_calls]]) \
+            .astype(np.int32)
+
     def late_dependents(self, call: int) -> list[int]:
         """Positions in ``late_calls`` of the late calls that wait for ``call``."""
         return [k for k, late in enumerate(self.late_calls) if call in late.deps]

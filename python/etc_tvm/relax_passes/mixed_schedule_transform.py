@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import numpy as np
 import tvm
 from tvm import relax
 
@@ -54,13 +53,8 @@ class MixedScheduleTransform:
                                         f"{name}_mixed_megakernel", self.options)
             indptr, tasks = schedule.csr(graph)
             n = max(1, graph.num_tasks)
-            ring0 = np.full(n, -1, np.int32)
-            ring0[:len(plan.seeds)] = plan.seeds
-            pending0 = np.concatenate([plan.pending, [lc.pending for lc in plan.late_calls]])
             state = [relax.TensorType([size], "int32") for size in (
-                layout.size, STATUS_WORDS, len(pending0), n, 3, n)]
-            constants = [indptr, tasks, layout.initial, pending0, plan.consumer_indptr,
-                         plan.consumer_tasks, ring0,
-                         np.array([0, len(plan.seeds), plan.num_ring_tasks], np.int32)]
+                layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+            constants = [indptr, tasks, layout.initial, *plan.tables()]
             mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
         return without_device_funcs(mod)

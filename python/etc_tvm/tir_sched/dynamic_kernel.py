@@ -217,18 +217,9 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
 
     with IRBuilder() as ib:
         with Tb.prim_func():
-            Tb.func_name(name)
-            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                          "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
-            for b in [*kernel.inputs, kernel.initial, *ring.inputs, kernel.counters, status,
-                      *ring.outputs, *kernel.outputs]:
-                Tb.arg(b.name, b)
-            Tb.device_entry()
-            bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
-            kernel.declare()
-            for buf in (slot, ring.skipped):
-                Tb.add_to_parent(tirx.AllocBuffer(buf))
-            kernel.initialise(bx, num_ctas, ring.initialisation())
+            kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs, kernel.counters,
+                                status, *ring.outputs, *kernel.outputs], num_ctas,
+                         shared=(slot, ring.skipped), state=ring.initialisation())
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():

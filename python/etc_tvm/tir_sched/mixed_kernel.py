@@ -59,18 +59,11 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
 
     with IRBuilder() as ib:
         with Tb.prim_func():
-            Tb.func_name(name)
-            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                          "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
-            for b in [*kernel.inputs, indptr, tasks, kernel.initial, *ring.inputs,
-                      kernel.counters, status, *ring.outputs, *kernel.outputs]:
-                Tb.arg(b.name, b)
-            Tb.device_entry()
-            bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_ctas]))
-            kernel.declare()
-            for buf in (taken, ring.skipped):
-                Tb.add_to_parent(tirx.AllocBuffer(buf))
-            kernel.initialise(bx, schedule.num_ctas, ring.initialisation())
+            bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
+                                     *ring.inputs, kernel.counters, status, *ring.outputs,
+                                     *kernel.outputs],
+                              schedule.num_ctas, shared=(taken, ring.skipped),
+                              state=ring.initialisation())
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             since = IRBuilder.name("idle_since", Tb.alloc_local((1,), "uint64"))
             Tb.buffer_store(pos, indptr[bx], [0])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
 from ..errors import EtcError, GraphError
@@ -91,6 +92,23 @@ class PersistentKernel:
     def runtime_call(self, name: str, *args, return_type: str = "void"):
         """A call of a function of the device runtime (src/etc_runtime.cuh)."""
         return Tb.cuda.func_call(name, *args, source_code=self.source, return_type=return_type)
+
+    def begin(self, name: str, params, num_ctas: int, shared=(), state=()) -> tirx.Var:
+        """Inside ``Tb.prim_func()``: the kernel's name and attributes (a cooperative launch),
+        ``params`` in order, its device entry for ``num_ctas`` CTAs, its scopes and the
+        ``shared`` buffers, then the prologue (``initialise`` with ``state``); returns ``bx``."""
+        Tb.func_name(name)
+        Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
+                      "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
+        for b in params:
+            Tb.arg(b.name, b)
+        Tb.device_entry()
+        bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
+        self.declare()
+        for buf in shared:
+            Tb.add_to_parent(tirx.AllocBuffer(buf))
+        self.initialise(bx, num_ctas, state)
+        return bx
 
     def declare(self) -> None:
         """Inside the kernel's device entry: scope ids, the stop flag and the arena."""

@@ -45,16 +45,9 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
 
     with IRBuilder() as ib:
         with Tb.prim_func():
-            Tb.func_name(name)
-            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                          "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
-            for b in [*kernel.inputs, indptr, tasks, kernel.initial, kernel.counters,
-                      kernel.status, *kernel.outputs]:
-                Tb.arg(b.name, b)
-            Tb.device_entry()
-            bx = IRBuilder.name("bx", Tb.cta_id([schedule.num_ctas]))
-            kernel.declare()
-            kernel.initialise(bx, schedule.num_ctas)
+            bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
+                                     kernel.counters, kernel.status, *kernel.outputs],
+                              schedule.num_ctas)
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
             with Tb.While(pos[0] < indptr[bx + 1]):
