@@ -3,13 +3,19 @@
 ``PersistentKernel`` holds the kernel's buffers (the graph's tensors, the flat event counters,
 the watchdog ``status`` record), its thread scopes and shared-memory arena, and builds
 
-* ``initialise(ctas)``: the prologue: counters from their read-only initial values, status
-  cleared, then a grid-wide barrier (the kernel is launched cooperatively);
+* ``begin``/``initialise``: the kernel's signature and prologue: counters from their read-only
+  initial values, status cleared, a grid-wide barrier (the kernel is launched cooperatively),
+  then the arming of the ETensors whose run-time counts read only the graph's inputs;
 * ``dispatch(task, skip_waits)``: the if/elif over calls that runs global task ``task``:
   coordinates decoded, waits (thread 0, bounded, then a barrier; the loop is left if the grid
-  is stopping), the inlined body, then a barrier and thread 0's notifies.
+  is stopping), the inlined body, then a barrier and thread 0's notifies; a task of a call
+  whose completion others wait for counts it down, and the one completing it arms the
+  ETensors that completion gates (``events.EventLayout``);
+* ``poll(task, calls)``: the same waits, without blocking (the mixed kernel's queue head).
 
-The static and dynamic kernels differ only in where ``task`` comes from.
+The static, dynamic and mixed kernels differ in where ``task`` comes from; a ready ring
+(``dynamic_kernel.ReadyRing``, set as ``ring``) also changes what completing a trigger's
+element and arming do: they push the tasks the trigger releases.
 """
 from __future__ import annotations
 
@@ -111,7 +117,8 @@ class PersistentKernel:
         return bx
 
     def declare(self) -> None:
-        """Inside the kernel's device entry: scope ids, the stop flag and the arena."""
+        """Inside the kernel's device entry: scope ids, the shared flags (stop, skip, hooks)
+        and the arena."""
         for d in self.scopes.defs:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
         for buf in (self.stop, self.skip, self.hooks):
