@@ -24,7 +24,6 @@ Per-hop cost is the slope over N. Prints one table per part and writes every num
 """
 import argparse
 import json
-import statistics
 
 import ml_dtypes
 import numpy as np
@@ -38,6 +37,7 @@ from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tiles import make_activation_tile, make_gemm_tile
 from etc_tvm.tir_sched.persistent import KernelOptions
+from timing import time_interleaved
 
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
@@ -138,26 +138,6 @@ def make_split_k_mlp(hidden: int, inter: int, slice_k: int = 256, block_rows: in
                            out=Tensor((m, hidden), name="y"), in_edges={down_done: "ij->ij"})
 
     return mlp_split_k
-
-
-def time_interleaved(runs: dict, reps: int = 200, warmup: int = 20) -> dict:
-    """Median device time of one call of each of ``runs`` (label -> fn), from CUDA events.
-
-    The variants take turns, one call each per round, so that a drift of the GPU's clocks or
-    of its neighbours' load over the measurement falls on every variant alike."""
-    for fn in runs.values():
-        for _ in range(warmup):
-            fn()
-    times = {label: [] for label in runs}
-    for _ in range(reps):
-        for label, fn in runs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[label].append(start.elapsed_time(end) * 1e3)
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def measure(graph, dims, inputs, want, rtol) -> dict:

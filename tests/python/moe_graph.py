@@ -164,6 +164,8 @@ def make_moe_graph(hidden: int, experts: int, top_k: int, out_features: int, til
     @expert.set_reference
     def _(g, xs, w_expert, exp_indptr, counts, ys):
         e = int(np.searchsorted(exp_indptr, g, side="right")) - 1
+        if e == E:  # a tile past every expert's (run when no trigger skips it): no rows
+            return
         real = min(BT, int(counts[e]) - (g - int(exp_indptr[e])) * BT)
         tile = slice(g * BT, g * BT + real)
         ys[tile] = np.maximum(xs[tile] @ w_expert[e], 0)

@@ -15,7 +15,7 @@ from moe_graph import (BT, COUNT_MODES, E, F, H, ROUTINGS, TOKENS, make_inputs, 
 
 pytestmark = pytest.mark.gpu
 
-STRATEGIES = ["static", "dynamic", "mixed"]  # mixed: expert tiles in the ring
+STRATEGIES = ["static", "dynamic", "mixed", "barrier"]  # mixed: expert tiles in the ring
 RTOL, ATOL = 1e-4, 1e-5  # float32 dot products of length H
 
 
