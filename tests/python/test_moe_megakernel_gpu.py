@@ -51,7 +51,7 @@ def test_100_launches_with_fresh_routings(strategy, count_mode):
                                    atol=ATOL, err_msg=f"launch {launch}")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])  # barrier: no such edge
 def test_an_expert_outside_expert_ready_stops_the_kernel(strategy):
     """expert_ready one element short and tokens routed to expert E-1: the arming (which
     evaluates scatter's notify map) reports the index instead of counting a wild element."""
