@@ -1,13 +1,15 @@
 """``etc_tvm.build``: a graph function to a runnable megakernel, in one call."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tvm
 
 from .graph_func import GraphFunc
 from .relax_passes import pipeline
-from .runtime import CompiledGraph, GraphMeta
+from .errors import EtcError
+from .relax_passes.static_schedule_transform import sample_function
+from .runtime import CompiledGraph, GraphMeta, SampledMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout, edge_sites
@@ -23,27 +25,67 @@ def default_target() -> tvm.target.Target:
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
           target: tvm.target.Target | None = None, num_sms: int | None = None,
           options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
-          device=None) -> CompiledGraph:
+          samples: Sequence[Mapping[str, int]] | None = None,
+          max_dims: Mapping[str, int] | None = None, device=None) -> CompiledGraph:
     """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
 
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
     scheduler: how static queues are computed (``etc_tvm.schedule``).
+    samples, max_dims: instead of ``dims``, compile once for every size up to the largest
+      sample (static and barrier strategies): a schedule per sample, each run serving its
+      sizes by the smallest sample that holds them. ``max_dims`` (one symbolic dim) samples
+      the powers of two up to its value, and the value itself.
     """
     target = target or default_target()
     dims = dict(dims or {})
     num_sms = num_sms or (tvm.cuda(0).multi_processor_count if has_gpu() else 132)
+    if max_dims is not None:
+        samples = power_of_two_samples(max_dims)
+    if samples is not None:
+        samples = sorted((dict(s) for s in samples), key=lambda s: sorted(s.items()))
     with target:
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
-                                                         scheduler))
-    task_graph = TaskGraph.build(graph, dims)
-    layout = EventLayout.of(task_graph)
-    meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
-                     layout.names(task_graph), options.timeout_s,
-                     has_status=strategy != "unfused",
-                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
+                                                         scheduler, samples))
+    has_status = strategy != "unfused"
+    if samples is None:
+        meta = graph_meta(graph, dims, options, has_status)
+    else:
+        meta = SampledMeta(graph.name, dim_sources(graph), [
+            [s, sample_function(graph.name, k), graph_meta(graph, s, options, has_status)]
+            for k, s in enumerate(samples)])
     return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
+
+
+def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool) -> GraphMeta:
+    """What the host reports a stopped kernel of ``graph`` for ``dims`` with."""
+    task_graph = TaskGraph.build(graph, dims)
+    layout = EventLayout.of(task_graph)
+    return GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
+                     layout.names(task_graph), options.timeout_s, has_status=has_status,
+                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
+
+
+def power_of_two_samples(max_dims: Mapping[str, int]) -> list[dict[str, int]]:
+    """1, 2, 4, ... up to the one dim's maximum, and the maximum itself."""
+    if len(max_dims) != 1:
+        raise EtcError(f"max_dims samples one symbolic dim, got {dict(max_dims)}: give samples")
+    (name, top), = max_dims.items()
+    if top < 1:
+        raise EtcError(f"max_dims {name}={top}: the maximum must be positive")
+    values = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+    return [{name: v} for v in values]
+
+
+def dim_sources(graph: GraphFunc) -> dict[str, list[int]]:
+    """Each symbolic dim of ``graph``: the first (input, axis) whose size it is."""
+    sources = {}
+    for k, p in enumerate(graph.func.params):
+        for axis, d in enumerate(p.ty.shape.values):
+            if isinstance(d, tvm.tirx.Var) and d.name not in sources:
+                sources[d.name] = [k, axis]
+    return sources
 
 
 def has_gpu() -> bool:

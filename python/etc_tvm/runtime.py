@@ -77,10 +77,36 @@ class GraphMeta:
         raise ExecutionError(f"{self.name}: {why}; the kernel stopped")
 
 
+@dataclass(frozen=True)
+class SampledMeta:
+    """A graph compiled once for sampled sizes: the function (and its report metadata) that
+    serves each sample, smallest first, and where each symbolic dim is read from the inputs.
+    Sizes between samples run on the next larger one; above the largest is an error."""
+
+    name: str
+    dims: dict  # dim name -> [input index, axis]
+    samples: list  # [sample dims, function name, GraphMeta], ascending
+
+    def __post_init__(self):
+        metas = [m if isinstance(m, GraphMeta) else GraphMeta(**m) for _, _, m in self.samples]
+        object.__setattr__(self, "samples", [[dict(d), f, m] for (d, f, _), m in
+                                             zip(self.samples, metas)])
+
+    def select(self, inputs) -> tuple[str, GraphMeta]:
+        """The function and metadata of the smallest sample holding the inputs' sizes."""
+        sizes = {d: int(inputs[k].shape[axis]) for d, (k, axis) in self.dims.items()}
+        for sample, function, meta in self.samples:
+            if all(sizes[d] <= n for d, n in sample.items()):
+                return function, meta
+        largest = self.samples[-1][0]
+        raise ExecutionError(f"{self.name}: sizes {sizes} exceed the largest sample the graph "
+                             f"was compiled for, {largest}: compile with larger samples")
+
+
 class CompiledGraph:
     """A graph function compiled to a Relax VM executable, ready to run on ``device``."""
 
-    def __init__(self, executable, meta: GraphMeta, device=None):
+    def __init__(self, executable, meta: GraphMeta | SampledMeta, device=None):
         import tvm
         from tvm.runtime.vm import VirtualMachine
 
@@ -88,23 +114,32 @@ class CompiledGraph:
         self.meta = meta
         self.device = device if device is not None else tvm.cuda(0)
         self.vm = VirtualMachine(executable, self.device)
-        self._fn = self.vm[meta.name]
+        if isinstance(meta, SampledMeta):
+            self._fns = {f: self.vm[f] for _, f, _ in meta.samples}
+        else:
+            self._fn = self.vm[meta.name]
 
     def run(self, *inputs):
         """Run on tvm tensors (or NumPy arrays); returns tvm tensors without checking."""
+        return self._run(inputs)[0]
+
+    def _run(self, inputs):
         import tvm
 
         args = [x if not isinstance(x, np.ndarray) else tvm.runtime.tensor(x, self.device)
                 for x in inputs]
-        return self._fn(*args)
+        if isinstance(self.meta, SampledMeta):
+            function, meta = self.meta.select(args)
+            return self._fns[function](*args), meta
+        return self._fn(*args), self.meta
 
     def __call__(self, *inputs):
         """Run, check the watchdog record, return the outputs as NumPy arrays."""
-        result = self.run(*inputs)
+        result, meta = self._run(inputs)
         n = len(result)
-        if self.meta.has_status:
+        if meta.has_status:
             n -= 1
-            self.meta.check(result[n].numpy())
+            meta.check(result[n].numpy())
         outs = [result[k].numpy() for k in range(n)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -159,5 +194,6 @@ def load(path: str | os.PathLike, device=None) -> CompiledGraph:
     for name in ("libtvm_runtime_cuda.so", "libtvm_runtime_extra.so"):
         if (lib_dir / name).exists():
             ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)
-    meta = GraphMeta(**json.loads(Path(f"{path}.json").read_text()))
+    fields = json.loads(Path(f"{path}.json").read_text())
+    meta = SampledMeta(**fields) if "samples" in fields else GraphMeta(**fields)
     return CompiledGraph(tvm.runtime.load_module(str(path)), meta, device)

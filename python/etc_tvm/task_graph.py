@@ -47,6 +47,7 @@ class TensorNode:
     dtype: str
     producer: int | None = None
     param: int | None = None
+    sym_shape: tuple = ()  # the shape in the graph function's symbolic dims
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class CallNode:
     cost: float = 1.0  # of one task, from the device function's hint and these shapes
     first_task: int = 0
     schedule: str | None = None  # the call_device's choice for the "mixed" strategy
+    sym_grid: tuple = ()  # tile_num in the graph function's symbolic dims
 
     @property
     def num_tasks(self) -> int:
@@ -471,7 +473,8 @@ class _Builder:
         return tuple(self.eval(d, f"dim {k} of {what}") for k, d in enumerate(ty.shape.values))
 
     def add_tensor(self, name, ty, **kw) -> int:
-        node = TensorNode(len(self.tensors), name, self.shape(ty, name), str(ty.dtype), **kw)
+        node = TensorNode(len(self.tensors), name, self.shape(ty, name), str(ty.dtype), **kw,
+                          sym_shape=tuple(ty.shape.values))
         self.tensors.append(node)
         return node.index
 
@@ -547,7 +550,8 @@ class _Builder:
         self.calls.append(CallNode(index, name, fn, grid, inputs, outputs,
                                    edges(call.in_events, call.in_edges, "in", inputs_readable),
                                    edges(call.out_events, call.out_edges, "out", readable),
-                                   fn.task_cost(shapes), schedule=call.schedule))
+                                   fn.task_cost(shapes), schedule=call.schedule,
+                                   sym_grid=tuple(call.tile_num)))
         self.value[var] = ("tensor", outputs[0]) if len(outputs) == 1 and isinstance(
             call.out_ty, relax.TensorType) else ("tuple", outputs)
 

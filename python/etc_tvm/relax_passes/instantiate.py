@@ -12,6 +12,7 @@ from .. import ops
 from ..errors import GraphError
 from ..graph_func import GraphFunc
 from ..task_graph import TaskGraph
+from ..tir_sched.inline import substitute
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -55,7 +56,8 @@ def without_device_funcs(mod: tvm.IRModule) -> tvm.IRModule:
 
 def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGraph,
                                    kernel: tvm.tirx.PrimFunc, constants: Sequence[np.ndarray],
-                                   state: Sequence[relax.TensorType]) -> tvm.IRModule:
+                                   state: Sequence[relax.TensorType],
+                                   variant: str | None = None) -> tvm.IRModule:
     """Make ``name`` one ``call_tir`` of ``kernel``.
 
     The kernel takes the function's parameters and ``constants`` (read-only int32 tables) and
@@ -63,15 +65,28 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
     call's outputs. The function returns its outputs, then the watchdog record. A plain binding
     block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape) must not look into
     TIRx kernels.
+
+    With ``variant``, ``name`` stays and a function of that name is added, keeping the
+    symbolic shapes of ``name``'s parameters and outputs (a kernel built for the largest sizes
+    it serves, ``graph``'s).
     """
     func = mod[name]
-    bb = relax.BlockBuilder(without(mod, name))
+    bb = relax.BlockBuilder(mod if variant else without(mod, name))
     gv = bb.add_func(kernel, kernel.attrs["global_symbol"])
-    params = list(func.params)
+    fresh = {}
+    if variant:  # a function of its own defines its own symbolic dims
+        fresh = {v: tvm.tirx.Var(v.name, v.ty)
+                 for v in relax.analysis.defined_symbolic_vars(func)}
+        func = func.bind_symbolic_vars(fresh)
+
+    def shape(t):
+        return [substitute(d, fresh) for d in t.sym_shape] if variant else list(t.shape)
+
+    params = [relax.Var(p.name, p.ty) for p in func.params] if variant else list(func.params)
     produced = [t for t in graph.tensors if t.producer is not None]
-    with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
+    with bb.function(variant or name, params, attrs=dict(func.attrs) if func.attrs else None):
         args = [*params, *(relax.const(_padded(c)) for c in constants)]
-        out_tys = [*state, *(relax.TensorType(list(t.shape), t.dtype) for t in produced)]
+        out_tys = [*state, *(relax.TensorType(shape(t), t.dtype) for t in produced)]
         result = bb.emit(relax.call_tir(gv, args, out_tys), "result")
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
         for k, t in enumerate(produced):

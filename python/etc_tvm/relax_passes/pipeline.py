@@ -35,26 +35,32 @@ STRATEGIES = ("static", "dynamic", "mixed", "barrier", "unfused")
 
 def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
                num_sms: int = 132, options: KernelOptions = DEFAULT_OPTIONS,
-               scheduler=list_schedule) -> list:
-    """The etc passes of one execution strategy, to run before the standard Relax lowering."""
+               scheduler=list_schedule, samples=None) -> list:
+    """The etc passes of one execution strategy, to run before the standard Relax lowering.
+
+    ``samples`` (static and barrier): sizes to precompute schedules for instead of ``dims``;
+    see ``StaticScheduleTransform``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    if samples is not None and strategy not in ("static", "barrier"):
+        raise ValueError(f"sampled schedules are for the static and barrier strategies, "
+                         f"not {strategy!r} (yet)")
     if strategy == "unfused":
         return [UnfusedTransform(dims)]
     if strategy == "dynamic":
         return [DynamicScheduleTransform(dims, num_sms, options)]
     if strategy == "mixed":
         return [MixedScheduleTransform(dims, num_sms, options, scheduler)]
-    lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler)]
+    lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler, samples)]
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 
 
 def pipeline(target: tvm.target.Target, strategy: str = "static",
              dims: Mapping[str, int] | None = None, num_sms: int = 132,
              options: KernelOptions = DEFAULT_OPTIONS,
-             scheduler=list_schedule) -> tvm.transform.Pass:
+             scheduler=list_schedule, samples=None) -> tvm.transform.Pass:
     """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on CUDA."""
-    passes = etc_passes(strategy, dims, num_sms, options, scheduler)
+    passes = etc_passes(strategy, dims, num_sms, options, scheduler, samples)
 
     @tvm.transform.module_pass(opt_level=0, name="etc.Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:

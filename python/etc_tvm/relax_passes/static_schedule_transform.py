@@ -24,7 +24,7 @@ the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax
@@ -33,7 +33,9 @@ from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
 from ..tir_sched.static_kernel import build_static_kernel
-from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+from ..graph_func import GraphFunc
+from ..task_graph import TaskGraph
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel, without,
                           without_device_funcs)
 
 
@@ -44,25 +46,46 @@ class StaticScheduleTransform:
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
     num_sms: SMs of the target (132 on an H200); ``options.ctas_per_sm`` persistent CTAs each.
     scheduler: (task graph, number of queues) -> StaticSchedule; list scheduling by default.
+    samples: instead of ``dims``, sizes to compute schedules for. Each gives a function
+      ``sample_function(name, k)`` with the graph function's symbolic parameters, whose kernel
+      serves any sizes up to the sample's by skipping the tasks outside the launch's grids.
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule):
+                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
+                 samples: Sequence[Mapping[str, int]] | None = None):
         self.dims = dict(dims or {})
         self.num_sms = num_sms
         self.options = options
         self.scheduler = scheduler
+        self.samples = [dict(s) for s in samples] if samples else None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
-            mod, graph = instantiate(mod, name, self.dims)
-            schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
-            layout = EventLayout.of(graph)
-            kernel = build_static_kernel(graph, schedule, layout, f"{name}_megakernel",
-                                         self.options)
-            indptr, tasks = schedule.csr(graph)
-            state = [relax.TensorType([layout.size], "int32"),
-                     relax.TensorType([STATUS_WORDS], "int32")]
-            mod = replace_with_persistent_kernel(mod, name, graph, kernel,
-                                                 [indptr, tasks, layout.initial], state)
+            if self.samples is None:
+                mod, graph = instantiate(mod, name, self.dims)
+                mod = self._lower(mod, name, graph, f"{name}_megakernel")
+                continue
+            for k, sample in enumerate(self.samples):
+                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
+                graph.validate()
+                mod = self._lower(mod, name, graph, f"{name}_megakernel_{k}",
+                                  variant=sample_function(name, k))
+            mod = without(mod, name)
         return without_device_funcs(mod)
+
+    def _lower(self, mod, name, graph, kernel_name, variant=None):
+        schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
+        layout = EventLayout.of(graph)
+        kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
+                                     symbolic=variant is not None)
+        indptr, tasks = schedule.csr(graph)
+        state = [relax.TensorType([layout.size], "int32"),
+                 relax.TensorType([STATUS_WORDS], "int32")]
+        return replace_with_persistent_kernel(mod, name, graph, kernel,
+                                              [indptr, tasks, layout.initial], state, variant)
+
+
+def sample_function(name: str, k: int) -> str:
+    """The function of graph function ``name`` that serves the ``k``-th sample."""
+    return f"{name}__sample{k}"

@@ -92,7 +92,7 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
     for param, buf in zip(buffer_params, buffers):
         for want, have in zip(param.shape, buf.shape):
             if isinstance(want, tirx.Var) and want not in bound:
-                prologue.append(tirx.Bind(want, tirx.Cast(want.dtype, have)
+                prologue.append(tirx.Bind(want, tirx.Cast(str(want.ty), have)
                                           if str(have.ty) != str(want.ty) else have))
                 bound.add(want)
         prologue.append(tirx.DeclBuffer(param, data=buffer_data(buf)))

@@ -65,7 +65,11 @@ DEFAULT_OPTIONS = KernelOptions()
 class PersistentKernel:
     """The buffers, scopes and statement builders shared by the persistent kernels."""
 
-    def __init__(self, graph: TaskGraph, layout: EventLayout, options: KernelOptions):
+    def __init__(self, graph: TaskGraph, layout: EventLayout, options: KernelOptions,
+                 symbolic: bool = False):
+        """``symbolic``: the tensors keep the graph function's symbolic shapes, bound from the
+        arguments at each launch; ``graph`` (instantiated for the largest sizes the kernel
+        serves) then fixes the tasks, and those outside the arguments' grids are skipped."""
         threads = {c.fn.num_threads for c in graph.calls}
         if len(threads) != 1:
             raise ValueError(f"the device functions of {graph.name} run different thread "
@@ -74,7 +78,9 @@ class PersistentKernel:
         self.scopes = ThreadScopes(threads.pop())
         self.tx = self.scopes.tx
         self.source = runtime_source()
-        self.buffers = [tirx.decl_buffer(t.shape, t.dtype, t.name) for t in graph.tensors]
+        self.symbolic = symbolic
+        self.buffers = [tirx.decl_buffer(t.sym_shape if symbolic else t.shape, t.dtype, t.name)
+                        for t in graph.tensors]
         self.inputs = [self.buffers[t.index] for t in graph.tensors if t.param is not None]
         self.outputs = [self.buffers[t.index] for t in graph.tensors if t.producer is not None]
         self.initial = tirx.decl_buffer((layout.size,), "int32", "initial")
@@ -148,7 +154,7 @@ class PersistentKernel:
     def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None) -> tirx.Stmt:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits."""
         out = None
-        for call in reversed(self.graph.calls):
+        for call in reversed([c for c in self.graph.calls if c.num_tasks]):
             cond = task < i32(call.first_task + call.num_tasks)
             out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits), out)
         return out
@@ -158,15 +164,17 @@ class PersistentKernel:
         coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
         values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
+        inside = self.inside(call, coord_vars)
         waits = self._waits(call, task, coord_vars)
         if waits is not None:
-            stmts.append(waits if skip_waits is None
-                         else tirx.IfThenElse(skip_waits == 0, waits, None))
+            run_waits = None if skip_waits is None else skip_waits == 0
+            run_waits = _both(run_waits, inside)
+            stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
         args = [self.buffers[t] for t in call.tensor_args()]
         body = tirx.stmt_seq(*tirx.stmt_list(
             inline_task(call.fn, coord_vars, args, self.scopes, self.arena)))
-        stmts.append(tirx.IfThenElse(self.skip[0] == 0, body, None) if self._scans(call)
-                     else body)
+        run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
+        stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
@@ -297,8 +305,9 @@ class PersistentKernel:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
                 step = lowered.nest(self.checked(call, e, task, lowered.index,
                                                   lambda flat, e=e: self._notify(e, flat)))
-                steps.append(tirx.IfThenElse(self.skip[0] == 0, step, None) if self._scans(call)
-                             else step)
+                run = _both(self.skip[0] == 0 if self._scans(call) else None,
+                            self.inside(call, coords))
+                steps.append(step if run is None else tirx.IfThenElse(run, step, None))
         steps = [s for s in steps if s is not None]
         return tirx.stmt_seq(*steps) if steps else None
 
@@ -398,8 +407,23 @@ class PersistentKernel:
         lowered = lower_edge(edge.map, dict(zip(edge.map.coords, coords)), self.params(call))
         count = lowered.nest(self.checked(call, edge, i32(-1), lowered.index, lambda flat: (
             tirx.Evaluate(self.runtime_call("etc_add", self.counters.ptr_to([flat]), i32(1))))))
+        inside = self.inside(call, coords)
+        if inside is not None:
+            count = tirx.IfThenElse(inside, count, None)
         return self.strided(call.num_tasks, lambda j: tirx.stmt_seq(
             *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))], count))
+
+    def inside(self, call, coords) -> tirx.Expr | None:
+        """Whether the task at ``coords`` lies in the call's grid for the launch's sizes
+        (None: always, the kernel being built for the sizes it runs)."""
+        if not self.symbolic:
+            return None
+        cond = None
+        for c, n, full in zip(coords, call.sym_grid, call.grid):
+            if isinstance(n, tirx.IntImm) and int(n) == full:
+                continue
+            cond = _both(cond, c < tirx.Cast("int32", n))
+        return cond
 
     def strided(self, n: int, body) -> tirx.Stmt:
         """``body(i)`` for i in 0..n-1, spread over the CTA's threads."""
@@ -419,3 +443,10 @@ class PersistentKernel:
     def params(self, call) -> dict:
         """The call's device-function parameter names -> the kernel's buffers."""
         return {p.name: self.buffers[t] for p, t in zip(call.fn.buffer_params, call.tensor_args())}
+
+
+def _both(a, b):
+    """``a and b`` of two optional conditions (None: true)."""
+    if a is None:
+        return b
+    return a if b is None else tirx.And(a, b)

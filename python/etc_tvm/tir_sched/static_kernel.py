@@ -34,9 +34,11 @@ from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
 
 
 def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
-                        name: str, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
-    """The persistent kernel that runs ``schedule`` (per-CTA queues) of ``graph``."""
-    kernel = PersistentKernel(graph, layout, options)
+                        name: str, options: KernelOptions = DEFAULT_OPTIONS,
+                        symbolic: bool = False) -> tirx.PrimFunc:
+    """The persistent kernel that runs ``schedule`` (per-CTA queues) of ``graph``; with
+    ``symbolic``, on tensors of any sizes up to ``graph``'s (``PersistentKernel``)."""
+    kernel = PersistentKernel(graph, layout, options, symbolic)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     task = tirx.Var("t", "int32")

@@ -1,0 +1,84 @@
+"""Static schedules for sampled sizes: one compilation serves every size up to the largest
+sample, each call running on the smallest sample that holds its sizes."""
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from etc_tvm import EtcError, ExecutionError
+from etc_tvm.build import build, power_of_two_samples
+from etc_tvm.relax_passes import StaticScheduleTransform
+from etc_tvm.runtime import SampledMeta
+
+import graphs
+from moe_graph import moe_graph
+
+
+def test_power_of_two_samples_end_at_the_maximum():
+    assert [s["B"] for s in power_of_two_samples({"B": 4096})] == [1 << k for k in range(13)]
+    assert [s["B"] for s in power_of_two_samples({"B": 100})] == [1, 2, 4, 8, 16, 32, 64, 100]
+    with pytest.raises(EtcError, match="one symbolic dim"):
+        power_of_two_samples({"B": 8, "C": 8})
+    with pytest.raises(EtcError, match="must be positive"):
+        power_of_two_samples({"B": 0})
+
+
+def test_each_sample_is_a_function_with_the_graph_functions_symbolic_parameters():
+    mod = StaticScheduleTransform(samples=[{"M": 16}, {"M": 64}], num_sms=8)(graphs.two_ops.mod)
+    relax.analysis.well_formed(mod)
+    names = sorted(gv.name_hint for gv in mod.get_global_vars())
+    assert names == ["two_ops__sample0", "two_ops__sample1", "two_ops_megakernel_0",
+                     "two_ops_megakernel_1"]
+    for k in range(2):
+        (x, y) = mod[f"two_ops__sample{k}"].params
+        assert isinstance(x.ty.shape.values[0], tvm.tirx.Var)  # any M
+        kernel = mod[f"two_ops_megakernel_{k}"]
+        x_buffer = next(b for b in kernel.params if b.name == "X")
+        assert isinstance(x_buffer.shape[0], tvm.tirx.Var)
+
+
+def test_one_compilation_serves_every_size(monkeypatch):
+    compiles = []
+    real = tvm.compile
+    monkeypatch.setattr(tvm, "compile", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    compiled = build(graphs.two_ops, max_dims={"M": 256}, num_sms=132)
+    assert len(compiles) == 1
+    meta = compiled.meta
+    pick = {m: meta.select([np.zeros((m, 32)), np.zeros((m, 32))])[0] for m in (1, 3, 64, 65,
+                                                                               256)}
+    assert pick == {1: "two_ops__sample0", 3: "two_ops__sample2", 64: "two_ops__sample6",
+                    65: "two_ops__sample7", 256: "two_ops__sample8"}
+    with pytest.raises(ExecutionError, match=r"sizes \{'M': 257\} exceed the largest sample "
+                                             r"the graph was compiled for, \{'M': 256\}"):
+        meta.select([np.zeros((257, 32)), np.zeros((257, 32))])
+
+
+def test_the_sample_table_survives_export(tmp_path):
+    compiled = build(graphs.two_ops, samples=[{"M": 8}, {"M": 32}], num_sms=132)
+    compiled.export(tmp_path / "two_ops.so")
+    meta = SampledMeta(**json.loads((tmp_path / "two_ops.so.json").read_text()))
+    assert meta == compiled.meta
+    assert meta.select([np.zeros((20, 32))] * 2)[1].task_names[-1] == "B(7)"  # M = 32: 8 tiles
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("graph, samples", [
+    (graphs.two_ops, [{"M": 8}, {"M": 64}]),
+    (moe_graph(2, "inferred"), [{"T": 8}, {"T": 16}]),
+])
+def test_sampled_kernels_compile_for_sm90a(graph, samples, tmp_path):
+    source = build(graph, samples=samples, num_sms=132).cuda_source()
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    proc = subprocess.run(["nvcc", "-arch=sm_90a", "-c", str(path), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_sampled_schedules_are_for_static_kernels():
+    with pytest.raises(ValueError, match="sampled schedules are for the static and barrier"):
+        build(graphs.two_ops, samples=[{"M": 8}], strategy="dynamic", num_sms=132)
