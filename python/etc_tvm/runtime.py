@@ -10,6 +10,7 @@ backend by itself, so it is opened first.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import os
@@ -91,16 +92,27 @@ class SampledMeta:
         metas = [m if isinstance(m, GraphMeta) else GraphMeta(**m) for _, _, m in self.samples]
         object.__setattr__(self, "samples", [[dict(d), f, m] for (d, f, _), m in
                                              zip(self.samples, metas)])
+        # one dim (the usual batch size): a binary search over the samples' values
+        one = len(self.dims) == 1 and all(len(d) == 1 for d, _, _ in self.samples)
+        object.__setattr__(self, "_bounds", [next(iter(d.values())) for d, _, _ in
+                                             self.samples] if one else None)
 
     def select(self, inputs) -> tuple[str, GraphMeta]:
         """The function and metadata of the smallest sample holding the inputs' sizes."""
+        if self._bounds is not None:
+            ((k, axis),) = self.dims.values()
+            at = bisect.bisect_left(self._bounds, inputs[k].shape[axis])
+            if at < len(self._bounds):
+                return self.samples[at][1], self.samples[at][2]
+        else:
+            sizes = {d: inputs[k].shape[axis] for d, (k, axis) in self.dims.items()}
+            for sample, function, meta in self.samples:
+                if all(sizes[d] <= n for d, n in sample.items()):
+                    return function, meta
         sizes = {d: int(inputs[k].shape[axis]) for d, (k, axis) in self.dims.items()}
-        for sample, function, meta in self.samples:
-            if all(sizes[d] <= n for d, n in sample.items()):
-                return function, meta
-        largest = self.samples[-1][0]
         raise ExecutionError(f"{self.name}: sizes {sizes} exceed the largest sample the graph "
-                             f"was compiled for, {largest}: compile with larger samples")
+                             f"was compiled for, {self.samples[-1][0]}: compile with larger "
+                             "samples")
 
 
 class CompiledGraph:
