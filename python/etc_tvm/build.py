@@ -32,8 +32,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
     scheduler: how static queues are computed (``etc_tvm.schedule``).
     samples, max_dims: instead of ``dims``, compile once for every size up to the largest
-      sample (static and barrier strategies): a schedule per sample, each run serving its
-      sizes by the smallest sample that holds them. ``max_dims`` (one symbolic dim) samples
+      sample (the persistent strategies): a kernel per sample, on symbolic shapes, each run
+      served by the smallest sample that holds its sizes, the tasks beyond its grids skipped. ``max_dims`` (one symbolic dim) samples
       the powers of two up to its value, and the value itself.
     """
     target = target or default_target()

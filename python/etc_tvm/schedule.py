@@ -217,14 +217,16 @@ class DynamicPlan:
     def consumers(self, task: int) -> np.ndarray:
         return self.consumer_tasks[self.consumer_indptr[task]:self.consumer_indptr[task + 1]]
 
-    def tables(self) -> list[np.ndarray]:
+    def tables(self, seeds_at_launch: bool = False) -> list[np.ndarray]:
         """The read-only int32 tables a ring kernel takes (``ReadyRing.inputs``): pending
         counts (tasks, then late calls), the consumer CSR, the ring's initial slots (seeds,
-        then -1) and its initial head, tail and expected task count."""
+        then -1) and its initial head, tail and expected task count. ``seeds_at_launch``:
+        the ring starts empty, the kernel pushing the seeds the launch's sizes keep."""
+        seeds = () if seeds_at_launch else self.seeds
         ring0 = np.full(max(1, self.capacity), -1, np.int32)
-        ring0[:len(self.seeds)] = self.seeds
+        ring0[:len(seeds)] = seeds
         return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks, ring0,
-                np.array([0, len(self.seeds), self.num_ring_tasks], np.int32)]
+                np.array([0, len(seeds), self.num_ring_tasks], np.int32)]
 
     def initial_pending(self) -> np.ndarray:
         return np.concatenate([self.pending, [lc.pending for lc in self.late_calls]]) \

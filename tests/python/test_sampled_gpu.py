@@ -23,12 +23,12 @@ def compiled(strategy):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("strategy", ["static", "barrier"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "barrier"])
 def test_every_token_count_from_one_library(strategy, tokens):
     inputs = make_inputs("random", tokens, 2)
     got = compiled(strategy)(*inputs)
     np.testing.assert_allclose(got, moe_reference(*inputs, 2), rtol=RTOL, atol=ATOL)
-    if tokens <= 100:  # the CPU executor replaying the sample's schedule with the same skips
+    if tokens <= 100:  # the CPU executor running the sample's task graph with the same skips
         sample = next(s for s, _, _ in compiled(strategy).meta.samples if s["T"] >= tokens)
         replayed = execute(moe_graph(2, "tensor"), *inputs, schedule_dims=sample)
         np.testing.assert_allclose(got, replayed, rtol=RTOL, atol=ATOL)

@@ -66,12 +66,13 @@ def test_the_sample_table_survives_export(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
 @pytest.mark.parametrize("graph, samples", [
     (graphs.two_ops, [{"M": 8}, {"M": 64}]),
     (moe_graph(2, "inferred"), [{"T": 8}, {"T": 16}]),
-])
-def test_sampled_kernels_compile_for_sm90a(graph, samples, tmp_path):
-    source = build(graph, samples=samples, num_sms=132).cuda_source()
+], ids=["two_ops", "moe"])
+def test_sampled_kernels_compile_for_sm90a(graph, samples, strategy, tmp_path):
+    source = build(graph, samples=samples, strategy=strategy, num_sms=132).cuda_source()
     path = tmp_path / "kernel.cu"
     path.write_text(source)
     proc = subprocess.run(["nvcc", "-arch=sm_90a", "-c", str(path), "-o", str(tmp_path / "k.o")],
@@ -79,6 +80,18 @@ def test_sampled_kernels_compile_for_sm90a(graph, samples, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_sampled_schedules_are_for_static_kernels():
-    with pytest.raises(ValueError, match="sampled schedules are for the static and barrier"):
-        build(graphs.two_ops, samples=[{"M": 8}], strategy="dynamic", num_sms=132)
+def test_a_ring_kernel_on_symbolic_shapes_pushes_its_seeds_at_launch():
+    """The ring starts empty; at launch a task inside the grids that waits for nothing is
+    pushed, and one outside is dispatched as skipped, its pending count out of reach."""
+    source = build(graphs.two_ops, samples=[{"M": 64}], strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("two_ops_dynamic_megakernel_0_kernel("):]
+    kernel = kernel[kernel.index("{"):]
+    assert "1073741824" in kernel[:kernel.index("tvm_builtin_cuda_grid_sync")]
+    launch = kernel[kernel.index("tvm_builtin_cuda_grid_sync"):kernel.index("while (1)")]
+    assert "etc_push(" in launch and "etc_add((&(head_tail_ptr[2])), -1)" in launch
+
+
+def test_sampled_schedules_are_for_persistent_kernels():
+    with pytest.raises(ValueError, match="sampled schedules are for the persistent kernels"):
+        build(graphs.two_ops, samples=[{"M": 8}], strategy="unfused", num_sms=132)

@@ -16,7 +16,7 @@ launch. Run it before the standard Relax lowering.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax
@@ -25,8 +25,11 @@ from ..schedule import DynamicPlan
 from ..tir_sched.dynamic_kernel import build_dynamic_kernel
 from ..tir_sched.events import EventLayout
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
-from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+from ..graph_func import GraphFunc
+from ..task_graph import TaskGraph
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel, without,
                           without_device_funcs)
+from .static_schedule_transform import sample_function
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.DynamicScheduleTransform")
@@ -38,21 +41,36 @@ class DynamicScheduleTransform:
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = DEFAULT_OPTIONS):
+                 options: KernelOptions = DEFAULT_OPTIONS,
+                 samples: Sequence[Mapping[str, int]] | None = None):
         self.dims = dict(dims or {})
         self.num_sms = num_sms
         self.options = options
+        self.samples = [dict(s) for s in samples] if samples else None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
-            mod, graph = instantiate(mod, name, self.dims)
-            plan = DynamicPlan.of(graph)
-            layout = EventLayout.of(graph)
-            kernel = build_dynamic_kernel(graph, plan, layout, f"{name}_dynamic_megakernel",
-                                          self.num_sms * self.options.ctas_per_sm, self.options)
-            n = max(1, graph.num_tasks)
-            state = [relax.TensorType([size], "int32") for size in (
-                layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
-            constants = [layout.initial, *plan.tables()]
-            mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
+            if self.samples is None:
+                mod, graph = instantiate(mod, name, self.dims)
+                mod = self._lower(mod, name, graph, f"{name}_dynamic_megakernel")
+                continue
+            for k, sample in enumerate(self.samples):
+                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
+                graph.validate()
+                mod = self._lower(mod, name, graph, f"{name}_dynamic_megakernel_{k}",
+                                  variant=sample_function(name, k))
+            mod = without(mod, name)
         return without_device_funcs(mod)
+
+    def _lower(self, mod, name, graph, kernel_name, variant=None):
+        plan = DynamicPlan.of(graph)
+        layout = EventLayout.of(graph)
+        kernel = build_dynamic_kernel(graph, plan, layout, kernel_name,
+                                      self.num_sms * self.options.ctas_per_sm, self.options,
+                                      symbolic=variant is not None)
+        n = max(1, graph.num_tasks)
+        state = [relax.TensorType([size], "int32") for size in (
+            layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+        constants = [layout.initial, *plan.tables(seeds_at_launch=variant is not None)]
+        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
+                                              variant)

@@ -14,7 +14,7 @@ The queues and the ring's calls come from ``schedule.mixed_schedule``; the ring 
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax
@@ -23,8 +23,11 @@ from ..schedule import DynamicPlan, list_schedule, mixed_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.mixed_kernel import build_mixed_kernel
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
-from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel,
+from ..graph_func import GraphFunc
+from ..task_graph import TaskGraph
+from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel, without,
                           without_device_funcs)
+from .static_schedule_transform import sample_function
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.MixedScheduleTransform")
@@ -36,25 +39,40 @@ class MixedScheduleTransform:
     """
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule):
+                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
+                 samples: Sequence[Mapping[str, int]] | None = None):
         self.dims = dict(dims or {})
         self.num_sms = num_sms
         self.options = options
         self.scheduler = scheduler
+        self.samples = [dict(s) for s in samples] if samples else None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
-            mod, graph = instantiate(mod, name, self.dims)
-            schedule, ring_calls = mixed_schedule(
-                graph, self.num_sms * self.options.ctas_per_sm, scheduler=self.scheduler)
-            plan = DynamicPlan.of(graph, ring_calls)
-            layout = EventLayout.of(graph)
-            kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout,
-                                        f"{name}_mixed_megakernel", self.options)
-            indptr, tasks = schedule.csr(graph)
-            n = max(1, graph.num_tasks)
-            state = [relax.TensorType([size], "int32") for size in (
-                layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
-            constants = [indptr, tasks, layout.initial, *plan.tables()]
-            mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
+            if self.samples is None:
+                mod, graph = instantiate(mod, name, self.dims)
+                mod = self._lower(mod, name, graph, f"{name}_mixed_megakernel")
+                continue
+            for k, sample in enumerate(self.samples):
+                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
+                graph.validate()
+                mod = self._lower(mod, name, graph, f"{name}_mixed_megakernel_{k}",
+                                  variant=sample_function(name, k))
+            mod = without(mod, name)
         return without_device_funcs(mod)
+
+    def _lower(self, mod, name, graph, kernel_name, variant=None):
+        schedule, ring_calls = mixed_schedule(
+            graph, self.num_sms * self.options.ctas_per_sm, scheduler=self.scheduler)
+        plan = DynamicPlan.of(graph, ring_calls)
+        layout = EventLayout.of(graph)
+        kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout, kernel_name,
+                                    self.options, symbolic=variant is not None)
+        indptr, tasks = schedule.csr(graph)
+        n = max(1, graph.num_tasks)
+        state = [relax.TensorType([size], "int32") for size in (
+            layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+        constants = [indptr, tasks, layout.initial,
+                     *plan.tables(seeds_at_launch=variant is not None)]
+        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
+                                              variant)

@@ -38,19 +38,19 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
                scheduler=list_schedule, samples=None) -> list:
     """The etc passes of one execution strategy, to run before the standard Relax lowering.
 
-    ``samples`` (static and barrier): sizes to precompute schedules for instead of ``dims``;
-    see ``StaticScheduleTransform``."""
+    ``samples`` (the persistent strategies): sizes to precompute schedules for instead of
+    ``dims``; see ``StaticScheduleTransform``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
-    if samples is not None and strategy not in ("static", "barrier"):
-        raise ValueError(f"sampled schedules are for the static and barrier strategies, "
-                         f"not {strategy!r} (yet)")
+    if samples is not None and strategy == "unfused":
+        raise ValueError("sampled schedules are for the persistent kernels, not the unfused "
+                         "launches")
     if strategy == "unfused":
         return [UnfusedTransform(dims)]
     if strategy == "dynamic":
-        return [DynamicScheduleTransform(dims, num_sms, options)]
+        return [DynamicScheduleTransform(dims, num_sms, options, samples)]
     if strategy == "mixed":
-        return [MixedScheduleTransform(dims, num_sms, options, scheduler)]
+        return [MixedScheduleTransform(dims, num_sms, options, scheduler, samples)]
     lowering = [StaticScheduleTransform(dims, num_sms, options, scheduler, samples)]
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 

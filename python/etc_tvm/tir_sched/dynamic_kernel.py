@@ -91,7 +91,8 @@ class ReadyRing:
     def initialisation(self) -> list:
         """``(dst, src, n)`` for ``PersistentKernel.initialise``: working state from the
         initial values, release marks zeroed."""
-        return [(buf, self.initial.get(k), int(buf.shape[0])) for k, buf in self.work.items()]
+        src = {**self.initial, "pending": self.initial_pending}
+        return [(buf, src.get(k), int(buf.shape[0])) for k, buf in self.work.items()]
 
     def _check(self, layout: EventLayout) -> None:
         for call in self.graph.calls:
@@ -184,13 +185,11 @@ class ReadyRing:
             return tirx.stmt_seq(
                 tirx.Bind(task, i32(call.first_task) + j),
                 tirx.IfThenElse(self._call("etc_released", pointer(self.marks), task,
-                                           return_type="int32") == 0, tirx.stmt_seq(*[
-                    s for s in (
-                        *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))],
-                        kernel.static_notifies(call, coords),
-                        self.count_down_consumers(task),
-                        tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)]))))
-                    if s is not None]), None))
+                                           return_type="int32") == 0, tirx.stmt_seq(
+                    *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))],
+                    self.dispatched_as_skipped(call, task, coords),
+                    tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)])))),
+                    None))
 
         tx = kernel.tx
         return tirx.stmt_seq(
@@ -205,10 +204,86 @@ class ReadyRing:
                 "etc_add", pointer(self.head_tail, 2), i32(0) - self.skipped[0])), None))
 
 
+    def dispatched_as_skipped(self, call, task, coords) -> tirx.Stmt:
+        """What a skipped task does instead of entering the ring: its static notifies (fan-ins
+        over whole grids complete) and its consumers' count-downs."""
+        steps = [self.kernel.static_notifies(call, coords), self.count_down_consumers(task)]
+        return tirx.stmt_seq(*[s for s in steps if s is not None])
+
+    def launch(self, bx, num_ctas: int) -> tirx.Stmt | None:
+        """For a kernel on symbolic shapes, after the grid-wide barrier: every thread of the
+        grid takes a share of the ring's tasks that count-downs push; a task inside the
+        launch's grids that waits for nothing is pushed, one outside is dispatched as skipped
+        and leaves ``expected`` (it never enters the ring: its pending count started out of
+        reach). Late calls that wait for nothing are pushed whole."""
+        kernel = self.kernel
+        if not kernel.symbolic:
+            return None
+        late = {lc.call: lc.pending for lc in self.plan.late_calls}
+        steps = []
+        for call in self.graph.calls:
+            if call.index not in self.calls or call.index in self.triggered:
+                continue
+            if call.index in late:
+                if late[call.index] == 0:
+                    steps.append(kernel.strided_grid(
+                        bx, num_ctas, call.num_tasks,
+                        lambda j, c=call: self.push(i32(c.first_task) + j)))
+                continue
+            coords = [tirx.Var(f"{c}_launch", "int32") for c in call.fn.coord_params]
+            task = tirx.Var("launched_task", "int32")
+            inside = self._skipped_at_launch(call, coords)
+            seed = tirx.IfThenElse(self.initial["pending"][task] == 0, self.push(task), None)
+            skip = tirx.stmt_seq(self.dispatched_as_skipped(call, task, coords),
+                                 tirx.Evaluate(self._call("etc_add", pointer(self.head_tail, 2),
+                                                          i32(-1))))
+            body = seed if inside is None else tirx.IfThenElse(inside, seed, skip)
+            steps.append(kernel.strided_grid(bx, num_ctas, call.num_tasks, lambda j, c=call,
+                                             coords=coords, task=task, body=body: tirx.stmt_seq(
+                tirx.Bind(task, i32(c.first_task) + j),
+                *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, c.grid))], body)))
+        return tirx.stmt_seq(*steps) if steps else None
+
+    def initial_pending(self, idx: tirx.Expr) -> tirx.Expr:
+        """A task's pending count at launch: out of reach for a task outside the launch's
+        grids (a skipped task is never pushed), its plan's count otherwise."""
+        value = self.initial["pending"][idx]
+        if not self.kernel.symbolic:
+            return value
+        late = {lc.call for lc in self.plan.late_calls}
+        for call in self.graph.calls:
+            if call.index not in self.calls or call.index in self.triggered | late:
+                continue
+            inside = self._skipped_at_launch(call, unravel(idx - i32(call.first_task),
+                                                           call.grid))
+            if inside is not None:
+                within = tirx.And(i32(call.first_task) <= idx,
+                                  idx < i32(call.first_task + call.num_tasks))
+                value = tirx.Select(tirx.And(within, tirx.Not(inside)), i32(OUT_OF_REACH),
+                                    value)
+        return value
+
+
+    def _skipped_at_launch(self, call, coords) -> tirx.Expr | None:
+        """Whether the task at ``coords`` is inside the launch's grids, for the calls whose
+        tasks outside are skipped at launch (None: every task goes through the ring). A
+        call whose completion is counted keeps them in the ring: the count needs a whole CTA
+        (the last task arms), which dispatch has and the launch's share of a thread has not."""
+        if call.index in self.kernel.layout.done:
+            return None
+        return self.kernel.inside(call, coords)
+
+
+OUT_OF_REACH = 1 << 30  # a pending count no count-down reaches
+
+
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,
-                         num_ctas: int, options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
-    """The persistent kernel that runs ``graph`` from a ready ring, following ``plan``."""
-    kernel = PersistentKernel(graph, layout, options)
+                         num_ctas: int, options: KernelOptions = DEFAULT_OPTIONS,
+                         symbolic: bool = False) -> tirx.PrimFunc:
+    """The persistent kernel that runs ``graph`` from a ready ring, following ``plan``; with
+    ``symbolic``, on tensors of any sizes up to ``graph``'s (the plan's seeds are then pushed
+    at launch, those inside the launch's grids)."""
+    kernel = PersistentKernel(graph, layout, options, symbolic)
     ring = ReadyRing(kernel, plan, set(range(len(graph.calls))))
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     task = tirx.Var("t", "int32")
@@ -217,9 +292,13 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
 
     with IRBuilder() as ib:
         with Tb.prim_func():
-            kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs, kernel.counters,
-                                status, *ring.outputs, *kernel.outputs], num_ctas,
-                         shared=(slot, ring.skipped), state=ring.initialisation())
+            bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
+                                     kernel.counters, status, *ring.outputs, *kernel.outputs],
+                              num_ctas, shared=(slot, ring.skipped),
+                              state=ring.initialisation())
+            launch = ring.launch(bx, num_ctas)
+            if launch is not None:
+                Tb.add_to_parent(launch)
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():

@@ -42,10 +42,12 @@ NONE_NOW = -3  # etc_try_pop: no task in the ring at the moment
 
 def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: DynamicPlan,
                        ring_calls: set[int], layout: EventLayout, name: str,
-                       options: KernelOptions = DEFAULT_OPTIONS) -> tirx.PrimFunc:
+                       options: KernelOptions = DEFAULT_OPTIONS,
+                       symbolic: bool = False) -> tirx.PrimFunc:
     """The kernel running the tasks of ``ring_calls`` from a ready ring (``plan``) and the
-    others from ``schedule``'s queues (which hold none of the ring's tasks)."""
-    kernel = PersistentKernel(graph, layout, options)
+    others from ``schedule``'s queues (which hold none of the ring's tasks); ``symbolic``: on
+    tensors of any sizes up to ``graph``'s."""
+    kernel = PersistentKernel(graph, layout, options, symbolic)
     ring = ReadyRing(kernel, plan, ring_calls)
     static_calls = {c.index for c in graph.calls} - set(ring_calls)
     num_queued = sum(len(q) for q in schedule.queues)
@@ -64,6 +66,9 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                                      *kernel.outputs],
                               schedule.num_ctas, shared=(taken, ring.skipped),
                               state=ring.initialisation())
+            launch = ring.launch(bx, schedule.num_ctas)
+            if launch is not None:
+                Tb.add_to_parent(launch)
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             since = IRBuilder.name("idle_since", Tb.alloc_local((1,), "uint64"))
             Tb.buffer_store(pos, indptr[bx], [0])

@@ -133,16 +133,18 @@ class PersistentKernel:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
 
     def initialise(self, bx, num_ctas: int, extra=()) -> None:
-        """Counters from their initial values (and each (dst, src, n) of ``extra``; zeros where
-        src is None), status cleared, then a grid-wide barrier: every launch starts from fresh
-        state."""
+        """Counters from their initial values (and each (dst, src, n) of ``extra``: src a
+        buffer, a function of the index, or None for zeros), status cleared, then a grid-wide
+        barrier: every launch starts from fresh state."""
         stride = num_ctas * self.scopes.num_threads
         for dst, src, n in [(self.counters, self.initial, self.layout.size), *extra]:
             for k in range(-(-n // stride)):
                 idx = i32(k * stride) + bx * i32(self.scopes.num_threads) + self.tx
                 with Tb.If(idx < i32(n)):
                     with Tb.Then():
-                        Tb.buffer_store(dst, src[idx] if src is not None else i32(0), [idx])
+                        value = i32(0) if src is None else src[idx] \
+                            if isinstance(src, tirx.Var) else src(idx)
+                        Tb.buffer_store(dst, value, [idx])
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
@@ -232,6 +234,10 @@ class PersistentKernel:
             coords = [tirx.Var(f"{c}_poll", "int32") for c in call.fn.coord_params]
             steps = self._wait_steps(call, task, coords, self._poll)
             if steps is not None:
+                inside = self.inside(call, coords)
+                if inside is not None:  # a task outside the launch's grids waits for nothing
+                    steps = tirx.IfThenElse(inside, steps,
+                                            tirx.BufferStore(self.stop, i32(0), [i32(0)]))
                 steps = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
                     coords, unravel(task - i32(call.first_task), call.grid))], steps)
                 out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
@@ -424,6 +430,14 @@ class PersistentKernel:
                 continue
             cond = _both(cond, c < tirx.Cast("int32", n))
         return cond
+
+    def strided_grid(self, bx, num_ctas: int, n: int, body) -> tirx.Stmt:
+        """``body(i)`` for i in 0..n-1, spread over every thread of the grid."""
+        stride = num_ctas * self.scopes.num_threads
+        r = tirx.Var("r", "int32")
+        i = r * i32(stride) + bx * i32(self.scopes.num_threads) + self.tx
+        return tirx.For(r, i32(0), i32(-(-n // stride)), tirx.ForKind.SERIAL,
+                        tirx.IfThenElse(i < i32(n), body(i), None))
 
     def strided(self, n: int, body) -> tirx.Stmt:
         """``body(i)`` for i in 0..n-1, spread over the CTA's threads."""
