@@ -33,8 +33,9 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     scheduler: how static queues are computed (``etc_tvm.schedule``).
     samples, max_dims: instead of ``dims``, compile once for every size up to the largest
       sample (the persistent strategies): a kernel per sample, on symbolic shapes, each run
-      served by the smallest sample that holds its sizes, the tasks beyond its grids skipped. ``max_dims`` (one symbolic dim) samples
-      the powers of two up to its value, and the value itself.
+      served by the smallest sample that holds its sizes, the tasks beyond its grids
+      skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its value, and
+      the value itself.
     """
     target = target or default_target()
     dims = dict(dims or {})
