@@ -17,7 +17,7 @@ Strategies (the same device functions in every one):
                         CTAs/SM: against static-2 and static-4 at the same occupancy)
     unfused             each call (each task of a chain) its own kernel launch
     unfused+graph       those launches replayed from a CUDA graph
-    static+graph        the persistent kernel's two launches replayed from a CUDA graph (no host
+    static+graph        the persistent kernel's launch replayed from a CUDA graph (no host
                         work: the GPU-side cost alone)
 
 Times are medians of CUDA-event timings of one call, the variants taking turns call by call.
