@@ -12,10 +12,12 @@ Strategies (the same device functions in every one):
     static-rr           the same kernel, topological order dealt round-robin onto the SMs (a
                         chain then crosses SMs at every hop: the hand-off cost)
     dynamic             one persistent kernel whose CTAs pop ready tasks from a ring
-    barrier, barrier-4  the persistent kernel with one barrier between operators (4 CTAs/SM)
+    barrier, barrier-2, barrier-4
+                        the persistent kernel with one barrier between operators (2 or 4
+                        CTAs/SM: against static-2 and static-4 at the same occupancy)
     unfused             each call (each task of a chain) its own kernel launch
     unfused+graph       those launches replayed from a CUDA graph
-    static+graph        the persistent kernel's two launches replayed from a CUDA graph (no host
+    static+graph        the persistent kernel's launch replayed from a CUDA graph (no host
                         work: the GPU-side cost alone)
 
 Times are medians of CUDA-event timings of one call, the variants taking turns call by call.
@@ -49,6 +51,7 @@ VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA gra
     "static-rr": ("static", round_robin_schedule, 1, False),
     "dynamic": ("dynamic", list_schedule, 1, False),
     "barrier": ("barrier", list_schedule, 1, False),
+    "barrier-2": ("barrier", list_schedule, 2, False),
     "barrier-4": ("barrier", list_schedule, 4, False),
     "unfused": ("unfused", list_schedule, 1, False),
     "unfused+graph": ("unfused", list_schedule, 1, True),
