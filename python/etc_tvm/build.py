@@ -8,7 +8,7 @@ import tvm
 from .graph_func import GraphFunc
 from .relax_passes import pipeline
 from .errors import EtcError
-from .relax_passes.static_schedule_transform import sample_function
+from .relax_passes.instantiate import sample_function
 from .runtime import CompiledGraph, GraphMeta, SampledMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph

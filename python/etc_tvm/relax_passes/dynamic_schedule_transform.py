@@ -25,20 +25,18 @@ from ..schedule import DynamicPlan
 from ..tir_sched.dynamic_kernel import build_dynamic_kernel
 from ..tir_sched.events import EventLayout
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
-from ..graph_func import GraphFunc
-from ..task_graph import TaskGraph
-from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel, without,
-                          without_device_funcs)
-from .static_schedule_transform import sample_function
+from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.DynamicScheduleTransform")
-class DynamicScheduleTransform:
+class DynamicScheduleTransform(PersistentScheduleTransform):
     """Lower every graph function of the module to one launch of a ready-ring kernel.
 
     dims: values of the symbolic dims. num_sms: SMs of the target; ``options.ctas_per_sm``
-    persistent CTAs each.
+    persistent CTAs each. samples: see ``PersistentScheduleTransform``.
     """
+
+    kernel_name = "dynamic_megakernel"
 
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
                  options: KernelOptions = DEFAULT_OPTIONS,
@@ -48,21 +46,7 @@ class DynamicScheduleTransform:
         self.options = options
         self.samples = [dict(s) for s in samples] if samples else None
 
-    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for name in graph_functions(mod):
-            if self.samples is None:
-                mod, graph = instantiate(mod, name, self.dims)
-                mod = self._lower(mod, name, graph, f"{name}_dynamic_megakernel")
-                continue
-            for k, sample in enumerate(self.samples):
-                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
-                graph.validate()
-                mod = self._lower(mod, name, graph, f"{name}_dynamic_megakernel_{k}",
-                                  variant=sample_function(name, k))
-            mod = without(mod, name)
-        return without_device_funcs(mod)
-
-    def _lower(self, mod, name, graph, kernel_name, variant=None):
+    def lower(self, mod, name, graph, kernel_name, variant=None):
         plan = DynamicPlan.of(graph)
         layout = EventLayout.of(graph)
         kernel = build_dynamic_kernel(graph, plan, layout, kernel_name,

@@ -42,6 +42,38 @@ def instantiate(mod: tvm.IRModule, name: str, dims: Mapping[str, int]):
     return mod, graph
 
 
+def sample_function(name: str, k: int) -> str:
+    """The function of graph function ``name`` that serves the ``k``-th sample."""
+    return f"{name}__sample{k}"
+
+
+class PersistentScheduleTransform:
+    """What the persistent-kernel transforms share: every graph function lowered for ``dims``
+    in place, or, given ``samples``, once per sample into ``sample_function(name, k)`` (a
+    kernel on the function's symbolic shapes that serves sizes up to the sample's). A
+    subclass sets ``self.dims`` and ``self.samples`` and says how one task graph is lowered
+    (``lower``) and what its kernels are called (``kernel_name``)."""
+
+    kernel_name = "megakernel"
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for name in graph_functions(mod):
+            if self.samples is None:
+                mod, graph = instantiate(mod, name, self.dims)
+                mod = self.lower(mod, name, graph, f"{name}_{self.kernel_name}")
+                continue
+            for k, sample in enumerate(self.samples):
+                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
+                graph.validate()
+                mod = self.lower(mod, name, graph, f"{name}_{self.kernel_name}_{k}",
+                                 variant=sample_function(name, k))
+            mod = without(mod, name)
+        return without_device_funcs(mod)
+
+    def lower(self, mod, name, graph, kernel_name, variant=None) -> tvm.IRModule:
+        raise NotImplementedError
+
+
 def without(mod: tvm.IRModule, *names: str) -> tvm.IRModule:
     return tvm.IRModule({g: f for g, f in mod.functions_items() if g.name_hint not in names},
                         attrs=mod.attrs)

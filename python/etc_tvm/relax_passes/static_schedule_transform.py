@@ -33,14 +33,11 @@ from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
 from ..tir_sched.static_kernel import build_static_kernel
-from ..graph_func import GraphFunc
-from ..task_graph import TaskGraph
-from .instantiate import (graph_functions, instantiate, replace_with_persistent_kernel, without,
-                          without_device_funcs)
+from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
-class StaticScheduleTransform:
+class StaticScheduleTransform(PersistentScheduleTransform):
     """Lower every graph function of the module to one launch of a persistent kernel.
 
     dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
@@ -60,21 +57,7 @@ class StaticScheduleTransform:
         self.scheduler = scheduler
         self.samples = [dict(s) for s in samples] if samples else None
 
-    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for name in graph_functions(mod):
-            if self.samples is None:
-                mod, graph = instantiate(mod, name, self.dims)
-                mod = self._lower(mod, name, graph, f"{name}_megakernel")
-                continue
-            for k, sample in enumerate(self.samples):
-                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
-                graph.validate()
-                mod = self._lower(mod, name, graph, f"{name}_megakernel_{k}",
-                                  variant=sample_function(name, k))
-            mod = without(mod, name)
-        return without_device_funcs(mod)
-
-    def _lower(self, mod, name, graph, kernel_name, variant=None):
+    def lower(self, mod, name, graph, kernel_name, variant=None):
         schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
         layout = EventLayout.of(graph)
         kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
@@ -85,7 +68,3 @@ class StaticScheduleTransform:
         return replace_with_persistent_kernel(mod, name, graph, kernel,
                                               [indptr, tasks, layout.initial], state, variant)
 
-
-def sample_function(name: str, k: int) -> str:
-    """The function of graph function ``name`` that serves the ``k``-th sample."""
-    return f"{name}__sample{k}"
