@@ -50,9 +50,8 @@ class DynamicScheduleTransform:
             layout = EventLayout.of(graph)
             kernel = build_dynamic_kernel(graph, plan, layout, f"{name}_dynamic_megakernel",
                                           self.num_sms * self.options.ctas_per_sm, self.options)
-            n = max(1, graph.num_tasks)
             state = [relax.TensorType([size], "int32") for size in (
-                layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+                layout.size, STATUS_WORDS, *plan.state_sizes().values())]
             constants = [layout.initial, *plan.tables()]
             mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
         return without_device_funcs(mod)

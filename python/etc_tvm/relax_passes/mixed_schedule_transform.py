@@ -52,9 +52,8 @@ class MixedScheduleTransform:
             kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout,
                                         f"{name}_mixed_megakernel", self.options)
             indptr, tasks = schedule.csr(graph)
-            n = max(1, graph.num_tasks)
             state = [relax.TensorType([size], "int32") for size in (
-                layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+                layout.size, STATUS_WORDS, *plan.state_sizes().values())]
             constants = [indptr, tasks, layout.initial, *plan.tables()]
             mod = replace_with_persistent_kernel(mod, name, graph, kernel, constants, state)
         return without_device_funcs(mod)
