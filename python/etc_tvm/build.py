@@ -36,14 +36,18 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
                                                          scheduler))
-    task_graph = TaskGraph.build(graph, dims)
-    layout = EventLayout.of(task_graph)
-    meta = GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
-                     layout.names(task_graph), options.timeout_s,
-                     has_status=strategy != "unfused",
-                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
+    meta = graph_meta(graph, dims, options, has_status=strategy != "unfused")
     return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
+
+
+def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool) -> GraphMeta:
+    """What the host reports a stopped kernel of ``graph`` for ``dims`` with."""
+    task_graph = TaskGraph.build(graph, dims)
+    layout = EventLayout.of(task_graph)
+    return GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
+                     layout.names(task_graph), options.timeout_s, has_status=has_status,
+                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
 
 
 def has_gpu() -> bool:
