@@ -19,13 +19,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
 from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
-from timing import time_interleaved
+from timing import checked_run, time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
 from moe_graph import make_moe_graph, moe_reference  # noqa: E402
@@ -87,17 +86,8 @@ def measure(graph, dims, inputs, want, strategies, rtol) -> dict:
     runs = {}
     for label in strategies:
         compiled = build(graph, dims, strategy=label.replace("+graph", ""))
-        if label.endswith("+graph"):
-            run, outputs = compiled.capture(*on_device)
-            run()
-            torch.cuda.synchronize()
-            got = outputs[0].numpy()
-        else:
-            got = compiled(*inputs)
-            run = lambda c=compiled: c.run(*on_device)  # noqa: E731
-        error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
-        assert error < rtol, f"{label}: relative error {error:.2e}"
-        runs[label] = run
+        runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol,
+                                  replay=label.endswith("+graph"))
     return time_interleaved(runs, reps=50, warmup=5)
 
 

@@ -29,7 +29,6 @@ import json
 
 import ml_dtypes
 import numpy as np
-import torch
 import tvm
 import tvm_ffi
 from tvm.script import tirx as T
@@ -39,7 +38,7 @@ from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tiles import make_activation_tile, make_gemm_tile
 from etc_tvm.tir_sched.persistent import KernelOptions
-from timing import time_interleaved
+from timing import checked_run, time_interleaved
 
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
@@ -151,19 +150,7 @@ def measure(graph, dims, inputs, want, rtol) -> dict:
     for label, (strategy, scheduler, ctas, replay) in VARIANTS.items():
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
                          options=KernelOptions(ctas_per_sm=ctas))
-        if replay:
-            run, outputs = compiled.capture(*on_device)
-            run()
-            torch.cuda.synchronize()
-            got = outputs[0].numpy()
-            if strategy != "unfused":
-                compiled.meta.check(outputs[len(outputs) - 1].numpy())
-        else:
-            got = compiled(*inputs)
-            run = lambda c=compiled: c.run(*on_device)  # noqa: E731
-        error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
-        assert error < rtol, f"{label}: relative error {error:.2e}"
-        runs[label] = run
+        runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol, replay)
     return time_interleaved(runs)
 
 

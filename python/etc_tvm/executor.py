@@ -140,7 +140,7 @@ class DynamicQueueOrder(Order):
 
     def start(self, run):
         super().start(run)
-        self.plan = DynamicPlan.of(run.graph)
+        self.plan = self.make_plan(run.graph)
         self.pending = self.plan.pending.copy()
         self.late_pending = [lc.pending for lc in self.plan.late_calls]
         self.ring, self.pushed = deque(), set()
@@ -148,6 +148,9 @@ class DynamicQueueOrder(Order):
         self.max_queued = 0
         for task in self.plan.seeds:
             self._push(task)
+
+    def make_plan(self, graph) -> DynamicPlan:
+        return DynamicPlan.of(graph)
 
     def _push(self, task: int) -> None:
         if task not in self.pushed:
@@ -205,22 +208,17 @@ class MixedOrder(DynamicQueueOrder):
         self.queues = [list(map(int, q)) for q in queues]
         self.ring_calls = set(ring_calls)
 
+    def make_plan(self, graph) -> DynamicPlan:
+        return DynamicPlan.of(graph, self.ring_calls)
+
     def start(self, run):
-        Order.start(self, run)
-        self.plan = DynamicPlan.of(run.graph, self.ring_calls)
         ring_tasks = {t for c in self.ring_calls for t in run.graph.calls[c].tasks}
         listed = sorted(t for q in self.queues for t in q)
         if listed != sorted(set(range(run.graph.num_tasks)) - ring_tasks):
             raise EtcError("the queues of a mixed schedule must hold every task outside the "
                            "ring exactly once, and none of the ring's")
-        self.pending = self.plan.pending.copy()
-        self.late_pending = [lc.pending for lc in self.plan.late_calls]
-        self.ring, self.pushed = deque(), set()
-        self.ctas = [None] * len(self.queues)
+        super().start(run)
         self.heads = [0] * len(self.queues)
-        self.max_queued = 0
-        for task in self.plan.seeds:
-            self._push(task)
 
     def next(self):
         for k, held in enumerate(self.ctas):

@@ -228,6 +228,13 @@ class DynamicPlan:
         return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks, ring0,
                 np.array([0, len(seeds), self.num_ring_tasks], np.int32)]
 
+    def state_sizes(self) -> dict[str, int]:
+        """The ring kernel's working state, fresh every launch (``ReadyRing.outputs``):
+        pending counts (tasks, then late calls), one ring slot and one release mark per task,
+        and head, tail and the expected task count."""
+        n = max(1, self.capacity)
+        return {"pending": n + len(self.late_calls), "ring": n, "head_tail": 3, "marks": n}
+
     def initial_pending(self) -> np.ndarray:
         return np.concatenate([self.pending, [lc.pending for lc in self.late_calls]]) \
             .astype(np.int32)

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from etc_tvm import ExecutionError
-from etc_tvm.runtime import GraphMeta
+from etc_tvm.build import graph_meta
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout, edge_sites
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 from moe_graph import make_moe_graph
 
@@ -26,9 +27,8 @@ def site(call, etensor):
 
 @pytest.fixture(scope="module")
 def meta():
-    return GraphMeta(GRAPH.name, [GRAPH.task_name(t) for t in range(GRAPH.num_tasks)],
-                     LAYOUT.names(GRAPH), 4.0,
-                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in SITES])
+    return graph_meta(make_moe_graph(32, 8, 2, 16, 4, "tensor"), {"T": 7}, KernelOptions(),
+                      has_status=True)
 
 
 def status(kind, who, where, seen, sm):

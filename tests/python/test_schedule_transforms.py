@@ -24,13 +24,18 @@ def calls_of(func):
             if isinstance(b.value, tvm.ir.Call)]
 
 
+def kernel_call(func):
+    """The one ``call_tir`` of the persistent kernel that ``func`` was lowered to."""
+    (kernel,) = [c for c in calls_of(func) if c.op.name.startswith("relax.call_tir")]
+    return kernel
+
+
 def test_static_becomes_one_persistent_kernel_launch():
     mod = StaticScheduleTransform(DIMS, num_sms=8)(graphs.gemm_reduce_scatter.mod)
     relax.analysis.well_formed(mod)
     assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
         "gemm_reduce_scatter", "gemm_reduce_scatter_megakernel"]
-    (kernel,) = [c for c in calls_of(mod["gemm_reduce_scatter"])
-                 if c.op.name.startswith("relax.call_tir")]
+    kernel = kernel_call(mod["gemm_reduce_scatter"])
     assert kernel.op.name == "relax.call_tir"
     assert kernel.args[0].name_hint == "gemm_reduce_scatter_megakernel"
     A, B, indptr, tasks, initial = kernel.args[1].fields
@@ -53,8 +58,7 @@ def test_dynamic_becomes_one_ready_ring_kernel_launch():
     relax.analysis.well_formed(mod)
     assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
         "gemm_reduce_scatter", "gemm_reduce_scatter_dynamic_megakernel"]
-    (kernel,) = [c for c in calls_of(mod["gemm_reduce_scatter"])
-                 if c.op.name.startswith("relax.call_tir")]
+    kernel = kernel_call(mod["gemm_reduce_scatter"])
     A, B, initial, pending, indptr, consumers, ring, head_tail = kernel.args[1].fields
     graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
     plan = DynamicPlan.of(graph)
@@ -134,7 +138,7 @@ def test_mixed_keeps_the_expert_tiles_out_of_the_queues():
     trigger (no seeds)."""
     moe = make_moe_graph(32, 8, 2, 16, 4, "tensor")
     mod = MixedScheduleTransform({"T": 7}, num_sms=4)(moe.mod)
-    (kernel,) = [c for c in calls_of(mod["moe"]) if c.op.name.startswith("relax.call_tir")]
+    kernel = kernel_call(mod["moe"])
     args = kernel.args[1].fields
     indptr, tasks, ring0, head_tail0 = (args[k].value.numpy() for k in (4, 5, 10, 11))
     graph = TaskGraph.build(moe, {"T": 7})

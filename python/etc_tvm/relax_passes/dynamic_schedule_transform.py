@@ -52,9 +52,8 @@ class DynamicScheduleTransform(PersistentScheduleTransform):
         kernel = build_dynamic_kernel(graph, plan, layout, kernel_name,
                                       self.num_sms * self.options.ctas_per_sm, self.options,
                                       symbolic=variant is not None)
-        n = max(1, graph.num_tasks)
         state = [relax.TensorType([size], "int32") for size in (
-            layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+            layout.size, STATUS_WORDS, *plan.state_sizes().values())]
         constants = [layout.initial, *plan.tables(seeds_at_launch=variant is not None)]
         return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
                                               variant)

@@ -54,9 +54,8 @@ class MixedScheduleTransform(PersistentScheduleTransform):
         kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout, kernel_name,
                                     self.options, symbolic=variant is not None)
         indptr, tasks = schedule.csr(graph)
-        n = max(1, graph.num_tasks)
         state = [relax.TensorType([size], "int32") for size in (
-            layout.size, STATUS_WORDS, len(plan.initial_pending()), n, 3, n)]
+            layout.size, STATUS_WORDS, *plan.state_sizes().values())]
         constants = [indptr, tasks, layout.initial,
                      *plan.tables(seeds_at_launch=variant is not None)]
         return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,

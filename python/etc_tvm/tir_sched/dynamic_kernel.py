@@ -61,7 +61,7 @@ class ReadyRing:
         self.kernel, self.graph, self.plan, self.calls = kernel, kernel.graph, plan, set(calls)
         self.triggered = plan.triggered
         n = max(1, self.graph.num_tasks)
-        shapes = {"pending": n + len(plan.late_calls), "ring": n, "head_tail": 3, "marks": n}
+        shapes = plan.state_sizes()
         self.work = {k: tirx.decl_buffer((m,), "int32", k) for k, m in shapes.items()}
         self.initial = {k: tirx.decl_buffer((shapes[k],), "int32", f"{k}0")
                         for k in ("pending", "ring", "head_tail")}
