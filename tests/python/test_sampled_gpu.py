@@ -1,9 +1,11 @@
 """One compilation of the MoE graph for every token count up to 4096, on the GPU: each count
 runs on the smallest sampled schedule that holds it, tasks beyond its grids skipped."""
 import functools
+from unittest import mock
 
 import numpy as np
 import pytest
+import tvm
 
 from etc_tvm import ExecutionError
 from etc_tvm.build import build
@@ -18,8 +20,17 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_once(strategy):
+    """The library and how many times ``tvm.compile`` ran to make it."""
+    with mock.patch.object(tvm, "compile", wraps=tvm.compile) as counted:
+        library = build(moe_graph(2, "tensor"), max_dims={"T": 4096}, strategy=strategy)
+    return library, counted.call_count
+
+
 def compiled(strategy):
-    return build(moe_graph(2, "tensor"), max_dims={"T": 4096}, strategy=strategy)
+    library, compilations = compiled_once(strategy)
+    assert compilations == 1
+    return library
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
