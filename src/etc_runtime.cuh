@@ -124,10 +124,17 @@ __device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int* status
   }
 }
 
-// Publish ``task`` in the next free slot of the ring (release).
+// Publish ``task`` in the next free slot of the ring (release). The lanes of a warp that push
+// together claim their slots with one atomic.
 __device__ __forceinline__ void etc_push(int* head_tail, int* ring, int task, int capacity,
                                          int* status) {
-  const int slot = atomicAdd(head_tail + 1, 1);
+  const unsigned active = __activemask();
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  const int leader = __ffs(active) - 1;
+  int base = 0;
+  if ((int)lane == leader) base = atomicAdd(head_tail + 1, __popc(active));
+  const int slot = __shfl_sync(active, base, leader) + __popc(active & ((1u << lane) - 1u));
   if (slot >= capacity) {
     etc_record_stop(status, 3, task, slot, capacity);
     return;
@@ -135,46 +142,55 @@ __device__ __forceinline__ void etc_push(int* head_tail, int* ring, int task, in
   asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + slot), "r"(task) : "memory");
 }
 
-// One producer of ``task`` was dispatched: the last one pushes it. Called by one thread.
-__device__ __forceinline__ void etc_count_down(int* pending, int task, int* head_tail, int* ring,
-                                               int capacity, int* status) {
-  if (atomicSub(pending + task, 1) == 1) etc_push(head_tail, ring, task, capacity, status);
+// One producer of ``task`` was dispatched: the last one pushes it, or, with ``may_hold``, keeps
+// it in ``*held`` for its own CTA to run next (it never enters the ring, so the count of tasks
+// the ring will hold drops by one).
+__device__ __forceinline__ void etc_count_down(int* pending, int task, int* held, int may_hold,
+                                               int* head_tail, int* ring, int capacity,
+                                               int* status) {
+  if (atomicSub(pending + task, 1) != 1) return;
+  if (may_hold) {
+    *held = task;
+    atomicAdd(head_tail + 2, -1);
+    return;
+  }
+  etc_push(head_tail, ring, task, capacity, status);
 }
 
 // One task a whole call waits for was dispatched (or skipped): the last one pushes the call's
-// tasks ``first`` .. ``first + count - 1``.
+// tasks ``first`` .. ``first + count - 1``, claiming their slots at once. Called by one thread.
 __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int count,
                                                     int* head_tail, int* ring, int capacity,
                                                     int* status) {
   if (atomicSub(pending, 1) != 1) return;
-  for (int k = 0; k < count; ++k) etc_push(head_tail, ring, first + k, capacity, status);
+  const int base = atomicAdd(head_tail + 1, count);
+  for (int k = 0; k < count; ++k) {
+    if (base + k >= capacity) {
+      etc_record_stop(status, 3, first + k, base + k, capacity);
+      return;
+    }
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
+                 : "memory");
+  }
 }
 
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring
-// will hold is taken, -2 if the grid is stopping, -3 if none is ready now. A CTA that also has
-// a static queue must not block on the ring. Called by one thread.
-__device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* status,
-                                        long long limit_ns) {
-  int head = etc_load_relaxed(head_tail);
-  for (;;) {
+// will hold is taken, -3 if none is ready now. A CTA that also has a static queue must not
+// block on the ring: it claims a slot only when a push has reached past the head, and keeps
+// its claim in ``*claimed`` (-1: none) until the slot's task is published. Called by one
+// thread; the caller bounds how long it finds nothing (``etc_idle``).
+__device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* claimed) {
+  if (*claimed < 0) {
+    const int head = etc_load_relaxed(head_tail);
     if (head >= etc_load_relaxed(head_tail + 2)) return -1;
     if (head >= etc_load_relaxed(head_tail + 1)) return -3;
-    const int seen = atomicCAS(head_tail, head, head + 1);
-    if (seen == head) break;
-    head = seen;
+    *claimed = atomicAdd(head_tail, 1);
   }
-  // a push claimed slot ``head``: its task id is being published
-  const unsigned long long start = etc_globaltimer_ns();
-  for (unsigned polls = 1;; ++polls) {
-    const int task = etc_load_acquire(ring + head);
-    if (task >= 0) return task;
-    if (polls % 64 != 0) continue;
-    if (etc_load_relaxed(status) != 0) return -2;
-    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
-      etc_record_stop(status, 2, -1, head, task);
-      return -2;
-    }
-  }
+  if (*claimed >= etc_load_relaxed(head_tail + 2)) return -1;  // no task will fill it
+  const int task = etc_load_acquire(ring + *claimed);
+  if (task < 0) return -3;
+  *claimed = -1;
+  return task;
 }
 
 // 1 if ``counter`` is complete now (acquire), else 0: a wait that does not block.

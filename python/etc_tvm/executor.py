@@ -128,9 +128,11 @@ class DynamicQueueOrder(Order):
     element it waits on has been dispatched (``early_push``, the default) or has finished; an
     idle CTA pops the oldest task and stays on it, spinning, until its waits are satisfied.
     Early push is deadlock-free: the earliest-dispatched unfinished task waits only on tasks
-    dispatched before it, which have finished. A late call's tasks are pushed together once
-    every task of the calls it depends on is dispatched; a triggered task once it is ready.
-    ``max_queued`` records the deepest the ring got (the plan's capacity covers it).
+    dispatched before it, which have finished. The first consumer that a CTA's dispatch makes
+    ready is not pushed: that CTA keeps it and runs it next. A late call's tasks are pushed
+    together once every task of the calls it depends on is dispatched; a triggered task once
+    it is ready. ``max_queued`` records the deepest the ring got (the plan's capacity covers
+    it).
     """
 
     def __init__(self, num_ctas: int = 132, early_push: bool = True):
@@ -145,6 +147,7 @@ class DynamicQueueOrder(Order):
         self.late_pending = [lc.pending for lc in self.plan.late_calls]
         self.ring, self.pushed = deque(), set()
         self.ctas: list[int | None] = [None] * self.num_ctas
+        self.held: list[int | None] = [None] * self.num_ctas  # each CTA's next task
         self.max_queued = 0
         for task in self.plan.seeds:
             self._push(task)
@@ -158,11 +161,27 @@ class DynamicQueueOrder(Order):
             self.ring.append(task)
             self.max_queued = max(self.max_queued, len(self.ring))
 
-    def _release_consumers(self, task: int) -> None:
-        for c in self.plan.consumers(task):
+    def _take(self, cta: int, task: int) -> None:
+        """CTA ``cta`` takes ``task``; under early push its consumers are counted down now."""
+        self.ctas[cta] = task
+        if self.early_push:
+            self._release_consumers(task, cta)
+
+    def _take_held(self, cta: int) -> bool:
+        task, self.held[cta] = self.held[cta], None
+        if task is not None:
+            self._take(cta, task)
+        return task is not None
+
+    def _release_consumers(self, task: int, cta: int) -> None:
+        for k, c in enumerate(self.plan.consumers(task)):
             self.pending[c] -= 1
             if self.pending[c] == 0:
-                self._push(int(c))
+                if k == 0:
+                    self.pushed.add(int(c))
+                    self.held[cta] = int(c)
+                else:
+                    self._push(int(c))
         for k in self.plan.late_dependents(self.run.graph.task_call[task]):
             self.late_pending[k] -= 1
             if self.late_pending[k] == 0:
@@ -176,22 +195,21 @@ class DynamicQueueOrder(Order):
             self._push(task)
 
     def next(self):
-        for k, held in enumerate(self.ctas):
-            if held is None and self.ring:
-                self.ctas[k] = task = self.ring.popleft()
-                if self.early_push:
-                    self._release_consumers(task)
-        for k, held in enumerate(self.ctas):
-            if held is not None and self.run.is_ready(held):
+        for k, task in enumerate(self.ctas):
+            if task is None and not self._take_held(k) and self.ring:
+                self._take(k, self.ring.popleft())
+        for k, task in enumerate(self.ctas):
+            if task is not None and self.run.is_ready(task):
                 self.ctas[k] = None
                 if not self.early_push:
-                    self._release_consumers(held)
-                return held
+                    self._release_consumers(task, k)
+                return task
         return None
 
     def blocked(self):
         held = [(t, f" on CTA {k}") for k, t in enumerate(self.ctas) if t is not None]
         queued = [(t, " (in the ring)") for t in self.ring]
+        queued += [(t, f" (next on CTA {k})") for k, t in enumerate(self.held) if t is not None]
         unpushed = [(t, " (not pushed)") for t in self.run.pending_tasks()
                     if t not in self.pushed]
         return held + queued + unpushed
@@ -200,8 +218,9 @@ class DynamicQueueOrder(Order):
 class MixedOrder(DynamicQueueOrder):
     """The GPU mixed schedule, modelled: persistent CTA k runs ``queues[k]`` (the static
     calls' tasks) and the ready ring of ``ring_calls``' tasks. An idle CTA takes the head of
-    its queue if it can start, else pops the ring (never blocking on an empty ring); taking a
-    task counts down its consumers in the ring either way."""
+    its queue if it can start (after the ring task its last dispatch held), else pops the
+    ring (never blocking on an empty ring); taking a task counts down its consumers in the
+    ring either way."""
 
     def __init__(self, queues: Sequence[Sequence[int]], ring_calls):
         super().__init__(num_ctas=len(queues))
@@ -221,22 +240,19 @@ class MixedOrder(DynamicQueueOrder):
         self.heads = [0] * len(self.queues)
 
     def next(self):
-        for k, held in enumerate(self.ctas):
-            if held is not None:
+        for k, task in enumerate(self.ctas):
+            if task is not None or self._take_held(k):
                 continue
             queue, head = self.queues[k], self.heads[k]
             if head < len(queue) and self.run.is_ready(queue[head]):
                 self.heads[k] += 1
-                self.ctas[k] = queue[head]
+                self._take(k, queue[head])
             elif self.ring:
-                self.ctas[k] = self.ring.popleft()
-            else:
-                continue
-            self._release_consumers(self.ctas[k])
-        for k, held in enumerate(self.ctas):
-            if held is not None and self.run.is_ready(held):
+                self._take(k, self.ring.popleft())
+        for k, task in enumerate(self.ctas):
+            if task is not None and self.run.is_ready(task):
                 self.ctas[k] = None
-                return held
+                return task
         return None
 
     def blocked(self):

@@ -4,13 +4,15 @@
     prologue: counters, pending counts, ring (seeds then -1), head/tail/expected and the
               release marks from their initial values; status cleared; grid-wide barrier
     CTA:  loop:
-              thread 0: t = etc_pop(ring)           # -1: every task taken, -2: stopping
-                        if t >= 0: for each consumer c of t: etc_count_down(pending[c])
-                                   (early push: c enters the ring once its last producer is
-                                   dispatched; it still waits on its events before its body)
-                                   for each late call L waiting for t's call: count L down
-                                   (the last dispatch pushes all of L's tasks)
+              thread 0: t = the task held by the last round, else etc_pop(ring)
+                        (-1: every task taken, -2: stopping)
               barrier; t broadcast through shared memory; leave the loop if t < 0
+              all threads: for each consumer c of t: etc_count_down(pending[c])
+                        (early push: c enters the ring once its last producer is
+                        dispatched; it still waits on its events before its body; the first
+                        consumer, made ready so, is held for this CTA's next round instead)
+                        thread 0: for each late call L waiting for t's call: count L down
+                        (the last dispatch pushes all of L's tasks)
               run task t as the static kernel does: waits, inlined body, notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
@@ -71,6 +73,8 @@ class ReadyRing:
         self.consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
                                                "consumer_tasks")
         self.skipped = tirx.decl_buffer((1,), "int32", "skipped", scope="shared")
+        # a task the CTA's last dispatch made ready and keeps to run next (-1: none)
+        self.held = tirx.decl_buffer((1,), "int32", "held", scope="shared")
         self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers
                                 if c.index in self.triggered}
         self._check(kernel.layout)
@@ -118,16 +122,41 @@ class ReadyRing:
                                         task, i32(self.plan.capacity),
                                         pointer(self.kernel.status)))
 
-    def count_down_consumers(self, task: tirx.Expr) -> tirx.Stmt:
+    @property
+    def shared(self) -> tuple:
+        """The ring's shared-memory scratch, for ``PersistentKernel.begin``."""
+        return (self.skipped, self.held)
+
+    def take_held(self, into: tirx.Buffer) -> tirx.Stmt:
+        """Thread 0: move the held task (or -1) to ``into[0]``."""
+        return tirx.stmt_seq(tirx.BufferStore(into, self.held[0], [i32(0)]),
+                             tirx.BufferStore(self.held, i32(-1), [i32(0)]))
+
+    def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False) -> tirx.Stmt:
         """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
-        for it; the last count-down of each pushes it."""
-        k = tirx.Var("k", "int32")
+        for it; the last count-down of each pushes it. ``dispatch``: called by every thread of
+        the CTA that runs ``task``, which spread the consumers over them and keep the first
+        consumer, if this makes it ready, in ``held`` to run next: a chain hands over without
+        a push or a pop, and on the same SM."""
+        kernel = self.kernel
+        begin = self.consumer_indptr[task]
+        count = self.consumer_indptr[task + 1] - begin
+        down = lambda k, hold: tirx.Evaluate(self._call(  # noqa: E731
+            "etc_count_down", pointer(self.pending), self.consumer_tasks[begin + k],
+            pointer(self.held), hold, pointer(self.head_tail), pointer(self.ring),
+            i32(len(self.plan.pending)), pointer(kernel.status)))
+        if dispatch:
+            steps = [kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)))]
+        else:
+            k = tirx.Var("k", "int32")
+            steps = [tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))]
+        late = self._count_down_late_calls(task)
+        if late is not None:
+            steps.append(tirx.IfThenElse(kernel.tx == 0, late, None) if dispatch else late)
+        return tirx.stmt_seq(*steps)
+
+    def _count_down_late_calls(self, task: tirx.Expr) -> tirx.Stmt | None:
         n = len(self.plan.pending)
-        steps = [tirx.For(k, self.consumer_indptr[task], self.consumer_indptr[task + 1]
-                          - self.consumer_indptr[task], tirx.ForKind.SERIAL, tirx.Evaluate(
-            self._call("etc_count_down", pointer(self.pending), self.consumer_tasks[k],
-                       pointer(self.head_tail), pointer(self.ring), i32(n),
-                       pointer(self.kernel.status))))]
         late = None
         for call in reversed(self.graph.calls):
             dependents = self.plan.late_dependents(call.index)
@@ -142,9 +171,7 @@ class ReadyRing:
             inside = tirx.And(i32(call.first_task) <= task,
                               task < i32(call.first_task + call.num_tasks))
             late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
-        if late is not None:
-            steps.append(late)
-        return tirx.stmt_seq(*steps)
+        return late
 
     def fire(self, etensor: str, elem) -> tirx.Stmt:
         """Element ``elem`` of ``etensor`` completed: push every task its trigger maps give."""
@@ -294,25 +321,30 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
                                      kernel.counters, status, *ring.outputs, *kernel.outputs],
-                              num_ctas, shared=(slot, ring.skipped),
+                              num_ctas, shared=(slot, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, num_ctas)
             if launch is not None:
                 Tb.add_to_parent(launch)
+            with Tb.If(tx == 0):
+                with Tb.Then():
+                    Tb.buffer_store(ring.held, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
-                        Tb.buffer_store(slot, kernel.runtime_call(
-                            "etc_pop", pointer(ring.head_tail), pointer(ring.ring),
-                            pointer(status), kernel.limit, return_type="int32"), [0])
-                        with Tb.If(slot[0] >= 0):
+                        Tb.add_to_parent(ring.take_held(slot))
+                        with Tb.If(slot[0] < 0):
                             with Tb.Then():
-                                Tb.add_to_parent(ring.count_down_consumers(slot[0]))
+                                Tb.buffer_store(slot, kernel.runtime_call(
+                                    "etc_pop", pointer(ring.head_tail), pointer(ring.ring),
+                                    pointer(status), kernel.limit, return_type="int32"), [0])
                 Tb.evaluate(Tb.cuda.cta_sync())
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())  # the slot is rewritten by the next pop
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
+                Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
+                Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                 Tb.add_to_parent(dispatch)
     return ib.get()

@@ -5,14 +5,16 @@ are list-scheduled into per-CTA queues as in ``static_kernel``. A CTA never bloc
 while the other has work for it:
 
     CTA:  loop:
-              thread 0: if the head of its queue is ready (its waits polled, not awaited):
+              thread 0: take the ring task the last round held, if any; else
+                        if the head of its queue is ready (its waits polled, not awaited):
                             take it
                         else: take a task from the ring if one is there now (never waits for
-                              a push); -1 once the ring is exhausted and the queue empty
-                        count down the consumers of the task taken (static or not: both
-                        release ring tasks); nothing taken for longer than the limit stops
-                        the grid with an error naming the CTA's next queued task
+                              a push); -1 once the ring is exhausted and the queue empty;
+                        nothing taken for longer than the limit stops the grid with an error
+                        naming the CTA's next queued task
               barrier; broadcast; leave the loop on -1 (done) or -2 (stopping)
+              all threads: count down the consumers of the task taken (static or not: both
+                        release ring tasks), holding the first one made ready
               run the task; a queued task's waits were polled already
 
 Progress: a ring task is pushed only once the tasks it waits on have been taken, and a taken
@@ -64,25 +66,33 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, kernel.counters, status, *ring.outputs,
                                      *kernel.outputs],
-                              schedule.num_ctas, shared=(taken, ring.skipped),
+                              schedule.num_ctas, shared=(taken, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, schedule.num_ctas)
             if launch is not None:
                 Tb.add_to_parent(launch)
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             since = IRBuilder.name("idle_since", Tb.alloc_local((1,), "uint64"))
+            claimed = IRBuilder.name("claimed", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
             Tb.buffer_store(since, tirx.IntImm("uint64", 0), [0])
+            Tb.buffer_store(claimed, i32(-1), [0])
+            with Tb.If(tx == 0):
+                with Tb.Then():
+                    Tb.buffer_store(ring.held, i32(-1), [0])
             end = indptr[bx + 1]
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
-                        Tb.buffer_store(taken, i32(NONE_NOW), [0])
+                        Tb.add_to_parent(ring.take_held(taken))
                         Tb.buffer_store(taken, i32(0), [1])
+                        with Tb.If(taken[0] < 0):
+                            with Tb.Then():
+                                Tb.buffer_store(taken, i32(NONE_NOW), [0])
                         Tb.add_to_parent(tirx.Bind(head, tirx.Select(
                             pos[0] < end, tasks[tirx.min(pos[0], i32(max(0, num_queued - 1)))]
                             & i32(LOCAL_WAITS - 1), i32(-1))))
-                        with Tb.If(head >= 0):
+                        with Tb.If(tirx.And(head >= 0, taken[0] == i32(NONE_NOW))):
                             with Tb.Then():
                                 with Tb.If(tasks[pos[0]] >> i32(30) != 0):
                                     with Tb.Then():
@@ -97,7 +107,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                             with Tb.Then():
                                 popped = kernel.runtime_call(
                                     "etc_try_pop", pointer(ring.head_tail), pointer(ring.ring),
-                                    pointer(status), kernel.limit, return_type="int32")
+                                    claimed.ptr_to([0]), return_type="int32")
                                 Tb.buffer_store(taken, popped, [0])
                                 with Tb.If(tirx.And(taken[0] == -1, head >= 0)):
                                     with Tb.Then():  # the ring is done, the queue is not
@@ -106,7 +116,6 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                             with Tb.Then():
                                 Tb.buffer_store(since, tirx.IntImm("uint64", 0), [0])
                                 Tb.buffer_store(kernel.stop, i32(0), [0])
-                                Tb.add_to_parent(ring.count_down_consumers(taken[0]))
                         with Tb.If(taken[0] == i32(NONE_NOW)):
                             with Tb.Then():
                                 with Tb.If(kernel.runtime_call(
@@ -124,5 +133,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                 with Tb.If(task >= 0):
                     with Tb.Then():
                         Tb.buffer_store(pos, pos[0] + queued, [0])
+                        Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
+                        Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                         Tb.add_to_parent(dispatch)
     return ib.get()
