@@ -168,7 +168,8 @@ def table(title, key, rows) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 16, 128],
+                        help="MLP rows (none: the chain alone)")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=2048)
     parser.add_argument("--json", default="bench_overhead.json")
@@ -199,9 +200,10 @@ def main() -> None:
     print("per hop (slope over N): " + ", ".join(
         f"{label} {np.polyfit(ns, [r[label] for r in chains], 1)[0]:.3f} us"
         for label in VARIANTS))
-    table(f"(b) MLP {args.hidden} -> {args.inter} -> {args.hidden}, bf16 "
-          "(16-row blocks; M=1 computed as one block)", "M", mlps)
-    table("(c) the same MLP, split-K (256-wide K slices)", "M", split_mlps)
+    if args.rows:
+        table(f"(b) MLP {args.hidden} -> {args.inter} -> {args.hidden}, bf16 "
+              "(16-row blocks; M=1 computed as one block)", "M", mlps)
+        table("(c) the same MLP, split-K (256-wide K slices)", "M", split_mlps)
     with open(args.json, "w") as f:
         json.dump({"chain": chains, "mlp": mlps, "mlp_split_k": split_mlps}, f, indent=1)
 
