@@ -11,11 +11,14 @@ from tvm import relax
 
 from etc_tvm import EtcError, ExecutionError
 from etc_tvm.build import build, power_of_two_samples
+from etc_tvm.executor import DynamicQueueOrder, MixedOrder, StaticOrder, execute
 from etc_tvm.relax_passes import StaticScheduleTransform
 from etc_tvm.runtime import SampledMeta
+from etc_tvm.schedule import list_schedule, mixed_schedule
+from etc_tvm.task_graph import TaskGraph
 
 import graphs
-from moe_graph import moe_graph
+from moe_graph import make_inputs, moe_graph, moe_reference
 
 
 def test_power_of_two_samples_end_at_the_maximum():
@@ -95,3 +98,21 @@ def test_a_ring_kernel_on_symbolic_shapes_pushes_its_seeds_at_launch():
 def test_sampled_schedules_are_for_persistent_kernels():
     with pytest.raises(ValueError, match="sampled schedules are for the persistent kernels"):
         build(graphs.two_ops, samples=[{"M": 8}], strategy="unfused", num_sms=132)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7, 64, 100, 300, 1024])
+def test_every_token_count_runs_on_its_samples_schedules(tokens):
+    """What the GPU runs for ``tokens`` under one ``max_dims={"T": 4096}`` compilation, on the
+    CPU: the smallest power-of-two sample holding it, its static queues, its ring and its mixed
+    queues, with the tasks beyond the tokens skipped."""
+    graph = moe_graph(2, "tensor")
+    sample = next(s for s in power_of_two_samples({"T": 4096}) if s["T"] >= tokens)
+    big = TaskGraph.build(graph, sample)
+    inputs = make_inputs("random", tokens, 2)
+    want = moe_reference(*inputs, 2)
+    mixed, ring_calls = mixed_schedule(big, 132)
+    for order in (StaticOrder(list_schedule(big, 132).queues), DynamicQueueOrder(132),
+                  MixedOrder(mixed.queues, ring_calls)):
+        got = execute(graph, *inputs, order=order, schedule_dims=sample)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
