@@ -183,14 +183,39 @@ class EdgeMap:
             return []
         return list(product(*(ev.values(item) for item in self.indices)))
 
+    def evaluate_grid(self, coords: Sequence[np.ndarray]) \
+            -> tuple[tuple[np.ndarray, ...], np.ndarray] | None:
+        """``evaluate`` at many coordinates at once (``coords[k]``: coordinate k of each), for
+        a map that gives at most one element per coordinate without reading tensors: (the
+        element's coordinates, whether the guard holds), arrays over the coordinates. None
+        for the other maps, and where a division by zero needs ``evaluate``'s error."""
+        try:
+            ev = _Evaluator(self, coords, _NO_TENSORS, grid=True)
+            n = len(coords[0]) if coords else 1
+            live = np.ones(n, bool) if self.guard is None else \
+                np.broadcast_to(ev.truth(self.guard), (n,))
+            indices = []
+            for item in self.indices:
+                (value,) = ev.values(item)
+                indices.append(np.broadcast_to(np.asarray(value, np.int64), (n,)))
+            return tuple(indices), live
+        except _NotOnGrid:
+            return None
+
+
+class _NotOnGrid(Exception):
+    """The map needs ``EdgeMap.evaluate`` coordinate by coordinate."""
+
 
 class _Evaluator:
     """One map at one coordinate. An integer expression has a list of values, since each
     ``:`` and each range inside it stands for several (combined as a cartesian product)."""
 
-    def __init__(self, edge_map: EdgeMap, coords: Sequence[int],
-                 tensors: Mapping[str, np.ndarray]) -> None:
-        self.map, self.coords, self.tensors = edge_map, tuple(int(c) for c in coords), tensors
+    def __init__(self, edge_map: EdgeMap, coords: Sequence, tensors: Mapping[str, np.ndarray],
+                 grid: bool = False) -> None:
+        """``grid``: each coordinate is an array (``EdgeMap.evaluate_grid``)."""
+        self.map, self.tensors, self.grid = edge_map, tensors, grid
+        self.coords = tuple(coords) if grid else tuple(int(c) for c in coords)
         if len(self.coords) != len(edge_map.coords):
             self.fail(f"expected {len(edge_map.coords)} coordinates")
         self.env = dict(zip(edge_map.coords, self.coords, strict=True))
@@ -208,6 +233,13 @@ class _Evaluator:
                 return [self.env[name]]
             case Neg(operand):
                 return [-v for v in self.values(operand)]
+            case BinOp(op, lhs, rhs) if self.grid:
+                (a,), (b,) = self.values(lhs), self.values(rhs)
+                if op in ("//", "%") and np.any(np.asarray(b) == 0):
+                    raise _NotOnGrid
+                return [_ARITH[op](a, b)]
+            case Range() | Read() if self.grid:
+                raise _NotOnGrid
             case BinOp(op, lhs, rhs):
                 try:
                     return [_ARITH[op](a, b) for a in self.values(lhs) for b in self.values(rhs)]
@@ -238,6 +270,9 @@ class _Evaluator:
         match node:
             case Compare(op, lhs, rhs):  # guards have no ':', so each side has one value
                 return _COMPARE[op](*self.values(lhs), *self.values(rhs))
+            case BoolOp(op, lhs, rhs) if self.grid:
+                both = np.logical_and if op == "and" else np.logical_or
+                return both(self.truth(lhs), self.truth(rhs))
             case BoolOp("and", lhs, rhs):
                 return self.truth(lhs) and self.truth(rhs)
             case BoolOp("or", lhs, rhs):

@@ -100,7 +100,12 @@ class CallNode:
         return tuple(e for e in self.in_edges if e.map.is_trigger)
 
     def coords(self, task: int) -> tuple[int, ...]:
-        return tuple(int(c) for c in np.unravel_index(task - self.first_task, self.grid))
+        """The task's coordinates in the grid, row-major."""
+        rest, out = task - self.first_task, []
+        for n in reversed(self.grid):
+            rest, c = divmod(rest, n)
+            out.append(c)
+        return tuple(reversed(out))
 
     def tensor_args(self) -> tuple[int, ...]:
         return self.inputs + self.outputs
@@ -147,6 +152,8 @@ class TaskGraph:
     waits: list[list[Element]] = field(default_factory=list)
     notifies: list[list[Element]] = field(default_factory=list)
     task_call: list[int] = field(default_factory=list)
+    # what the queries below derive, computed once: a built graph does not change
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -322,7 +329,12 @@ class TaskGraph:
         """(successors, in-degrees) over nodes ``("t", task)``, ``("e", element)`` and
         ``("c", call)``: a task precedes the elements it notifies, an element the tasks that
         wait on it; a call node stands for "every task of that call", the conservative form of
-        the dependencies that only run-time data can make precise."""
+        the dependencies that only run-time data can make precise. Shared: do not change."""
+        if "dependency_graph" not in self._derived:
+            self._derived["dependency_graph"] = self._dependency_graph()
+        return self._derived["dependency_graph"]
+
+    def _dependency_graph(self):
         succ, indeg = defaultdict(list), defaultdict(int)
 
         def edge(a, b):
@@ -346,6 +358,11 @@ class TaskGraph:
     def topological_order(self) -> list[int]:
         """Task ids in an order that respects every edge, dynamic ones conservatively
         (``dependency_graph``). Raises ``GraphError`` naming a cycle."""
+        if "topological_order" not in self._derived:
+            self._derived["topological_order"] = self._topological_order()
+        return list(self._derived["topological_order"])
+
+    def _topological_order(self) -> list[int]:
         succ, indeg = self.dependency_graph()
         indeg = dict(indeg)
         nodes = set(indeg) | set(succ)
@@ -560,22 +577,40 @@ class _Builder:
         for call in graph.calls:
             call.first_task = first
             first += call.num_tasks
-            for task in call.tasks:
-                coords = call.coords(task)
-                graph.task_call.append(call.index)
-                graph.waits.append(self.elements(graph, call, call.in_edges, coords))
-                graph.notifies.append(self.elements(graph, call, call.out_edges, coords))
+            graph.task_call.extend([call.index] * call.num_tasks)
+            graph.waits.extend(self.elements(graph, call, call.in_edges))
+            graph.notifies.extend(self.elements(graph, call, call.out_edges))
 
     @staticmethod
-    def elements(graph: TaskGraph, call: CallNode, edges, coords) -> list[Element]:
-        out = []
+    def elements(graph: TaskGraph, call: CallNode, edges) -> list[list[Element]]:
+        """Each task's elements of the static maps among ``edges``, in edge order: the maps
+        that give one element a task evaluated over the whole grid at once."""
+        n = call.num_tasks
+        grid = np.unravel_index(np.arange(n), call.grid) if call.grid else ()
+        out: list[list[Element]] = [[] for _ in range(n)]
         for e in edges:
             if e.map.is_data_dependent or e.map.is_trigger:
                 continue
             et = graph.etensors[e.etensor]
-            for idx in e.map.evaluate(coords):
-                check_element(et, idx, e.map, f"{call.name}{coords}", GraphError)
-                out.append((e.etensor, idx))
+            on_grid = e.map.evaluate_grid(grid)
+            if on_grid is None:
+                for k in range(n):
+                    coords = call.coords(call.first_task + k)
+                    for idx in e.map.evaluate(coords):
+                        check_element(et, idx, e.map, f"{call.name}{coords}", GraphError)
+                        out[k].append((e.etensor, idx))
+                continue
+            indices, live = on_grid
+            inside = np.ones(n, bool) if len(indices) == len(et.shape) else np.zeros(n, bool)
+            for i, size in zip(indices, et.shape):
+                inside &= (i >= 0) & (i < size)
+            for k in np.flatnonzero(live & ~inside)[:1]:  # the first task outside, as evaluate
+                coords = call.coords(call.first_task + int(k))
+                check_element(et, tuple(int(i[k]) for i in indices), e.map,
+                              f"{call.name}{coords}", GraphError)
+            for k, idx in zip(np.flatnonzero(live).tolist(),
+                              zip(*(i[live].tolist() for i in indices))):
+                out[k].append((e.etensor, idx))
         return out
 
 

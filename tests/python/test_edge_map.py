@@ -241,3 +241,26 @@ def test_guard_agrees_with_python(cond, coord):
             edge_map.evaluate(coord)
         return
     assert edge_map.evaluate(coord) == ([coord[::-1]] if holds else [])
+
+
+@given(int_exprs, int_exprs, conditions)
+def test_grid_evaluation_agrees_with_one_coordinate_at_a_time(first, second, cond):
+    """``evaluate_grid`` (task graphs evaluate a static map over a whole grid at once) gives
+    what ``evaluate`` gives at each coordinate, or declines where a division by zero needs
+    ``evaluate``'s error."""
+    edge_map = parse(f"ij->{first}, {second} if {cond}", kind="out", task_rank=2, event_rank=2)
+    grid = [(i, j) for i in range(-4, 5) for j in range(-3, 4)]
+    on_grid = edge_map.evaluate_grid([np.array(c) for c in zip(*grid)])
+    if on_grid is None:
+        return
+    (rows, cols), live = on_grid
+    for k, coord in enumerate(grid):
+        expected = edge_map.evaluate(coord)
+        assert ([(int(rows[k]), int(cols[k]))] if live[k] else []) == expected
+
+
+def test_grid_evaluation_declines_ranges_and_reads():
+    assert parse_in("e=>2*e:2*e+2", 1, 1).evaluate_grid([np.arange(3)]) is None
+    assert parse_in("i->a[i]", 1, 1).evaluate_grid([np.arange(3)]) is None
+    assert parse("i->i // (i - 1)", kind="out", task_rank=1, event_rank=1).evaluate_grid(
+        [np.arange(3)]) is None
