@@ -33,6 +33,7 @@
 
 #ifdef __CUDACC_RTC__
 #include <cuda/std/cstdint>
+using cuda::std::int64_t;
 using cuda::std::uint64_t;
 #else
 #include <cstdint>
@@ -191,6 +192,27 @@ __device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* cl
   if (task < 0) return -3;
   *claimed = -1;
   return task;
+}
+
+// Task timeline (KernelOptions.profile): one row of ETC_TIMELINE_WORDS int64 per task, written
+// by thread 0 of the CTA that runs it: [0] start and [1] end on the global nanosecond timer
+// (comparable across SMs), [2] start, [3] waits done and [4] end on the SM's cycle counter
+// (precise within a task), [5] the SM. A task that never ran keeps zeros.
+#define ETC_TIMELINE_WORDS 6
+
+__device__ __forceinline__ void etc_trace_start(int64_t* row) {
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  row[0] = (int64_t)etc_globaltimer_ns();
+  row[2] = clock64();
+  row[5] = smid;
+}
+
+__device__ __forceinline__ void etc_trace_waited(int64_t* row) { row[3] = clock64(); }
+
+__device__ __forceinline__ void etc_trace_end(int64_t* row) {
+  row[4] = clock64();
+  row[1] = (int64_t)etc_globaltimer_ns();
 }
 
 // 1 if ``counter`` is complete now (acquire), else 0: a wait that does not block.

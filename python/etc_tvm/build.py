@@ -65,7 +65,8 @@ def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool)
     layout = EventLayout.of(task_graph)
     return GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
                      layout.names(task_graph), options.timeout_s, has_status=has_status,
-                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)])
+                     edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)],
+                     profiled=has_status and options.profile)
 
 
 def power_of_two_samples(max_dims: Mapping[str, int]) -> list[dict[str, int]]:

@@ -1,8 +1,9 @@
 """Running compiled graph functions: the watchdog check, and loading exported libraries.
 
-A compiled graph function returns its outputs and, last, the watchdog ``status`` record of its
-persistent kernel. ``CompiledGraph`` hides the record and turns a stopped kernel into an
-``ExecutionError`` naming the task, the event element, its counter and the SM.
+A compiled graph function returns its outputs and then the watchdog ``status`` record of its
+persistent kernel (and, built to profile, its task timeline). ``CompiledGraph`` hides the
+record and turns a stopped kernel into an ``ExecutionError`` naming the task, the event
+element, its counter and the SM.
 
 ``load(path)`` runs an exported library in a TVM runtime without the compiler library
 (``TVM_USE_RUNTIME_LIB=1``), as a deployment does: in that mode TVM 0.27 does not load its CUDA
@@ -30,8 +31,9 @@ class GraphMeta:
     task_names: list
     etensors: list  # [name, offset, shape] of every counter range
     timeout_s: float
-    has_status: bool = True  # the function returns the watchdog record last
+    has_status: bool = True  # the function returns the watchdog record after its outputs
     edges: list = ()  # the edge maps, numbered as the kernel reports them
+    profiled: bool = False  # the task timeline follows the watchdog record
 
     def element_name(self, flat: int) -> str:
         for name, offset, shape in self.etensors:
@@ -147,13 +149,27 @@ class CompiledGraph:
 
     def __call__(self, *inputs):
         """Run, check the watchdog record, return the outputs as NumPy arrays."""
+        return self._checked(inputs)[0]
+
+    def profile(self, *inputs):
+        """Run a graph built with ``KernelOptions(profile=True)``: (its outputs as ``__call__``
+        returns them, the ``profile.Timeline`` of its tasks)."""
+        from .profile import Timeline
+
+        outs, meta, timeline = self._checked(inputs)
+        if timeline is None:
+            raise ExecutionError(f"{meta.name} was not built to profile: build it with "
+                                 "options=KernelOptions(profile=True)")
+        return outs, Timeline(meta, timeline)
+
+    def _checked(self, inputs):
         result, meta = self._run(inputs)
-        n = len(result)
+        n = len(result) - meta.has_status - meta.profiled
         if meta.has_status:
-            n -= 1
             meta.check(result[n].numpy())
+        timeline = result[len(result) - 1].numpy() if meta.profiled else None
         outs = [result[k].numpy() for k in range(n)]
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return (outs[0] if len(outs) == 1 else tuple(outs)), meta, timeline
 
     def capture(self, *inputs):
         """Capture one run on ``inputs`` (device tensors) into a CUDA graph.

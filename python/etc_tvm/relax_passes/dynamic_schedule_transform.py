@@ -56,4 +56,4 @@ class DynamicScheduleTransform(PersistentScheduleTransform):
             layout.size, STATUS_WORDS, *plan.state_sizes().values())]
         constants = [layout.initial, *plan.tables(seeds_at_launch=variant is not None)]
         return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
-                                              variant)
+                                              variant, profiled=self.options.profile)

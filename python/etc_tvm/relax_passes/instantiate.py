@@ -13,6 +13,7 @@ from ..errors import GraphError
 from ..graph_func import GraphFunc
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
+from ..tir_sched.persistent import timeline_size
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -89,20 +90,24 @@ def without_device_funcs(mod: tvm.IRModule) -> tvm.IRModule:
 def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGraph,
                                    kernel: tvm.tirx.PrimFunc, constants: Sequence[np.ndarray],
                                    state: Sequence[relax.TensorType],
-                                   variant: str | None = None) -> tvm.IRModule:
+                                   variant: str | None = None,
+                                   profiled: bool = False) -> tvm.IRModule:
     """Make ``name`` one ``call_tir`` of ``kernel``.
 
     The kernel takes the function's parameters and ``constants`` (read-only int32 tables) and
-    returns ``state`` (fresh every launch; ``state[1]`` is the watchdog record) followed by every
-    call's outputs. The function returns its outputs, then the watchdog record. A plain binding
-    block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape) must not look into
-    TIRx kernels.
+    returns ``state`` (fresh every launch; ``state[1]`` is the watchdog record; with
+    ``profiled``, the task timeline after it) followed by every call's outputs. The function
+    returns its outputs, then the watchdog record, then the timeline if profiled. A plain
+    binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape) must not
+    look into TIRx kernels.
 
     With ``variant``, ``name`` stays and a function of that name is added, keeping the
     symbolic shapes of ``name``'s parameters and outputs (a kernel built for the largest sizes
     it serves, ``graph``'s).
     """
     func = mod[name]
+    if profiled:
+        state = [*state, relax.TensorType([timeline_size(graph)], "int64")]
     bb = relax.BlockBuilder(mod if variant else without(mod, name))
     gv = bb.add_func(kernel, kernel.attrs["global_symbol"])
     fresh = {}
@@ -123,8 +128,10 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
         for k, t in enumerate(produced):
             value[t.index] = bb.emit(relax.TupleGetItem(result, len(state) + k), t.name)
-        status = bb.emit(relax.TupleGetItem(result, 1), "status")
-        bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), status]))
+        records = [bb.emit(relax.TupleGetItem(result, 1), "status")]
+        if profiled:
+            records.append(bb.emit(relax.TupleGetItem(result, len(state) - 1), "timeline"))
+        bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), *records]))
     return bb.finalize()
 
 

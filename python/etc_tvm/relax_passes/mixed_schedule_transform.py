@@ -59,4 +59,4 @@ class MixedScheduleTransform(PersistentScheduleTransform):
         constants = [indptr, tasks, layout.initial,
                      *plan.tables(seeds_at_launch=variant is not None)]
         return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
-                                              variant)
+                                              variant, profiled=self.options.profile)

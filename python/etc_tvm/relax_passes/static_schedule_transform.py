@@ -66,5 +66,6 @@ class StaticScheduleTransform(PersistentScheduleTransform):
         state = [relax.TensorType([layout.size], "int32"),
                  relax.TensorType([STATUS_WORDS], "int32")]
         return replace_with_persistent_kernel(mod, name, graph, kernel,
-                                              [indptr, tasks, layout.initial], state, variant)
+                                              [indptr, tasks, layout.initial], state, variant,
+                                              profiled=self.options.profile)
 

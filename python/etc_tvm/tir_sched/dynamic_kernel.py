@@ -320,7 +320,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
-                                     kernel.counters, status, *ring.outputs, *kernel.outputs],
+                                     kernel.counters, status, *ring.outputs,
+                                     *kernel.profile_outputs, *kernel.outputs],
                               num_ctas, shared=(slot, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, num_ctas)

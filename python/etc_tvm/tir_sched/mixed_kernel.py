@@ -65,7 +65,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, kernel.counters, status, *ring.outputs,
-                                     *kernel.outputs],
+                                     *kernel.profile_outputs, *kernel.outputs],
                               schedule.num_ctas, shared=(taken, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, schedule.num_ctas)

@@ -34,9 +34,15 @@ from .grid_kernel import unravel
 from .inline import ThreadScopes, i32, inline_task, shared_bytes, substitute
 
 STATUS_WORDS = 8
+TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
 SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
+
+
+def timeline_size(graph: TaskGraph) -> int:
+    """int64 words of the task timeline of ``graph`` (KernelOptions.profile)."""
+    return max(1, graph.num_tasks) * TIMELINE_WORDS
 
 
 def runtime_source() -> str:
@@ -52,11 +58,14 @@ class KernelOptions:
     ctas_per_sm: persistent CTAs per SM; more hide the latency of one task with another's (the
       kernel's registers and shared memory must let them be co-resident, or the cooperative
       launch fails).
-    drop_notify: a task id whose notifies are left out (a test hook for the watchdog)."""
+    drop_notify: a task id whose notifies are left out (a test hook for the watchdog).
+    profile: record each task's timeline (start, waits done, end, SM) in an extra output
+      (``etc_tvm.profile``); a few stores per task."""
 
     timeout_s: float = 4.0
     ctas_per_sm: int = 1
     drop_notify: int | None = None
+    profile: bool = False
 
 
 DEFAULT_OPTIONS = KernelOptions()
@@ -86,6 +95,8 @@ class PersistentKernel:
         self.initial = tirx.decl_buffer((layout.size,), "int32", "initial")
         self.counters = tirx.decl_buffer((layout.size,), "int32", "counters")
         self.status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
+        self.timeline = tirx.decl_buffer((timeline_size(graph),), "int64", "timeline") \
+            if options.profile else None
         arena_bytes = max(shared_bytes(c.fn) for c in graph.calls)
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
         if per_sm * arena_bytes > SM_SHARED_BYTES or per_sm * threads > SM_THREADS:
@@ -100,6 +111,11 @@ class PersistentKernel:
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
+
+    @property
+    def profile_outputs(self) -> list:
+        """The timeline buffer when profiling (the last state output, before the calls')."""
+        return [] if self.timeline is None else [self.timeline]
 
     def runtime_call(self, name: str, *args, return_type: str = "void"):
         """A call of a function of the device runtime (src/etc_runtime.cuh)."""
@@ -137,12 +153,15 @@ class PersistentKernel:
         buffer, a function of the index, or None for zeros), status cleared, then a grid-wide
         barrier: every launch starts from fresh state."""
         stride = num_ctas * self.scopes.num_threads
-        for dst, src, n in [(self.counters, self.initial, self.layout.size), *extra]:
+        fills = [(self.counters, self.initial, self.layout.size), *extra]
+        if self.timeline is not None:
+            fills.append((self.timeline, None, int(self.timeline.shape[0])))
+        for dst, src, n in fills:
             for k in range(-(-n // stride)):
                 idx = i32(k * stride) + bx * i32(self.scopes.num_threads) + self.tx
                 with Tb.If(idx < i32(n)):
                     with Tb.Then():
-                        value = i32(0) if src is None else src[idx] \
+                        value = tirx.IntImm(dst.dtype, 0) if src is None else src[idx] \
                             if isinstance(src, tirx.Var) else src(idx)
                         Tb.buffer_store(dst, value, [idx])
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
@@ -167,11 +186,13 @@ class PersistentKernel:
         values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
         inside = self.inside(call, coord_vars)
+        stmts.append(self._trace("etc_trace_start", task))
         waits = self._waits(call, task, coord_vars)
         if waits is not None:
             run_waits = None if skip_waits is None else skip_waits == 0
             run_waits = _both(run_waits, inside)
             stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
+        stmts.append(self._trace("etc_trace_waited", task))
         args = [self.buffers[t] for t in call.tensor_args()]
         body = tirx.stmt_seq(*tirx.stmt_list(
             inline_task(call.fn, coord_vars, args, self.scopes, self.arena)))
@@ -188,7 +209,15 @@ class PersistentKernel:
             stmts.append(tirx.IfThenElse(cond, notifies, None))
         if call.index in self.layout.done:
             stmts.append(self._completion(call))
-        return tirx.stmt_seq(*stmts)
+        stmts.append(self._trace("etc_trace_end", task))
+        return tirx.stmt_seq(*[s for s in stmts if s is not None])
+
+    def _trace(self, name: str, task) -> tirx.Stmt | None:
+        """Thread 0 stamps ``task``'s timeline row (profiling only)."""
+        if self.timeline is None:
+            return None
+        row = self.timeline.ptr_to([task * i32(TIMELINE_WORDS)])
+        return tirx.IfThenElse(self.tx == 0, tirx.Evaluate(self.runtime_call(name, row)), None)
 
     def _waits(self, call, task, coords) -> tirx.Stmt | None:
         """Thread 0 waits, in order, on: the elements of static in-edges; the completion of

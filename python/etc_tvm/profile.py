@@ -1,0 +1,121 @@
+"""Task timelines of a profiled megakernel run: where each task ran, when, and how long it
+waited before its body could start.
+
+Build with ``options=KernelOptions(profile=True)`` and run with ``CompiledGraph.profile``::
+
+    outputs, timeline = compiled.profile(*inputs)
+    print(timeline.summary())              # per call: tasks, wait and body time; hand-offs
+    timeline.write_chrome_trace("run.json")  # one track per SM, for Perfetto or chrome://tracing
+
+The kernel stamps each task three times on thread 0 (start, waits done, end; the row layout
+is in src/etc_runtime.cuh). Start and end come from the global nanosecond timer, which all SMs
+share, so tasks on different SMs line up; the split of a task into waiting and body comes from
+its SM's cycle counter, which is finer but only comparable within one SM.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .runtime import GraphMeta
+
+WORDS = 6  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
+START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, SM = range(WORDS)
+
+
+@dataclass(frozen=True)
+class TaskSpan:
+    """One task that ran: times in microseconds from the first task's start."""
+
+    task: int
+    name: str
+    sm: int
+    start_us: float
+    end_us: float
+    wait_us: float  # of (end - start), the share before the body could start
+
+    @property
+    def call(self) -> str:
+        return self.name.split("(", 1)[0]
+
+    @property
+    def body_us(self) -> float:
+        return self.end_us - self.start_us - self.wait_us
+
+
+class Timeline:
+    """The tasks of one profiled run, from the kernel's timeline rows."""
+
+    def __init__(self, meta: GraphMeta, rows: np.ndarray):
+        rows = np.asarray(rows, np.int64).reshape(-1, WORDS)[:len(meta.task_names)]
+        ran = np.flatnonzero(rows[:, START_NS] != 0)  # skipped tasks keep zeros
+        self.meta = meta
+        if ran.size == 0:
+            self.spans: list[TaskSpan] = []
+            return
+        origin = rows[ran, START_NS].min()
+        spans = []
+        for t in ran.tolist():
+            r = rows[t]
+            start, end = (r[START_NS] - origin) / 1e3, (r[END_NS] - origin) / 1e3
+            cycles = r[END_CLK] - r[START_CLK]
+            waited = (r[WAITED_CLK] - r[START_CLK]) / cycles if cycles > 0 else 0.0
+            spans.append(TaskSpan(t, meta.task_names[t], int(r[SM]), start, end,
+                                  (end - start) * waited))
+        self.spans = sorted(spans, key=lambda s: (s.start_us, s.task))
+
+    @property
+    def makespan_us(self) -> float:
+        """From the first task's start to the last task's end."""
+        return max((s.end_us for s in self.spans), default=0.0)
+
+    def handoffs_us(self) -> np.ndarray:
+        """Gaps on each SM between one task's end and the next task's start: what taking the
+        next task (a queue read, a pop) costs, plus any idle time."""
+        gaps = []
+        by_sm: dict[int, list[TaskSpan]] = {}
+        for s in self.spans:
+            by_sm.setdefault(s.sm, []).append(s)
+        for spans in by_sm.values():
+            gaps += [b.start_us - a.end_us for a, b in zip(spans, spans[1:])]
+        return np.asarray(gaps)
+
+    def summary(self) -> str:
+        """A table per call (tasks, median wait and body, total busy time), then the
+        makespan, the SMs used and the median hand-off."""
+        calls: dict[str, list[TaskSpan]] = {}
+        for s in self.spans:
+            calls.setdefault(s.call, []).append(s)
+        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'busy us':>9}"]
+        for name, spans in calls.items():
+            lines.append(f"{name:>16} {len(spans):>6} "
+                         f"{np.median([s.wait_us for s in spans]):>9.2f} "
+                         f"{np.median([s.body_us for s in spans]):>9.2f} "
+                         f"{sum(s.end_us - s.start_us for s in spans):>9.1f}")
+        gaps = self.handoffs_us()
+        lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
+                     f"SMs; median hand-off {np.median(gaps) if gaps.size else 0.0:.2f} us")
+        return "\n".join(lines)
+
+    def chrome_trace(self) -> dict:
+        """The run in the Trace Event Format: one thread per SM, each task a complete event
+        split into its wait and its body."""
+        events = []
+        for s in self.spans:
+            common = {"pid": 0, "tid": s.sm, "args": {"task": s.task}}
+            events.append({"name": s.name, "ph": "X", "ts": s.start_us,
+                           "dur": s.end_us - s.start_us, **common})
+            if s.wait_us > 0:
+                events.append({"name": "wait", "ph": "X", "ts": s.start_us, "dur": s.wait_us,
+                               **common})
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": sm,
+                    "args": {"name": f"SM {sm}"}} for sm in sorted({s.sm for s in self.spans})]
+        return {"traceEvents": events, "displayTimeUnit": "ns",
+                "otherData": {"graph": self.meta.name}}
+
+    def write_chrome_trace(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)

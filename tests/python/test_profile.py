@@ -1,0 +1,93 @@
+"""Task timelines: the profiled kernel's extra output, its stamps, and reading them back."""
+import json
+
+import numpy as np
+import pytest
+
+from etc_tvm.build import build
+from etc_tvm.profile import END_CLK, END_NS, SM, START_CLK, START_NS, WAITED_CLK, WORDS, Timeline
+from etc_tvm.relax_passes import StaticScheduleTransform
+from etc_tvm.runtime import GraphMeta
+from etc_tvm.tir_sched.persistent import KernelOptions
+
+import graphs
+from test_executor import chain
+
+PROFILE = KernelOptions(profile=True)
+
+
+def test_a_profiled_function_returns_the_timeline_after_the_watchdog_record():
+    plain = StaticScheduleTransform({"M": 64}, num_sms=8)(graphs.two_ops.mod)
+    profiled = StaticScheduleTransform({"M": 64}, num_sms=8, options=PROFILE)(graphs.two_ops.mod)
+    fields = profiled["two_ops"].ret_ty.fields
+    assert len(fields) == len(plain["two_ops"].ret_ty.fields) + 1
+    timeline = fields[-1]
+    assert timeline.dtype == "int64"
+    assert [int(d) for d in timeline.shape.values] == [32 * WORDS]  # 2 calls of 16 tasks
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "barrier"])
+def test_every_task_branch_stamps_start_waits_and_end(strategy):
+    def kernel_of(options):
+        source = build(chain, {"M": 32}, strategy=strategy, num_sms=4,
+                       options=options).cuda_source()
+        return source[source.index("extern \"C\" __global__"):]
+
+    kernel = kernel_of(PROFILE)
+    for stamp in ("etc_trace_start(", "etc_trace_waited(", "etc_trace_end("):
+        assert kernel.count(stamp) == 1, stamp  # one call, one branch
+    assert "etc_trace" not in kernel_of(KernelOptions())
+
+
+def test_sampled_functions_say_they_are_profiled():
+    meta = build(graphs.two_ops, samples=[{"M": 16}, {"M": 64}], num_sms=8,
+                 options=PROFILE).meta
+    assert all(m.profiled for _, _, m in meta.samples)
+    assert not build(graphs.two_ops, {"M": 16}, strategy="unfused").meta.profiled
+
+
+def rows_of(*tasks):
+    """Timeline rows from (start ns, end ns, share of the task spent waiting, SM)."""
+    rows = np.zeros((len(tasks), WORDS), np.int64)
+    for r, (start, end, waiting, sm) in zip(rows, tasks):
+        if start is None:
+            continue  # a skipped task keeps zeros
+        r[START_NS], r[END_NS], r[SM] = start, end, sm
+        r[START_CLK], r[END_CLK] = 10_000, 10_000 + 1000
+        r[WAITED_CLK] = 10_000 + int(1000 * waiting)
+    return rows.ravel()
+
+
+META = GraphMeta("g", ["a(0)", "a(1)", "b(0)", "b(1)"], [], 4.0, profiled=True)
+
+
+def test_timeline_spans_waits_and_handoffs():
+    timeline = Timeline(META, rows_of((5_000, 7_000, 0.0, 3), (5_500, 6_500, 0.5, 4),
+                                      (7_400, 9_000, 0.25, 3), (None, None, 0, 0)))
+    spans = {s.name: s for s in timeline.spans}
+    assert sorted(spans) == ["a(0)", "a(1)", "b(0)"]  # b(1) never ran
+    assert spans["a(1)"].start_us == pytest.approx(0.5)
+    assert spans["a(1)"].wait_us == pytest.approx(0.5)
+    assert spans["b(0)"].body_us == pytest.approx(1.2)
+    assert timeline.makespan_us == pytest.approx(4.0)
+    np.testing.assert_allclose(timeline.handoffs_us(), [0.4])  # SM 3: a(0) ends, b(0) starts
+    summary = timeline.summary()
+    assert "makespan 4.0 us on 2 SMs; median hand-off 0.40 us" in summary
+    assert summary.splitlines()[1].split()[:2] == ["a", "2"]
+
+
+def test_chrome_trace_has_one_track_per_sm(tmp_path):
+    timeline = Timeline(META, rows_of((5_000, 7_000, 0.5, 3), (5_500, 6_500, 0.0, 4),
+                                      (None, None, 0, 0), (None, None, 0, 0)))
+    timeline.write_chrome_trace(tmp_path / "run.json")
+    events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    tasks = [e for e in events if e["ph"] == "X" and e["name"] != "wait"]
+    assert {(e["name"], e["tid"], e["ts"], e["dur"]) for e in tasks} == {
+        ("a(0)", 3, 0.0, 2.0), ("a(1)", 4, 0.5, 1.0)}
+    assert [e["dur"] for e in events if e["name"] == "wait"] == [1.0]
+    assert sorted(e["args"]["name"] for e in events if e["ph"] == "M") == ["SM 3", "SM 4"]
+
+
+def test_an_empty_timeline_is_empty():
+    timeline = Timeline(META, np.zeros(4 * WORDS, np.int64))
+    assert timeline.spans == [] and timeline.makespan_us == 0.0

@@ -1,0 +1,30 @@
+"""Task timelines on the GPU: a profiled run gives the same results, every task stamped once,
+tasks on one SM one after another, and a chain's links in order."""
+import numpy as np
+import pytest
+
+from etc_tvm.build import build
+from etc_tvm.tir_sched.persistent import KernelOptions
+
+from test_executor import chain
+from tiles import COLS, ROWS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "barrier"])
+def test_a_profiled_chain_is_stamped_in_order(strategy, rng):
+    links = 64
+    x = rng.standard_normal((links * ROWS, COLS)).astype("float32")
+    compiled = build(chain, {"M": links * ROWS}, strategy=strategy,
+                     options=KernelOptions(profile=True))
+    out, timeline = compiled.profile(x)
+    np.testing.assert_allclose(out, 2 * x.astype(np.float64) + 1, rtol=1e-6)
+    spans = sorted(timeline.spans, key=lambda s: s.task)
+    assert [s.task for s in spans] == list(range(links))
+    for s in spans:
+        assert 0 <= s.wait_us <= s.end_us - s.start_us
+    for a, b in zip(spans, spans[1:]):  # link i+1 waits for link i's notify
+        assert b.end_us >= a.end_us
+    assert (timeline.handoffs_us() >= 0).all()  # one task at a time on each SM
+    assert timeline.makespan_us > 0
