@@ -5,6 +5,9 @@ that ask for the same configuration share one device function:
 
 - ``gemm``: ``make_gemm_tile(bm, bn, bk, threads, out_dtype, stages)``: bf16 x bf16 -> fp32 or
   bf16 on tensor cores (``mma.sync.m16n8k16``), ``C[tile (i, j)] = A[rows i] @ B[:, cols j]``.
+- ``wgmma_gemm``: ``make_wgmma_gemm_tile(bm, bn, bk, stages, threads, out_dtype)``: the same
+  product for large, compute-bound shapes on sm_90a warpgroup MMA (``wgmma``), operands in a
+  128-byte-swizzled shared ring; 256 threads by default (128 for tiles up to 128 x 128).
 - ``elementwise``: ``make_activation_tile(activation, out_dtype, rows, cols, threads)``:
   ReLU / GELU / SiLU over a ``rows x cols`` tile, fp32 in, fp32 or bf16 out.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
@@ -17,6 +20,7 @@ Each module states its numeric contract and gives an ``error_bound`` to check it
 """
 from .elementwise import make_activation_tile, relu_bf16_tile, relu_tile
 from .gemm import gemm_bf16_tile, gemm_tile, make_gemm_tile
+from .wgmma_gemm import make_wgmma_gemm_tile
 from .reduction import (
     make_partial_row_sum_tile,
     make_row_sum_tile,
@@ -26,6 +30,6 @@ from .reduction import (
 
 __all__ = [
     "gemm_bf16_tile", "gemm_tile", "make_activation_tile", "make_gemm_tile",
-    "make_partial_row_sum_tile", "make_row_sum_tile", "partial_row_sum_tile", "relu_bf16_tile",
-    "relu_tile", "row_sum_tile",
+    "make_partial_row_sum_tile", "make_row_sum_tile", "make_wgmma_gemm_tile",
+    "partial_row_sum_tile", "relu_bf16_tile", "relu_tile", "row_sum_tile",
 ]

@@ -1,0 +1,290 @@
+"""A large-tile GEMM for sm_90a on warpgroup MMA (``wgmma``, bf16 in, fp32 accumulate).
+
+Same task convention as ``gemm.make_gemm_tile``: task ``(i, j)`` computes::
+
+    C[i*bm:(i+1)*bm, j*bn:(j+1)*bn] = A[i*bm:(i+1)*bm, :] @ B[:, j*bn:(j+1)*bn]
+
+with ``A`` (M, K) bf16 row-major, ``B`` (K, N) bf16 row-major (weights, not transposed), ``C``
+(M, N) fp32 or bf16; M, N, K symbolic multiples of bm, bn, bk. Where ``mma.sync`` makes every
+warp load its own fragments through ``ldmatrix``, ``wgmma`` reads both operands straight from
+shared memory through 64-bit matrix descriptors, so a warpgroup issues one
+``m64n<bn>k16`` instruction per 64 rows and 16 of K and keeps its accumulators in registers.
+
+Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
+
+    ring = [A stage 0 .. A stage S-1][B stage 0 .. B stage S-1], base aligned to 1024 bytes
+    A stage: bk/64 panels of  bm rows x 64 bf16 (128 bytes a row)   K-major ("row-major A")
+    B stage: bn/64 panels of  bk rows x 64 bf16 (128 bytes a row)   N-major (B as stored)
+    16-byte chunk c of panel row r lives at chunk c ^ (r % 8) of that row
+
+Eight 128-byte rows make one 1024-byte swizzle atom; the hardware applies the XOR on address
+bits [4:7) ^ [7:10), so every atom must start 1024-byte aligned: the tile pads its allocation
+by 1024 bytes and aligns at run time (neither the kernel's arena nor the dynamic shared window
+promises more than 128 / 16 bytes).
+
+Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
+
+- A, K-major, 128B swizzle: start = the m64 block's first row (+32 bytes per k16 step inside a
+  128-byte row, +bm*128 per 64-column panel); stride byte offset (SBO) = 1024, the step between
+  8-row groups; leading byte offset unused (1). ``imm-trans-a`` = 0.
+- B, MN-major, 128B swizzle: start = row 16*kk of the first N panel; LBO = bk*128, the step
+  from one 64-column panel to the next along N; SBO = 1024, the step between 8-row groups of
+  K. ``imm-trans-b`` = 1: bf16 is one of the types wgmma may read transposed (MN-major) from
+  shared memory, so B needs no transpose in memory.
+
+Pipeline, ``S`` = ``stages`` >= 3, every thread both loads and computes (no warp roles)::
+
+    prologue: cp.async slices 0 .. S-3 (one commit group each)
+    for ko in 0 .. K/bk-1:
+        cp.async.wait_group S-3          this thread's copies of slice ko landed
+        fence.proxy.async.shared::cta    ...and are visible to the async proxy (wgmma reads)
+        wgmma.wait_group 1               this warpgroup's wgmmas of slice ko-2 are done
+        bar.sync                         so: slice ko is complete, slot (ko-2)%S is free
+        wgmma x (bk/16) x (m64 blocks), commit    (async: overlaps the next iteration's wait)
+        cp.async slice ko+S-2 -> slot (ko-2)%S, commit (empty past the end, so counts stay)
+    wgmma.wait_group 0; bar.sync; registers -> C
+
+One wgmma batch stays in flight across the barrier, so the tensor cores are not idle while the
+CTA synchronises; slices are prefetched S-2 steps ahead.
+
+Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
+with every wgmma retired (``wait_group 0``), every cp.async group drained (the trailing groups
+are empty) and a CTA barrier, so the next task, of this tile or another, may reuse the same
+shared bytes at once. There are no mbarriers whose phase could leak from one task into the next.
+
+Why cp.async and not TMA: a TMA load (``cp.async.bulk.tensor``) needs a ``CUtensorMap``
+encoded on the host for each global tensor (``cuTensorMapEncodeTiled``; TVM emits it as a
+host-side init statement and passes the map as a ``__grid_constant__`` kernel parameter). A
+device function here is inlined into the persistent kernel and sees only buffers; the
+megakernel builders (``tir_sched``) have no way yet to hoist a tile's host-side encode and to
+thread the map through the kernel's parameters. Follow-up: let a device function declare
+tensor maps over its buffer parameters (box bm x 64 for A, 64 x 64 for B, 128B swizzle: exactly
+the layout above), have ``tir_sched`` encode them on the host per launch and pass them in; then
+replace ``_load_stage`` with one elected thread issuing ``cp.async.bulk.tensor`` +
+``mbarrier.arrive.expect_tx`` per stage, consumers waiting on the stage's full barrier (phase =
+k-step / S parity, re-initialised per task or carried across tasks) and arriving on its empty
+barrier. The shared layout and the descriptors stay as they are.
+
+Numeric contract: as ``gemm``: the bf16 products are exact in fp32, only the fp32 accumulation
+rounds, so ``gemm.error_bound`` (``K * 2**-22 * |A| @ |B|``, plus ``2**-8 * |A @ B|`` for bf16
+output) bounds ``|C - A @ B|`` against a float64 product.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..device_func import DeviceFunc, device_func
+from ..errors import EtcError
+from .gemm import OUT_DTYPES, error_bound
+
+ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
+PANEL = ROW_BYTES // 2  # bf16 columns of one panel
+ATOM_BYTES = 1024  # 8 swizzled rows: the alignment the swizzle pattern needs
+CHUNK = 8  # bf16 elements per cp.async (16 bytes)
+SWIZZLE_128B = 3  # CUtensorMapSwizzle value that encode_matrix_descriptor takes
+WARPGROUP = 128
+MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
+SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
+
+__all__ = ["error_bound", "make_wgmma_gemm_tile", "shared_bytes"]
+
+
+def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
+    """Bytes of shared memory one task uses: the bf16 A and B rings plus the alignment slack."""
+    return stages * (bm * bk + bk * bn) * 2 + ATOM_BYTES
+
+
+def _check(bm: int, bn: int, bk: int, stages: int, threads: int, out_dtype: str) -> None:
+    """Reject the shapes the layout, the instruction and the register file cannot take."""
+    name = f"wgmma gemm tile {bm}x{bn}x{bk}"
+    if out_dtype not in OUT_DTYPES:
+        raise EtcError(f"{name}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    if threads not in (WARPGROUP, 2 * WARPGROUP):
+        raise EtcError(f"{name}: threads must be 128 or 256 (one or two warpgroups), "
+                       f"got {threads}")
+    groups = threads // WARPGROUP
+    if bm <= 0 or bm % (64 * groups):
+        raise EtcError(f"{name}: bm must be a multiple of 64 per warpgroup ({64 * groups} for "
+                       f"{threads} threads): wgmma computes m64 blocks")
+    if bn <= 0 or bn % PANEL or bn > 256:
+        raise EtcError(f"{name}: bn must be 64, 128, 192 or 256: one wgmma spans the tile's N "
+                       "(at most 256) in 64-column swizzle panels")
+    if bk <= 0 or bk % PANEL:
+        raise EtcError(f"{name}: bk must be a multiple of 64 (one 128-byte swizzle row of bf16)")
+    if stages < 3:
+        raise EtcError(f"{name}: stages must be >= 3: one wgmma batch stays in flight while "
+                       f"the slot two steps back is refilled, got {stages}")
+    acc = bm // groups // 64 * bn // 2
+    if acc > MAX_ACC_REGS:
+        raise EtcError(f"{name}: {acc} fp32 accumulators per thread with {threads} threads, "
+                       f"more than {MAX_ACC_REGS}: use 256 threads or a smaller tile")
+    if (bm * bk // CHUNK) % threads or (bk * bn // CHUNK) % threads:
+        raise EtcError(f"{name}: its 16-byte chunks per stage do not divide among {threads} "
+                       "threads")
+    smem = shared_bytes(bm, bn, bk, stages)
+    if smem > SMEM_LIMIT:
+        raise EtcError(f"{name} x{stages} stages needs {smem} bytes of shared memory, more "
+                       f"than {SMEM_LIMIT}")
+
+
+@T.meta_class
+class SwizzledRing:
+    """The ``stages``-deep ring of A and B tiles in 128-byte-swizzled shared memory.
+
+    One ``shared.dyn`` allocation (so the unfused kernel sizes it at launch and the megakernel
+    maps it into its arena), aligned to 1024 bytes at run time; offsets below are bytes from
+    that aligned base.
+    """
+
+    def __init__(self, bm: int, bn: int, bk: int, stages: int, threads: int):
+        self.bm, self.bn, self.bk, self.stages, self.threads = bm, bn, bk, stages, threads
+        self.a_stage = bm * bk * 2  # bytes of one A stage
+        self.b_stage = bk * bn * 2
+        self.b_ring = stages * self.a_stage  # where the B stages start
+        self.smem = T.alloc_buffer((shared_bytes(bm, bn, bk, stages) // 2,), "bfloat16",
+                                   scope="shared.dyn")
+        self.base = T.local_scalar("int32")  # bf16 elements from the allocation to the base
+
+    @T.inline
+    def init(self):
+        addr = T.meta_var(T.cuda.cvta_generic_to_shared(self.smem.ptr_to([0])))
+        self.base = T.Cast("int32", (T.uint32(ATOM_BYTES) - (addr & T.uint32(ATOM_BYTES - 1)))
+                           & T.uint32(ATOM_BYTES - 1)) // 2
+
+    def at(self, byte):
+        """A pointer ``byte`` bytes past the aligned base."""
+        return self.smem.ptr_to([self.base + byte // 2])
+
+    @T.inline
+    def load_stage(self, slot, A, B, row0, col0, k0, tx):
+        # Issue (never wait for) the 16-byte copies of A[row0:+bm, k0:+bk] and
+        # B[k0:+bk, col0:+bn] into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
+        a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
+        for r in T.unroll(self.bm * a_cols // self.threads):
+            c = T.meta_var(r * self.threads + tx)
+            row, cc = T.meta_var((c // a_cols, c % a_cols))
+            T.ptx.cp.async_.cg.shared.global_(
+                self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES) + row * ROW_BYTES
+                        + (cc % 8 ^ row % 8) * 16),
+                A.ptr_to([row0 + row, k0 + cc * CHUNK]), 16)
+        for r in T.unroll(self.bk * b_cols // self.threads):
+            c = T.meta_var(r * self.threads + tx)
+            row, cc = T.meta_var((c // b_cols, c % b_cols))
+            T.ptx.cp.async_.cg.shared.global_(
+                self.at(self.b_ring + slot * self.b_stage + cc // 8 * (self.bk * ROW_BYTES)
+                        + row * ROW_BYTES + (cc % 8 ^ row % 8) * 16),
+                B.ptr_to([k0 + row, col0 + cc * CHUNK]), 16)
+
+    @T.inline
+    def encode(self, desc, a_row):
+        # desc[0]: A from row ``a_row`` of slot 0 (K-major: SBO = one 8-row group, LBO unused);
+        # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO as A's).
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), self.at(a_row * ROW_BYTES),
+                                              1, ATOM_BYTES // 16, SWIZZLE_128B)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[1]), self.at(self.b_ring),
+                                              self.bk * ROW_BYTES // 16, ATOM_BYTES // 16,
+                                              SWIZZLE_128B)
+
+    def a_desc(self, desc, slot, kk, m):
+        """A's descriptor for m64 block ``m`` (of this warpgroup) and k16 step ``kk``: the
+        start address moves by whole rows, panels and 32-byte steps inside a swizzled row."""
+        step = kk // 4 * (self.bm * ROW_BYTES) + m * 64 * ROW_BYTES + kk % 4 * 32
+        return desc[0] + T.Cast("uint64", slot * (self.a_stage // 16) + step // 16)
+
+    def b_desc(self, desc, slot, kk):
+        """B's descriptor for k16 step ``kk``: 16 rows (two swizzle atoms) further."""
+        return desc[1] + T.Cast("uint64", slot * (self.b_stage // 16) + kk * 16 * ROW_BYTES // 16)
+
+
+def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
+                         threads: int = 256, out_dtype: str = "float32") -> DeviceFunc:
+    """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
+    configuration, however the arguments are spelled (graphs naming one configuration share
+    one device function).
+
+    Each of the ``threads // 128`` warpgroups owns ``bm / warpgroups`` rows of the tile and
+    issues one ``wgmma.m64n<bn>k16`` per 64 of them per k16 step. The default, 128 x 256 x 64
+    with 4 stages on two warpgroups (192 KB of shared memory, 128 accumulators a thread), is
+    the shape compute-bound Hopper GEMMs use; 128 x 128 on one warpgroup composes with the
+    128-thread tiles of the library.
+    """
+    return _make_tile(bm, bn, bk, stages, threads, out_dtype)
+
+
+@functools.cache
+def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
+               out_dtype: str) -> DeviceFunc:
+    _check(bm, bn, bk, stages, threads, out_dtype)
+    groups = threads // WARPGROUP
+    wg_rows = bm // groups  # rows per warpgroup
+    mt = wg_rows // 64  # m64 blocks per warpgroup
+    regs = bn // 2  # accumulators per m64 block and thread
+    prefetch = stages - 2
+    wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{bn}k16").f32.bf16.bf16
+    M, N, K = (tirx.Var(d, "int32") for d in "MNK")
+
+    @T.prim_func
+    def wgmma_gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                   B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // 32])
+        lane = T.lane_id([32])
+        ring = SwizzledRing(bm, bn, bk, stages, threads)
+        acc = T.alloc_local((mt, regs), "float32")
+        desc = T.alloc_local((2,), "uint64")
+        num_k = T.meta_var(K // bk)
+        ring.init()
+        ring.encode(desc, warp // 4 * wg_rows)
+        for m in T.unroll(mt):
+            for e in T.unroll(regs):
+                acc[m, e] = T.float32(0)
+        for p in T.unroll(prefetch):
+            if p < num_k:
+                ring.load_stage(p, A, B, i * bm, j * bn, p * bk, tx)
+            T.ptx.cp.async_.commit_group()
+        for ko in T.serial(num_k):
+            T.ptx.cp.async_.wait_group(prefetch - 1)
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            T.cuda.cta_sync()
+            T.ptx.wgmma.fence.sync.aligned()
+            for kk in T.unroll(bk // 16):
+                for m in T.unroll(mt):
+                    wgmma(*[acc[m, e] for e in range(regs)],
+                          ring.a_desc(desc, ko % stages, kk, m), ring.b_desc(desc, ko % stages, kk),
+                          True, 1, 1, 0, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            if ko + prefetch < num_k:
+                ring.load_stage((ko + prefetch) % stages, A, B, i * bm, j * bn,
+                                (ko + prefetch) * bk, tx)
+            T.ptx.cp.async_.commit_group()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
+        # Accumulator 4b + 2h + v of an m64 block: row 16*(warp%4) + lane//4 + 8h, column
+        # 8b + 2*(lane%4) + v (the mma.m16n8 C fragment, one per n8 block, per warp).
+        for m in T.unroll(mt):
+            for b in T.unroll(bn // 8):
+                for h in T.unroll(2):
+                    for v in T.vectorized(2):
+                        C[i * bm + warp // 4 * wg_rows + m * 64 + warp % 4 * 16 + lane // 4
+                          + h * 8, j * bn + b * 8 + lane % 4 * 2 + v] = \
+                            T.Cast(out_dtype, acc[m, b * 4 + h * 2 + v])
+
+    out = "bf16" if out_dtype == "bfloat16" else "f32"
+    name = f"wgmma_gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
+    # one K step of a bm x bn tile: about bm*bn/4096 elementwise passes of a 64x64 tile
+    tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
+                       cost=K // bk * max(1, bm * bn // 4096))
+
+    @tile.set_reference
+    def _(i, j, A, B, C):
+        rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
+        C[rows, cols] = (A[rows].astype(np.float32) @ B[:, cols].astype(np.float32)) \
+            .astype(C.dtype)
+
+    return tile

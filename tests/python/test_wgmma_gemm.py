@@ -1,0 +1,242 @@
+"""The wgmma GEMM tile without a GPU: its NumPy reference against float64, its shared layout
+against the descriptors' reading of it, and its machine code for sm_90a, alone and inside a
+persistent megakernel (HGMMA in the SASS, no spill, no serialised wgmma).
+
+``test_wgmma_gemm_gpu`` holds the GPU results to the same bound.
+"""
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from etc_tvm import ETensor, EtcError, Tensor, call_device, graph_func
+from etc_tvm.build import build
+from etc_tvm.tiles import wgmma_gemm
+from etc_tvm.tir_sched.inline import shared_bytes
+
+from test_tiles import assert_within, poisoned, randn, run_reference
+
+NVCC = shutil.which("nvcc")
+WGMMA = "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"
+
+CONFIGS = {  # make_wgmma_gemm_tile configurations
+    "128x256x64_f32": {},
+    "128x256x64_bf16_s3": {"stages": 3, "out_dtype": "bfloat16"},
+    "128x128x64_f32_t128": {"bn": 128, "threads": 128},
+    "128x128x128_bf16_t128": {"bn": 128, "bk": 128, "stages": 3, "threads": 128,
+                              "out_dtype": "bfloat16"},
+    "256x128x64_f32": {"bm": 256, "bn": 128},
+    "64x64x64_f32_t128": {"bm": 64, "bn": 64, "threads": 128},
+}
+
+
+def config(name):
+    """The full keyword arguments of a configuration, defaults filled in."""
+    return {"bm": 128, "bn": 256, "bk": 64, "stages": 4, "threads": 256,
+            "out_dtype": "float32", **CONFIGS[name]}
+
+
+def gemm_graph(cfg):
+    tile = wgmma_gemm.make_wgmma_gemm_tile(**cfg)
+
+    @graph_func
+    def wgmma_gemm_only(A: Tensor(("M", "K"), "bfloat16"), B: Tensor(("K", "N"), "bfloat16")):
+        M, N = A.shape[0], B.shape[1]
+        return call_device(tile, tile_num=(M // cfg["bm"], N // cfg["bn"]), args=[A, B],
+                           out=Tensor((M, N), cfg["out_dtype"]))
+
+    return wgmma_gemm_only
+
+
+def chain_graph(cfg):
+    """H = A @ W1 (bf16), Y = H @ W2 (fp32): a row block of Y waits for its row block of H."""
+    first = wgmma_gemm.make_wgmma_gemm_tile(**{**cfg, "out_dtype": "bfloat16"})
+    second = wgmma_gemm.make_wgmma_gemm_tile(**{**cfg, "out_dtype": "float32"})
+    bm, bn = cfg["bm"], cfg["bn"]
+
+    @graph_func
+    def wgmma_chain(A: Tensor(("M", "K"), "bfloat16"), W1: Tensor(("K", "N"), "bfloat16"),
+                    W2: Tensor(("N", "P"), "bfloat16")):
+        M, N, P = A.shape[0], W1.shape[1], W2.shape[1]
+        h_rows = ETensor((M // bm,), name="h_rows")
+        H = call_device(first, tile_num=(M // bm, N // bn), args=[A, W1],
+                        out=Tensor((M, N), "bfloat16", name="H"), out_edges={h_rows: "ij->i"})
+        return call_device(second, tile_num=(M // bm, P // bn), args=[H, W2],
+                           out=Tensor((M, P), "float32", name="Y"), in_edges={h_rows: "ij->i"})
+
+    return wgmma_chain
+
+
+def chain_float64(A, W1, W2):
+    """(Y, bound) of ``chain_graph``: H carries the first GEMM's error and its bf16 rounding
+    through |W2|; the second GEMM adds its own."""
+    a, w1, w2 = (x.astype(np.float64) for x in (A, W1, W2))
+    H = a @ w1
+    bound_h = wgmma_gemm.error_bound(A, W1, "bfloat16")
+    bound = bound_h @ np.abs(w2) + w2.shape[0] * 2.0 ** -22 * ((np.abs(H) + bound_h) @ np.abs(w2))
+    return H @ w2, bound
+
+
+# ------------------------------------------------------------------ NumPy reference vs float64
+@pytest.mark.parametrize("name", ["128x256x64_f32", "128x256x64_bf16_s3", "64x64x64_f32_t128"])
+def test_reference_is_within_its_bound(name, rng):
+    cfg = config(name)
+    M, K, N = 2 * cfg["bm"], 3 * cfg["bk"], 2 * cfg["bn"]
+    A, B = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    C = poisoned((M, N), cfg["out_dtype"])
+    run_reference(wgmma_gemm.make_wgmma_gemm_tile(**cfg), (2, 2), A, B, C)
+    assert_within(C, A.astype(np.float64) @ B.astype(np.float64),
+                  wgmma_gemm.error_bound(A, B, cfg["out_dtype"]))
+
+
+# ------------------------------------------------------------------ layout vs descriptors
+def swizzled_stage(X, rows, cols):
+    """The bytes ``load_stage`` writes for a ``rows x cols`` bf16 tile (as uint16): 64-column
+    panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ r % 8."""
+    out = np.zeros(rows * cols, np.uint16)
+    for r in range(rows):
+        for cc in range(cols // 8):
+            panel, c = divmod(cc, 8)
+            dst = panel * rows * 64 + r * 64 + (c ^ r % 8) * 8
+            out[dst:dst + 8] = X[r, cc * 8:cc * 8 + 8]
+    return out
+
+
+def read_descriptor(smem, start, lbo, sbo, rows, cols, k_major):
+    """The ``rows x cols`` matrix a 128B-swizzle descriptor names (element units, 1024-byte
+    aligned base), per the canonical layouts: K-major ``((8, m), (64, 1)) : ((64, SBO), (1,
+    -))``, MN-major ``((64, m), (8, k)) : ((1, LBO), (64, SBO))``; the swizzle XORs address
+    bits [4:7) with [7:10) of the byte address."""
+    out = np.zeros((rows, cols), np.uint16)
+    for r in range(rows):
+        for c in range(cols):
+            if k_major:  # rows = M, cols = K (< 64 per instruction)
+                off = start + r // 8 * sbo + r % 8 * 64 + c
+            else:  # rows = K, cols = N
+                off = start + c // 64 * lbo + r // 8 * sbo + r % 8 * 64 + c % 64
+            byte = off * 2
+            byte ^= (byte >> 7 & 7) << 4
+            out[r, c] = smem[byte // 2]
+    return out
+
+
+@pytest.mark.parametrize("bm, bn, bk", [(128, 256, 64), (64, 128, 128)])
+def test_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
+    """Every (m64 block, k16 step) that a wgmma reads through the tile's descriptor fields is
+    the matching block of A and of B (the layout model of the module docstring)."""
+    A = rng.integers(0, 2 ** 16, (bm, bk), dtype=np.uint16)
+    B = rng.integers(0, 2 ** 16, (bk, bn), dtype=np.uint16)
+    a_smem, b_smem = swizzled_stage(A, bm, bk), swizzled_stage(B, bk, bn)
+    for kk in range(bk // 16):
+        # element offsets, as ``SwizzledRing.a_desc`` / ``b_desc`` move the start address
+        b_start = kk * 16 * 64
+        got = read_descriptor(b_smem, b_start, lbo=bk * 64, sbo=512, rows=16, cols=bn,
+                              k_major=False)
+        np.testing.assert_array_equal(got, B[kk * 16:(kk + 1) * 16])
+        for m in range(bm // 64):
+            a_start = kk // 4 * bm * 64 + m * 64 * 64 + kk % 4 * 16
+            got = read_descriptor(a_smem, a_start, lbo=None, sbo=512, rows=64, cols=16,
+                                  k_major=True)
+            np.testing.assert_array_equal(got, A[m * 64:(m + 1) * 64, kk * 16:(kk + 1) * 16])
+
+
+# ------------------------------------------------------------------ machine code for sm_90a
+def sass_tool():
+    """cuobjdump (with nvdisasm beside it): on PATH, or from the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # noqa: PLC0415 (optional wheel)
+    except ImportError:
+        return None
+    path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+def sass_of(source: str, tmp_path) -> str:
+    """nvcc builds ``source`` into an sm_90a cubin (no spill, wgmma not serialised); its SASS."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH: the CUDA source was generated but not compiled")
+    path, cubin = tmp_path / "kernel.cu", tmp_path / "kernel.cubin"
+    path.write_text(source)
+    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+                           "-Xptxas=-v", str(path), "-o", str(cubin)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    assert spills and not any(spills), done.stderr[-4000:]
+    assert "serializ" not in done.stderr, done.stderr[-4000:]  # ptxas C7515 and kin
+    tool = sass_tool()
+    if tool is None:
+        pytest.skip("no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = {**os.environ, "PATH": os.path.dirname(tool) + os.pathsep + os.environ["PATH"]}
+    dump = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                          check=False, env=env)
+    assert dump.returncode == 0, dump.stderr[-4000:]
+    return dump.stdout
+
+
+def count(sass: str, opcode: str) -> int:
+    return len(re.findall(rf"\b{re.escape(opcode)}\b", sass))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
+    cfg = config(name)
+    M, K, N = 2 * cfg["bm"], 4 * cfg["bk"], 2 * cfg["bn"]
+    compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy="unfused")
+    source = compiled.cuda_source()
+    assert WGMMA.format(n=cfg["bn"]) in source
+    assert "fence.proxy.async.shared::cta" in source
+    sass = sass_of(source, tmp_path)
+    hgmma = f"HGMMA.64x{cfg['bn']}x16.F32.BF16"
+    # one per m64 block of a warpgroup and k16 step, per K step (the loop may be unrolled)
+    per_step = cfg["bm"] // (cfg["threads"] // 128) // 64 * cfg["bk"] // 16
+    assert count(sass, hgmma) % per_step == 0 and count(sass, hgmma) >= per_step, sass
+    assert "tnspB" in sass  # B read MN-major from shared memory
+    assert count(sass, "LDGSTS.E.BYPASS.128") > 0
+    assert count(sass, "HMMA.16816.F32.BF16") == 0
+
+
+def test_megakernel_composes_two_wgmma_gemms(tmp_path):
+    """Two calls, one waiting on row blocks of the other, in one persistent kernel: the tile's
+    ring is a view of the kernel's arena, and its barriers stay CTA-wide."""
+    cfg = config("128x256x64_f32")
+    compiled = build(chain_graph(cfg), {"M": 256, "K": 256, "N": 512, "P": 256},
+                     strategy="static")
+    source = compiled.cuda_source()
+    assert "wgmma_chain_megakernel_kernel" in source
+    sass = sass_of(source, tmp_path)
+    assert count(sass, "HGMMA.64x256x16.F32.BF16") >= 2 * 4, sass
+
+
+def test_tile_shared_memory_and_threads():
+    for name in CONFIGS:
+        cfg = config(name)
+        tile = wgmma_gemm.make_wgmma_gemm_tile(**cfg)
+        want = wgmma_gemm.shared_bytes(cfg["bm"], cfg["bn"], cfg["bk"], cfg["stages"])
+        assert shared_bytes(tile) == want <= wgmma_gemm.SMEM_LIMIT
+        assert tile.num_threads == cfg["threads"]
+    assert wgmma_gemm.make_wgmma_gemm_tile() is wgmma_gemm.make_wgmma_gemm_tile(
+        128, 256, 64, 4, 256, "float32")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bm": 96}, "bm must be a multiple of 64 per warpgroup"),
+    ({"bm": 64}, "bm must be a multiple of 64 per warpgroup"),  # two warpgroups need 128
+    ({"bn": 96}, "bn must be 64, 128, 192 or 256"),
+    ({"bn": 320}, "bn must be 64, 128, 192 or 256"),
+    ({"bk": 32}, "bk must be a multiple of 64"),
+    ({"stages": 2}, "stages must be >= 3"),
+    ({"threads": 192}, "threads must be 128 or 256"),
+    ({"threads": 128}, "accumulators per thread"),  # 128 x 256 on one warpgroup
+    ({"stages": 5}, "more than"),
+    ({"out_dtype": "float16"}, "out_dtype"),
+])
+def test_factory_rejects_shapes_it_cannot_run(kwargs, message):
+    with pytest.raises(EtcError, match=message):
+        wgmma_gemm.make_wgmma_gemm_tile(**kwargs)

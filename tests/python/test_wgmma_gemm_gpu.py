@@ -1,0 +1,69 @@
+"""The wgmma GEMM tile on the GPU, against float64 NumPy within ``gemm.error_bound``.
+
+Alone (strategy "unfused": one grid launch, one CTA per task), and as two dependent calls in
+one persistent megakernel ("static"), where one CTA runs many tasks of the tile in sequence and
+so reuses its shared ring; fresh random inputs at a few shapes, then 100 launches that must
+give the same bits.
+"""
+import numpy as np
+import pytest
+
+from etc_tvm.build import build
+from etc_tvm.tiles import wgmma_gemm
+
+from test_tiles import assert_within, randn
+from test_wgmma_gemm import CONFIGS, chain_float64, chain_graph, config, gemm_graph
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(128, 64, 256), (256, 512, 512), (512, 1024, 768), (1024, 4096, 1024)]  # M, K, N
+CASES = [(name, s) for name in sorted(CONFIGS) for s in SHAPES
+         if s[0] % config(name)["bm"] == 0 and s[1] % config(name)["bk"] == 0
+         and s[2] % config(name)["bn"] == 0]
+
+
+def inputs(rng, M, K, N):
+    return randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+
+
+@pytest.mark.parametrize("name, shape", CASES)
+def test_unfused(name, shape, rng):
+    cfg, (M, K, N) = config(name), shape
+    compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy="unfused")
+    A, B = inputs(rng, M, K, N)
+    C = compiled(A, B)
+    assert C.shape == (M, N)
+    assert C.dtype == (A.dtype if cfg["out_dtype"] == "bfloat16" else np.float32)
+    assert_within(C, A.astype(np.float64) @ B.astype(np.float64),
+                  wgmma_gemm.error_bound(A, B, cfg["out_dtype"]))
+
+
+@pytest.mark.parametrize("M, K, N, P", [(128, 256, 256, 256), (512, 1024, 1024, 512),
+                                        (2048, 512, 1024, 1024)])
+@pytest.mark.parametrize("name", ["128x256x64_f32", "128x128x64_f32_t128"])
+def test_static_megakernel(name, M, K, N, P, rng):
+    """More tasks than SMs at the larger shapes: CTAs run several tasks back to back."""
+    cfg = config(name)
+    if M % cfg["bm"] or N % cfg["bn"] or P % cfg["bn"]:
+        pytest.skip("shape is not a multiple of the tile")
+    compiled = build(chain_graph(cfg), {"M": M, "K": K, "N": N, "P": P}, strategy="static")
+    A, W1 = inputs(rng, M, K, N)
+    W2 = randn(rng, (N, P), "bfloat16")
+    want, bound = chain_float64(A, W1, W2)
+    Y = compiled(A, W1, W2)
+    assert_within(Y, want, bound)
+
+
+@pytest.mark.parametrize("strategy", ["unfused", "static"])
+def test_repeated_launches_are_identical(strategy, rng):
+    """Per-launch state (counters, the ring, the accumulators) starts afresh: 100 runs, one
+    result, bit for bit."""
+    cfg = config("128x256x64_f32")
+    M, K, N = 1024, 1024, 2048
+    compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy=strategy)
+    A, B = inputs(rng, M, K, N)
+    first = compiled(A, B)
+    assert_within(first, A.astype(np.float64) @ B.astype(np.float64),
+                  wgmma_gemm.error_bound(A, B))
+    for _ in range(100):
+        np.testing.assert_array_equal(compiled(A, B), first)
