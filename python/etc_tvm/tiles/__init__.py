@@ -10,6 +10,11 @@ that ask for the same configuration share one device function:
   128-byte-swizzled shared ring; 256 threads by default (128 for tiles up to 128 x 128).
 - ``elementwise``: ``make_activation_tile(activation, out_dtype, rows, cols, threads)``:
   ReLU / GELU / SiLU over a ``rows x cols`` tile, fp32 in, fp32 or bf16 out.
+- ``gemv``: ``make_gemv_tile(bn, split_k, threads)``: decode GEMV, 1..16 bf16 rows (M symbolic)
+  against bf16 weights, bandwidth bound; ``make_gemv_sum_tile`` adds its split-K partials.
+- ``norm``: ``make_rmsnorm_tile(eps, threads)``: RMSNorm of one bf16 row per task.
+- ``elementwise`` also holds the decode epilogues over a column block of all rows:
+  ``make_silu_mul_tile`` ([gate | up] -> silu(gate) * up) and ``make_residual_add_tile``.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
   ``make_partial_row_sum_tile(rows, cols, threads)``: fp32 row sums, whole or per column block.
 
@@ -18,18 +23,28 @@ every family defaults to 128 threads (4 warps), and the default tile shapes line
 blocks, 64 x 64 GEMM and activation tiles), so ``"ij->ij"`` and ``"ij->i"`` edges connect them.
 Each module states its numeric contract and gives an ``error_bound`` to check it against.
 """
-from .elementwise import make_activation_tile, relu_bf16_tile, relu_tile
+from .elementwise import (
+    make_activation_tile,
+    make_residual_add_tile,
+    make_silu_mul_tile,
+    relu_bf16_tile,
+    relu_tile,
+)
 from .gemm import gemm_bf16_tile, gemm_tile, make_gemm_tile
-from .wgmma_gemm import make_wgmma_gemm_tile
+from .gemv import gemv_tile, make_gemv_sum_tile, make_gemv_tile
+from .norm import make_rmsnorm_tile, rmsnorm_tile
 from .reduction import (
     make_partial_row_sum_tile,
     make_row_sum_tile,
     partial_row_sum_tile,
     row_sum_tile,
 )
+from .wgmma_gemm import make_wgmma_gemm_tile
 
 __all__ = [
-    "gemm_bf16_tile", "gemm_tile", "make_activation_tile", "make_gemm_tile",
-    "make_partial_row_sum_tile", "make_row_sum_tile", "make_wgmma_gemm_tile",
-    "partial_row_sum_tile", "relu_bf16_tile", "relu_tile", "row_sum_tile",
+    "gemm_bf16_tile", "gemm_tile", "gemv_tile", "make_activation_tile", "make_gemm_tile",
+    "make_gemv_sum_tile", "make_gemv_tile", "make_partial_row_sum_tile",
+    "make_residual_add_tile", "make_rmsnorm_tile", "make_row_sum_tile", "make_silu_mul_tile",
+    "make_wgmma_gemm_tile", "partial_row_sum_tile", "relu_bf16_tile", "relu_tile",
+    "rmsnorm_tile", "row_sum_tile",
 ]

@@ -153,3 +153,115 @@ def error_bound(X: np.ndarray, activation: str, out_dtype: str) -> np.ndarray:
 
 relu_tile = make_activation_tile("relu", "float32")
 relu_bf16_tile = make_activation_tile("relu", "bfloat16")
+
+
+# ------------------------------------------------------------------ decode epilogues (bf16)
+# Decode tensors have a few rows (M = 1..16, symbolic) and wide rows, so these tiles own a
+# column block of every row: task j covers columns [j*cols, (j+1)*cols) of all M rows, each
+# thread moving 8 bf16 (16 bytes) per step. A column block lines up with a GEMV slab (bn), so
+# one GEMV task feeds one epilogue task through a "j->j" edge.
+BF16_VEC = 8
+
+
+def _check_decode(kind: str, cols: int, threads: int) -> None:
+    if cols % BF16_VEC or threads % 32:
+        raise EtcError(f"{kind} tile: cols must be a multiple of {BF16_VEC} and threads whole "
+                       f"warps, got cols={cols}, threads={threads}")
+
+
+@functools.cache
+def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
+    """The tile ``silu_mul_c<cols>_t<threads>``: ``Y = silu(gate) * up`` for ``H = [gate | up]``
+    of shape (M, 2F), Y (M, F), bf16 in and out, fp32 math (F a multiple of cols).
+
+    Bound: the SiLU contract above times ``|up|``, then one bf16 rounding:
+    ``|Y - y| <= 2**-8 |y| + 2**-20 (1 + |gate|) |up|`` (``silu_mul_error_bound``)."""
+    _check_decode("silu_mul", cols, threads)
+    vecs = cols // BF16_VEC
+    M, F2, F = (tirx.Var(d, "int32") for d in ("M", "F2", "F"))
+
+    @T.prim_func
+    def silu_mul(j: T.int32, H: T.Buffer((M, F2), "bfloat16"), Y: T.Buffer((M, F), "bfloat16")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        gate = T.alloc_local((BF16_VEC,), "bfloat16")
+        up = T.alloc_local((BF16_VEC,), "bfloat16")
+        for t in T.serial((M * vecs + threads - 1) // threads):
+            v = T.meta_var(t * threads + tx)
+            if v < M * vecs:
+                m = T.meta_var(v // vecs)
+                c = T.meta_var(j * cols + v % vecs * BF16_VEC)
+                for e in T.vectorized(BF16_VEC):
+                    gate[e] = H[m, c + e]
+                for e in T.vectorized(BF16_VEC):
+                    up[e] = H[m, F2 // 2 + c + e]
+                for e in T.unroll(BF16_VEC):
+                    gate[e] = T.Cast("bfloat16", _silu(T.Cast("float32", gate[e]))
+                                     * T.Cast("float32", up[e]))
+                for e in T.vectorized(BF16_VEC):
+                    Y[m, c + e] = gate[e]
+
+    tile = device_func(silu_mul.with_attr("global_symbol", f"silu_mul_c{cols}_t{threads}"))
+
+    @tile.set_reference
+    def _(j, H, Y):
+        block, width = slice(j * cols, (j + 1) * cols), H.shape[1] // 2
+        gate = H[:, block].astype(np.float32)
+        up = H[:, width + j * cols:width + (j + 1) * cols].astype(np.float32)
+        Y[:, block] = (_np_silu(gate) * up).astype(Y.dtype)
+
+    return tile
+
+
+def silu_mul_float64(H: np.ndarray) -> np.ndarray:
+    h = H.astype(np.float64)
+    gate, up = np.split(h, 2, axis=1)
+    return _np_silu(gate) * up
+
+
+def silu_mul_error_bound(H: np.ndarray) -> np.ndarray:
+    """The elementwise bound on ``|Y - silu(gate) * up|`` (see ``make_silu_mul_tile``)."""
+    gate, up = np.split(np.abs(H.astype(np.float64)), 2, axis=1)
+    return (2.0 ** -8 * np.abs(silu_mul_float64(H)) + 2.0 ** -20 * (1 + gate) * up
+            + 2.0 ** -126)
+
+
+@functools.cache
+def make_residual_add_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
+    """The tile ``residual_add_c<cols>_t<threads>``: ``Y = A + B``, bf16 (M, N), added in fp32
+    and rounded once: ``|Y - (A + B)| <= 2**-8 |A + B|`` (N a multiple of cols)."""
+    _check_decode("residual_add", cols, threads)
+    vecs = cols // BF16_VEC
+    M, N = tirx.Var("M", "int32"), tirx.Var("N", "int32")
+
+    @T.prim_func
+    def residual_add(j: T.int32, A: T.Buffer((M, N), "bfloat16"),
+                     B: T.Buffer((M, N), "bfloat16"), Y: T.Buffer((M, N), "bfloat16")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        a = T.alloc_local((BF16_VEC,), "bfloat16")
+        b = T.alloc_local((BF16_VEC,), "bfloat16")
+        for t in T.serial((M * vecs + threads - 1) // threads):
+            v = T.meta_var(t * threads + tx)
+            if v < M * vecs:
+                m = T.meta_var(v // vecs)
+                c = T.meta_var(j * cols + v % vecs * BF16_VEC)
+                for e in T.vectorized(BF16_VEC):
+                    a[e] = A[m, c + e]
+                for e in T.vectorized(BF16_VEC):
+                    b[e] = B[m, c + e]
+                for e in T.unroll(BF16_VEC):
+                    a[e] = T.Cast("bfloat16", T.Cast("float32", a[e]) + T.Cast("float32", b[e]))
+                for e in T.vectorized(BF16_VEC):
+                    Y[m, c + e] = a[e]
+
+    tile = device_func(residual_add.with_attr("global_symbol",
+                                              f"residual_add_c{cols}_t{threads}"))
+
+    @tile.set_reference
+    def _(j, A, B, Y):
+        block = slice(j * cols, (j + 1) * cols)
+        Y[:, block] = (A[:, block].astype(np.float32) + B[:, block].astype(np.float32)).astype(
+            Y.dtype)
+
+    return tile

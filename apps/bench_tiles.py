@@ -1,0 +1,162 @@
+"""Decode tiles against PyTorch: achieved bandwidth at decode shapes, on the GPU.
+
+Each tile runs as a one-call graph ("unfused": one grid launch through the VM), PyTorch runs
+the same operation (``torch.matmul`` for the GEMV, ``rms_norm``, ``silu * up`` and ``+`` for
+the others), both on the same inputs in the same run. Bandwidth is the bytes the operation
+must move (weights, activations in, results out) over the median time of one call (CUDA
+events, the variants taking turns call by call). Inputs rotate through enough copies to
+exceed the 60 MiB L2 twice, so no call finds its weights in L2 from the previous one.
+
+The GEMV picks the smallest split-K that gives every SM at least two tasks. Small tiles
+(RMSNorm of one row) are dominated by the launch; their "bandwidth" is printed for
+completeness, their time is the number to read. Prints one table and writes JSON (``--json``).
+"""
+import argparse
+import json
+
+import ml_dtypes
+import numpy as np
+import torch
+import tvm
+import tvm_ffi
+
+from etc_tvm import ETensor, Tensor, build, call_device, graph_func
+from etc_tvm.tiles import gemv, make_residual_add_tile, make_rmsnorm_tile, make_silu_mul_tile
+from timing import time_interleaved
+
+BF16 = ml_dtypes.bfloat16
+BN = 128
+EPS = 1e-6
+L2_BYTES = 60 << 20
+SMS = 132
+
+
+def gemv_graph(split_k: int):
+    if split_k == 1:
+        tile = gemv.make_gemv_tile(BN)
+
+        @graph_func
+        def gemv_only(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
+            return call_device(tile, tile_num=(W.shape[1] // BN,), args=[X, W],
+                               out=Tensor((X.shape[0], W.shape[1]), "bfloat16"))
+
+        return gemv_only
+    partial = gemv.make_gemv_tile(BN, split_k=split_k)
+    total = gemv.make_gemv_sum_tile(split_k, cols=BN)
+
+    @graph_func
+    def split_gemv(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
+        M, N = X.shape[0], W.shape[1]
+        done = ETensor((N // BN,), name="slices_done")
+        P = call_device(partial, tile_num=(N // BN, split_k), args=[X, W],
+                        out=Tensor((split_k, M, N)), out_edges={done: "js->j"})
+        return call_device(total, tile_num=(N // BN,), args=[P], out=Tensor((M, N), "bfloat16"),
+                           in_edges={done: "j->j"})
+
+    return split_gemv
+
+
+@graph_func
+def rmsnorm_only(X: Tensor(("M", "H"), "bfloat16"), w: Tensor(("H",), "bfloat16")):
+    return call_device(make_rmsnorm_tile(EPS), tile_num=(X.shape[0],), args=[X, w],
+                       out=Tensor(X.shape, "bfloat16"))
+
+
+@graph_func
+def silu_mul_only(H: Tensor(("M", "F2"), "bfloat16")):
+    M, F = H.shape[0], H.shape[1] // 2
+    return call_device(make_silu_mul_tile(BN), tile_num=(F // BN,), args=[H],
+                       out=Tensor((M, F), "bfloat16"))
+
+
+@graph_func
+def residual_add_only(A: Tensor(("M", "N"), "bfloat16"), B: Tensor(("M", "N"), "bfloat16")):
+    return call_device(make_residual_add_tile(BN), tile_num=(A.shape[1] // BN,), args=[A, B],
+                       out=Tensor(A.shape, "bfloat16"))
+
+
+def split_for(K: int, N: int) -> int:
+    """The smallest split-K giving every SM two tasks (or 8), with whole K slices."""
+    for s in (1, 2, 4, 8):
+        if N // BN * s >= 2 * SMS and K % (s * gemv.k_step(BN)) == 0:
+            return s
+    return max(s for s in (1, 2, 4, 8) if K % (s * gemv.k_step(BN)) == 0)
+
+
+def cases(rows, hidden_sizes, vocab):
+    """(tile, label, graph, dims, input shapes, torch op, bytes moved)."""
+    for M in rows:
+        for H in hidden_sizes:
+            F = {2048: 5632, 4096: 11008}.get(H, 4 * H)
+            for K, N in [(H, H), (H, 2 * F), (F, H), (H, vocab)]:
+                s = split_for(K, N)
+                yield ("gemv", f"M={M} {K}x{N} k{s}", gemv_graph(s), {"M": M, "K": K, "N": N},
+                       [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N))
+            yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H}, [(M, H), (H,)],
+                   lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
+                   2 * (2 * M * H + H))
+            yield ("silu_mul", f"M={M} F={F}", silu_mul_only, {"M": M, "F2": 2 * F},
+                   [(M, 2 * F)],
+                   lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2])
+                   * h[:, h.shape[1] // 2:], 2 * 3 * M * F)
+            yield ("residual_add", f"M={M} N={H}", residual_add_only, {"M": M, "N": H},
+                   [(M, H), (M, H)], torch.add, 2 * 3 * M * H)
+
+
+def measure(label, graph, dims, shapes, torch_op, rng, reps):
+    """Median us of the tile and of PyTorch, after a check of the tile against PyTorch."""
+    dev = tvm.cuda(0)
+    per_set = sum(int(np.prod(s)) * 2 for s in shapes)
+    copies = max(1, -(-2 * L2_BYTES // per_set))
+    host = [[(rng.standard_normal(s) / np.sqrt(s[0] if len(s) == 2 else 1)).astype(BF16)
+             for s in shapes] for _ in range(copies)]
+    on_tvm = [[tvm.runtime.tensor(x, dev) for x in inputs] for inputs in host]
+    on_torch = [[torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) for x in inputs]
+                for inputs in host]
+    compiled = build(graph, dims, strategy="unfused")
+    got = compiled(*host[0]).astype(np.float64)
+    want = torch_op(*on_torch[0]).float().cpu().numpy().astype(np.float64)
+    error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert error < 2e-2, f"{label}: relative error {error:.2e} against PyTorch"
+    turn = {"etc": 0, "torch": 0}
+
+    def etc():
+        turn["etc"] = (turn["etc"] + 1) % copies
+        compiled.run(*on_tvm[turn["etc"]])
+
+    def reference():
+        turn["torch"] = (turn["torch"] + 1) % copies
+        torch_op(*on_torch[turn["torch"]])
+
+    return time_interleaved({"etc": etc, "torch": reference}, reps=reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 3, 16])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--json", default="bench_tiles.json")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results = []
+    print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc TB/s':>9} "
+          f"{'torch TB/s':>10} {'etc/torch':>9}", flush=True)
+    with tvm_ffi.use_torch_stream():
+        for tile, label, graph, dims, shapes, op, nbytes in cases(args.rows, args.hidden,
+                                                                   args.vocab):
+            t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
+            row = {"tile": tile, "shape": label, "bytes": nbytes, "etc_us": t["etc"],
+                   "torch_us": t["torch"], "etc_TBps": nbytes / t["etc"] / 1e6,
+                   "torch_TBps": nbytes / t["torch"] / 1e6}
+            results.append(row)
+            print(f"{tile:>12} {label:>24} {row['etc_us']:>9.2f} {row['torch_us']:>9.2f} "
+                  f"{row['etc_TBps']:>9.3f} {row['torch_TBps']:>10.3f} "
+                  f"{row['torch_us'] / row['etc_us']:>8.2f}x", flush=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
