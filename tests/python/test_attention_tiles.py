@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from etc_tvm import EtcError
+from etc_tvm import EtcError, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, \
     execute
@@ -178,8 +178,6 @@ def sass(path: Path) -> str:
 
 def one_call_graphs(chunk=256):
     """Each tile alone as a graph function (strategy "unfused": one grid launch)."""
-    from etc_tvm import Tensor, call_device, graph_func
-
     split = attention.make_decode_split_tile(chunk)
 
     @graph_func
@@ -237,3 +235,16 @@ def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):
     assert len(plain) >= 2 * 4 + 2, "cache rows or partials read through the read-only path"
     # only what no task writes may take it: q (8 loads), k_new and v_new
     assert len(re.findall(r"LDG\.E\.128\.CONSTANT", code)) <= 8 + 2
+
+
+def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():
+    tiles = [attention.kv_append_tile, attention.decode_split_tile, attention.decode_merge_tile]
+    assert {t.num_threads for t in tiles} == {128}
+    assert attention.kv_append_tile.updates == ("K_cache", "V_cache")
+    assert attention.decode_split_tile.updates == ()
+
+
+def test_updates_must_name_a_tensor_parameter():
+    with pytest.raises(EtcError, match="updates names"):
+        type(attention.kv_append_tile)(attention.kv_append_tile.prim_func, name="bad",
+                                       updates=("cache",))

@@ -9,12 +9,23 @@ that ask for the same configuration share one device function:
   ReLU / GELU / SiLU over a ``rows x cols`` tile, fp32 in, fp32 or bf16 out.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
   ``make_partial_row_sum_tile(rows, cols, threads)``: fp32 row sums, whole or per column block.
+- ``attention``: decode attention (32 query heads on 4 KV heads, head dim 128, bf16) over a
+  contiguous KV cache: ``make_kv_append_tile()``, ``make_decode_split_tile(chunk)`` (one chunk
+  of one sequence and KV head, flash-decoding partials) and ``make_decode_merge_tile()``.
 
 A megakernel runs every task with one thread count, so tiles used together must agree on it:
 every family defaults to 128 threads (4 warps), and the default tile shapes line up (64-row
 blocks, 64 x 64 GEMM and activation tiles), so ``"ij->ij"`` and ``"ij->i"`` edges connect them.
 Each module states its numeric contract and gives an ``error_bound`` to check it against.
 """
+from .attention import (
+    decode_merge_tile,
+    decode_split_tile,
+    kv_append_tile,
+    make_decode_merge_tile,
+    make_decode_split_tile,
+    make_kv_append_tile,
+)
 from .elementwise import make_activation_tile, relu_bf16_tile, relu_tile
 from .gemm import gemm_bf16_tile, gemm_tile, make_gemm_tile
 from .reduction import (
@@ -25,7 +36,9 @@ from .reduction import (
 )
 
 __all__ = [
-    "gemm_bf16_tile", "gemm_tile", "make_activation_tile", "make_gemm_tile",
+    "decode_merge_tile", "decode_split_tile", "kv_append_tile", "make_decode_merge_tile",
+    "make_decode_split_tile", "make_kv_append_tile", "gemm_bf16_tile", "gemm_tile",
+    "make_activation_tile", "make_gemm_tile",
     "make_partial_row_sum_tile", "make_row_sum_tile", "partial_row_sum_tile", "relu_bf16_tile",
     "relu_tile", "row_sum_tile",
 ]
