@@ -1,7 +1,7 @@
 """Decode attention with grouped-query heads over a contiguous KV cache (flash-decoding).
 
 One decode step of B sequences, 32 query heads sharing 4 KV heads (groups of 8), head dim 128,
-bf16. Three tiles, chained by tile-level edges (``apps/decode_attention.py``)::
+bf16. Three tiles, chained by tile-level edges (``tests/python/attention_graph.py``)::
 
     append, task b:       K_cache[b, :, seq_lens[b]] = k_new[b]; likewise V; pos[b] = seq_lens[b]
     split,  task (b,h,s): the 8 query heads of KV head h over tokens [s*chunk, (s+1)*chunk)
@@ -13,7 +13,9 @@ chunk is one contiguous run of ``chunk * 256`` bytes, read as whole DRAM pages (
 tile can load it as one box); with ``[B, max_len, 4, 128]`` the same rows would be 256-byte
 pieces 1 KB apart. The append writes one 256-byte row per head in either layout.
 ``O_part: [B, 4, S, 8, 128]`` fp32 and ``lse: [B, 4, S, 8]`` fp32, ``S = ceil(max_len /
-chunk)``. B and max_len are symbolic; the lengths are run-time data.
+chunk)``; lse is in base 2 (scores are pre-scaled by log2(e), so every exponential is one
+``ex2``): ``lse = log2(sum_t exp2(x_t))`` over the chunk. B and max_len are symbolic; the
+lengths are run-time data.
 
 The cache is state: the append writes into ``K_cache`` and ``V_cache`` in place (they are
 inputs that the tile ``updates``, see ``DeviceFunc``), and a split task reads the row it wrote,
