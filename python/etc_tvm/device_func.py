@@ -13,6 +13,10 @@ then outputs, as in ``R.call_tir``), and its body is CTA-level code with no ``T.
 schedule transform inlines it into the persistent kernel, and the same function also compiles
 as a kernel of its own. The thread count is read from ``T.thread_id`` (or declared).
 
+A tile may update an input in place (a KV cache, say): it names such tensors in ``updates``.
+Nothing orders that write before another call's read but the event edges between them, and the
+CPU reference executor lets only those inputs be written.
+
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
 tensors as arrays whose outputs it writes in place); the CPU reference executor runs it.
 """
@@ -48,10 +52,11 @@ class DeviceFunc:
     """A tile task: its TIRx PrimFunc, its parameters, thread count, cost hint and reference."""
 
     def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
-                 cost=1.0, reference: Callable | None = None):
+                 cost=1.0, reference: Callable | None = None, updates=()):
         self.prim_func = prim_func
         self.name = name
         self.coord_params, self.buffer_params = _split_params(prim_func, name)
+        self.updates = _check_updates(tuple(updates), self.buffer_params, name)
         self.num_threads = _thread_count(prim_func, name, num_threads)
         self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
@@ -99,13 +104,14 @@ class DeviceFunc:
 
 
 def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
-                reference: Callable | None = None):
+                reference: Callable | None = None, updates=()):
     """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
 
     ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
     already parsed ``tirx.PrimFunc``. ``cost`` is a relative run-time hint for static schedules:
     a number, or an expression of the symbolic dims of the tensor parameters (a GEMM tile's
-    ``K``), evaluated for each call.
+    ``K``), evaluated for each call. ``updates`` names tensor parameters that the tile writes
+    in place although they are inputs (state such as a KV cache).
     """
 
     def wrap(f) -> DeviceFunc:
@@ -118,7 +124,7 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
         else:
             name, prim = f.__name__, T.prim_func(f)
         return DeviceFunc(prim, name=name, num_threads=num_threads, cost=cost,
-                          reference=reference)
+                          reference=reference, updates=updates)
 
     return wrap(fn) if fn is not None else _Decorator(wrap)
 
@@ -156,6 +162,15 @@ def _check_cost(cost, buffer_params, name: str):
         raise EtcError(f"device function {name}: its cost {cost} uses {stray}, which are not "
                        "dims of its tensor parameters")
     return cost
+
+
+def _check_updates(updates: tuple, buffer_params, name: str) -> tuple:
+    names = [p.name for p in buffer_params]
+    stray = [u for u in updates if u not in names]
+    if stray:
+        raise EtcError(f"device function {name}: updates names {stray}, not among its tensor "
+                       f"parameters {names}")
+    return updates
 
 
 def _split_params(func: tirx.PrimFunc, name: str):

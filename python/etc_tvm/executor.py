@@ -348,10 +348,12 @@ class _Run:
         self.graph, self.order, self.trace = graph, order, trace
         self.out_of_range = out_of_range
         self.arrays = {}
+        updated = {t for c in graph.calls for p, t in zip(c.fn.buffer_params, c.tensor_args())
+                   if p.name in c.fn.updates}
         for node, shape in zip(graph.tensors, shapes):
-            if node.param is not None:
+            if node.param is not None:  # a copy: inputs a tile updates change only in the run
                 arr = np.array(inputs[node.param], copy=True)
-                arr.flags.writeable = False
+                arr.flags.writeable = node.index in updated
                 self.arrays[node.index] = arr
             else:
                 self.arrays[node.index] = poison(shape, node.dtype)

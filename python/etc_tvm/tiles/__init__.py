@@ -17,12 +17,23 @@ that ask for the same configuration share one device function:
   ``make_silu_mul_tile`` ([gate | up] -> silu(gate) * up) and ``make_residual_add_tile``.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
   ``make_partial_row_sum_tile(rows, cols, threads)``: fp32 row sums, whole or per column block.
+- ``attention``: decode attention (32 query heads on 4 KV heads, head dim 128, bf16) over a
+  contiguous KV cache: ``make_kv_append_tile()``, ``make_decode_split_tile(chunk)`` (one chunk
+  of one sequence and KV head, flash-decoding partials) and ``make_decode_merge_tile()``.
 
 A megakernel runs every task with one thread count, so tiles used together must agree on it:
 every family defaults to 128 threads (4 warps), and the default tile shapes line up (64-row
 blocks, 64 x 64 GEMM and activation tiles), so ``"ij->ij"`` and ``"ij->i"`` edges connect them.
 Each module states its numeric contract and gives an ``error_bound`` to check it against.
 """
+from .attention import (
+    decode_merge_tile,
+    decode_split_tile,
+    kv_append_tile,
+    make_decode_merge_tile,
+    make_decode_split_tile,
+    make_kv_append_tile,
+)
 from .elementwise import (
     make_activation_tile,
     make_residual_add_tile,
@@ -42,9 +53,10 @@ from .reduction import (
 from .wgmma_gemm import make_wgmma_gemm_tile
 
 __all__ = [
-    "gemm_bf16_tile", "gemm_tile", "gemv_tile", "make_activation_tile", "make_gemm_tile",
-    "make_gemv_sum_tile", "make_gemv_tile", "make_partial_row_sum_tile",
-    "make_residual_add_tile", "make_rmsnorm_tile", "make_row_sum_tile", "make_silu_mul_tile",
-    "make_wgmma_gemm_tile", "partial_row_sum_tile", "relu_bf16_tile", "relu_tile",
-    "rmsnorm_tile", "row_sum_tile",
+    "decode_merge_tile", "decode_split_tile", "gemm_bf16_tile", "gemm_tile", "gemv_tile",
+    "kv_append_tile", "make_activation_tile", "make_decode_merge_tile", "make_decode_split_tile",
+    "make_gemm_tile", "make_gemv_sum_tile", "make_gemv_tile", "make_kv_append_tile",
+    "make_partial_row_sum_tile", "make_residual_add_tile", "make_rmsnorm_tile",
+    "make_row_sum_tile", "make_silu_mul_tile", "make_wgmma_gemm_tile", "partial_row_sum_tile",
+    "relu_bf16_tile", "relu_tile", "rmsnorm_tile", "row_sum_tile",
 ]

@@ -1,0 +1,250 @@
+"""Decode attention tiles without a GPU: NumPy references and the append -> split -> merge graph
+on the reference executor against float64 attention within ``attention.error_bound``, and the
+CUDA for sm_90a (each tile alone, and one static megakernel) through nvcc and its SASS."""
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from etc_tvm import EtcError, Tensor, call_device, graph_func
+from etc_tvm.build import build
+from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, \
+    execute
+from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tiles import attention
+from etc_tvm.tiles.attention import GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
+
+from attention_graph import MIXES, decode_attention_graph, make_inputs
+from test_tiles import assert_within
+
+NVCC = shutil.which("nvcc")
+
+
+def find_cuobjdump():
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel, if installed."""
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for path in Path(root).glob("*/bin/cuobjdump"):
+            return str(path)
+    return None
+
+
+def run_tiles(chunk, q, k_new, v_new, K_cache, V_cache, seq_lens):
+    """The three references in graph order on copies of the caches: (out, pos, K, V, O, lse)."""
+    B, L = q.shape[0], K_cache.shape[2]
+    S = attention.num_splits(L, chunk)
+    K, V = K_cache.copy(), V_cache.copy()
+    pos = np.full(B, -7, np.int32)
+    O_part = np.full((B, KV_HEADS, S, GROUP, HEAD_DIM), np.nan, np.float32)
+    lse = np.full((B, KV_HEADS, S, GROUP), np.nan, np.float32)
+    out = np.full((B, Q_HEADS, HEAD_DIM), np.nan, attention.BF16)
+    for b in range(B):
+        attention.kv_append_tile.reference(b, k_new, v_new, seq_lens, K, V, pos)
+    split = attention.make_decode_split_tile(chunk)
+    for b, h, s in np.ndindex(B, KV_HEADS, S):
+        split.reference(b, h, s, q, K, V, pos, O_part, lse)
+    for b, h in np.ndindex(B, KV_HEADS):
+        attention.decode_merge_tile.reference(b, h, O_part, lse, pos, out)
+    return out, pos, K, V, O_part, lse
+
+
+# ------------------------------------------------------------------ NumPy references vs float64
+def test_append_writes_one_row_per_head_at_the_length():
+    inputs = make_inputs(40, [0, 7, 39, 40, -1])  # the last two have no room
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    _, pos, K, V, _, _ = run_tiles(64, *inputs)
+    np.testing.assert_array_equal(pos, [0, 7, 39, -1, -1])
+    want_k, want_v = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+    np.testing.assert_array_equal(K.view(np.uint16), want_k.view(np.uint16))
+    np.testing.assert_array_equal(V.view(np.uint16), want_v.view(np.uint16))
+    np.testing.assert_array_equal(K[1, :, 7].view(np.uint16), k_new[1].view(np.uint16))
+    np.testing.assert_array_equal(K[3].view(np.uint16), K_cache[3].view(np.uint16))
+
+
+@pytest.mark.parametrize("chunk", [64, 256])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_references_are_within_the_bound(mix, chunk):
+    max_len, lengths = MIXES[mix]
+    inputs = make_inputs(max_len, lengths)
+    out, *_ = run_tiles(chunk, *inputs)
+    want, bound = attention.error_bound(*inputs, chunk=chunk)
+    assert np.isfinite(want).all()
+    assert_within(out, want, bound)
+    # the bound is the bf16 rounding plus a little: fp32 math costs under 2**-12 of |v|
+    assert (bound - 2.0 ** -8 * np.abs(want)).max() < 2.0 ** -12 * np.abs(inputs[2]).max() * 4
+
+
+def test_empty_splits_merge_with_zero_weight():
+    """A chunk past the length: O_part = 0 and lse = -inf, weight exp2(-inf - M) = 0."""
+    inputs = make_inputs(1100, [1099, 3])
+    _, _, _, _, O_part, lse = run_tiles(256, *inputs)
+    assert np.isfinite(lse[0]).all() and np.isfinite(lse[1, :, 0]).all()
+    assert (lse[1, :, 1:] == -np.inf).all() and (O_part[1, :, 1:] == 0).all()
+
+
+def test_a_sequence_without_room_gives_nan_and_leaves_the_others():
+    inputs = make_inputs(64, [10, 64, 63])
+    out, pos, *_ = run_tiles(64, *inputs)
+    want, bound = attention.error_bound(*inputs, chunk=64)
+    assert pos[1] == -1 and np.isnan(out[1].astype(np.float32)).all()
+    assert_within(out[[0, 2]], want[[0, 2]], bound[[0, 2]])
+
+
+def test_split_tile_rejects_chunks_its_threads_cannot_cover():
+    with pytest.raises(EtcError, match="chunk"):
+        attention.make_decode_split_tile(chunk=48)
+
+
+# ------------------------------------------------------------------ the graph on the executor
+def deal(order, queues):
+    return [order[k::queues] for k in range(queues)]
+
+
+ORDERS = {
+    "ready": lambda tg: ReadyQueueOrder(),
+    "random0": lambda tg: RandomOrder(0),
+    "random1": lambda tg: RandomOrder(1),
+    "dynamic3": lambda tg: DynamicQueueOrder(3),
+    "static4-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 4), seed=5),
+    "static7": lambda tg: StaticOrder(deal(tg.topological_order(), 7)),
+}
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_graph_on_the_executor_is_within_the_bound(mix, order):
+    max_len, lengths = MIXES[mix]
+    chunk = 128
+    graph = decode_attention_graph(chunk)
+    inputs = make_inputs(max_len, lengths)
+    schedule = ORDERS[order](TaskGraph.build(graph, {"B": len(lengths), "L": max_len}))
+    out = execute(graph, *inputs, order=schedule)
+    want, bound = attention.error_bound(*inputs, chunk=chunk)
+    assert_within(out, want, bound)
+    # the executor ran the same references as run_tiles, so the result is the same bits
+    np.testing.assert_array_equal(out.view(np.uint16), run_tiles(chunk, *inputs)[0].view(
+        np.uint16))
+
+
+def test_graph_edges_and_wait_counts():
+    B, L, chunk = 3, 700, 256
+    tg = TaskGraph.build(decode_attention_graph(chunk), {"B": B, "L": L})
+    S = attention.num_splits(L, chunk)
+    assert [c.grid for c in tg.calls] == [(B,), (B, KV_HEADS, S), (B, KV_HEADS)]
+    counts = tg.static_counts()
+    assert (counts["appended"] == 1).all()  # counted by its producers: one append each
+    assert (counts["split_done"] == S).all()
+
+
+def test_caller_inputs_are_not_changed_by_the_executor():
+    inputs = make_inputs(64, [5, 9])
+    before = [x.copy() for x in inputs]
+    execute(decode_attention_graph(64), *inputs)
+    for x, y in zip(inputs, before):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+# ------------------------------------------------------------------ CUDA for sm_90a
+def cubin(source: str, tmp_path) -> Path:
+    """nvcc builds ``source`` for sm_90a with no register spill; returns the cubin."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    cu, out = tmp_path / "kernel.cu", tmp_path / "kernel.cubin"
+    cu.write_text(source)
+    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+                           "-Xptxas=-v", str(cu), "-o", str(out)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    assert spills and not any(spills), done.stderr[-4000:]
+    return out
+
+
+def sass(path: Path) -> str:
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def one_call_graphs(chunk=256):
+    """Each tile alone as a graph function (strategy "unfused": one grid launch)."""
+    split = attention.make_decode_split_tile(chunk)
+
+    @graph_func
+    def append_only(k_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
+                    v_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
+                    seq_lens: Tensor(("B",), "int32"),
+                    K_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
+                    V_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16")):
+        return call_device(attention.kv_append_tile, tile_num=(k_new.shape[0],),
+                           args=[k_new, v_new, seq_lens, K_cache, V_cache],
+                           out=Tensor((k_new.shape[0],), "int32"))
+
+    @graph_func
+    def split_only(q: Tensor(("B", Q_HEADS, HEAD_DIM), "bfloat16"),
+                   K_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
+                   V_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
+                   pos: Tensor(("B",), "int32")):
+        B, S = q.shape[0], attention.num_splits(K_cache.shape[2], chunk)
+        return call_device(split, tile_num=(B, KV_HEADS, S), args=[q, K_cache, V_cache, pos],
+                           out=[Tensor((B, KV_HEADS, S, GROUP, HEAD_DIM)),
+                                Tensor((B, KV_HEADS, S, GROUP))])
+
+    @graph_func
+    def merge_only(O_part: Tensor(("B", KV_HEADS, "S", GROUP, HEAD_DIM)),
+                   lse: Tensor(("B", KV_HEADS, "S", GROUP)), pos: Tensor(("B",), "int32")):
+        B = O_part.shape[0]
+        return call_device(attention.decode_merge_tile, tile_num=(B, KV_HEADS),
+                           args=[O_part, lse, pos],
+                           out=Tensor((B, Q_HEADS, HEAD_DIM), "bfloat16"))
+
+    return {"append": append_only, "split": split_only, "merge": merge_only}
+
+
+@pytest.mark.parametrize("tile, dims", [("append", {"B": 4, "L": 1000}),
+                                        ("split", {"B": 4, "L": 1000}),
+                                        ("merge", {"B": 4, "S": 4})])
+def test_each_tile_compiles_alone_with_16_byte_loads(tile, dims, tmp_path):
+    source = build(one_call_graphs()[tile], dims, strategy="unfused", num_sms=132).cuda_source()
+    code = sass(cubin(source, tmp_path))
+    assert "LDG.E.128" in code
+    if tile == "split":  # K and V rows, UNROLL rows each in flight, and q
+        assert len(re.findall(r"LDG\.E\.128", code)) >= 2 * 4 + 1
+        assert "MUFU.EX2" in code and "SHFL.BFLY" in code
+
+
+def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):
+    """One static persistent kernel. The append writes the caches that the split reads in the
+    same kernel, so those reads must not go through the non-coherent (.CONSTANT) path."""
+    compiled = build(decode_attention_graph(256), {"B": 4, "L": 1000}, strategy="static",
+                     num_sms=132)
+    source = compiled.cuda_source()
+    assert "decode_attention_megakernel_kernel" in source
+    code = sass(cubin(source, tmp_path))
+    plain = re.findall(r"LDG\.E\.128(?!\.CONSTANT)", code)
+    assert len(plain) >= 2 * 4 + 2, "cache rows or partials read through the read-only path"
+    # only what no task writes may take it: q (8 loads), k_new and v_new
+    assert len(re.findall(r"LDG\.E\.128\.CONSTANT", code)) <= 8 + 2
+
+
+def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():
+    tiles = [attention.kv_append_tile, attention.decode_split_tile, attention.decode_merge_tile]
+    assert {t.num_threads for t in tiles} == {128}
+    assert attention.kv_append_tile.updates == ("K_cache", "V_cache")
+    assert attention.decode_split_tile.updates == ()
+
+
+def test_updates_must_name_a_tensor_parameter():
+    with pytest.raises(EtcError, match="updates names"):
+        type(attention.kv_append_tile)(attention.kv_append_tile.prim_func, name="bad",
+                                       updates=("cache",))

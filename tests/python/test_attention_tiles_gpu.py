@@ -1,0 +1,144 @@
+"""Decode attention tiles on the GPU, against float64 attention within ``attention.error_bound``.
+
+Each tile runs alone as a one-call graph (strategy "unfused": one grid launch) and the three
+chained as one static persistent megakernel, on fresh random inputs (cache rows at and past
+each length NaN), B in {1, 4, 32}, lengths up to 4096 mixed with the edge cases (1 token, a
+chunk boundary, a full cache). Where PyTorch is installed, the NumPy float64 reference is
+itself checked against PyTorch's float64 softmax attention.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from etc_tvm.build import build
+from etc_tvm.tiles import attention
+from etc_tvm.tiles.attention import GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
+
+from attention_graph import decode_attention_graph, make_inputs
+from test_attention_tiles import one_call_graphs
+from test_tiles import assert_within
+
+pytestmark = pytest.mark.gpu
+
+CHUNK = 256
+CASES = [(1, 4096), (4, 4096), (4, 1000), (32, 4096)]  # (B, max_len)
+
+
+def lengths(B: int, max_len: int) -> list:
+    """Random lengths before the append, with 1 token, a chunk boundary, and a full cache."""
+    rng = np.random.default_rng(zlib.crc32(f"{B}/{max_len}".encode()))
+    special = [max_len - 1, 0, CHUNK - 1, CHUNK, max_len // 3]
+    drawn = rng.integers(0, max_len, B).tolist()
+    return (special + drawn)[:B] if B > 1 else [max_len - 1]
+
+
+def float64_reference(inputs):
+    want, bound = attention.error_bound(*inputs, chunk=CHUNK)
+    try:
+        import torch
+    except ImportError:
+        return want, bound
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    K, V = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+    for b, n in enumerate(seq_lens + 1):
+        qt = torch.from_numpy(q[b].astype(np.float64)).view(KV_HEADS, GROUP, HEAD_DIM)
+        kt = torch.from_numpy(K[b, :, :n].astype(np.float64))
+        vt = torch.from_numpy(V[b, :, :n].astype(np.float64))
+        p = torch.softmax(qt @ kt.transpose(1, 2) / HEAD_DIM ** 0.5, dim=-1)
+        np.testing.assert_allclose(want[b], (p @ vt).reshape(Q_HEADS, HEAD_DIM).numpy(),
+                                   rtol=1e-10, atol=1e-12)
+    return want, bound
+
+
+@pytest.mark.parametrize("B, max_len", CASES)
+def test_tiles_one_launch_each(B, max_len):
+    """append, then split, then merge as three launches: the cache is updated in place on the
+    device, the partials of empty chunks are neutral, and the output is within the bound."""
+    import tvm
+
+    dev = tvm.cuda(0)
+    inputs = make_inputs(max_len, lengths(B, max_len))
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    S = attention.num_splits(max_len, CHUNK)
+    graphs = one_call_graphs(CHUNK)
+    dims = {"B": B, "L": max_len}
+    K_dev, V_dev = tvm.runtime.tensor(K_cache, dev), tvm.runtime.tensor(V_cache, dev)
+    pos = build(graphs["append"], dims, strategy="unfused").run(
+        k_new, v_new, seq_lens, K_dev, V_dev).numpy()
+    want_k, want_v = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+    np.testing.assert_array_equal(pos, seq_lens)
+    np.testing.assert_array_equal(K_dev.numpy().view(np.uint16), want_k.view(np.uint16))
+    np.testing.assert_array_equal(V_dev.numpy().view(np.uint16), want_v.view(np.uint16))
+
+    O_part, lse = build(graphs["split"], dims, strategy="unfused")(q, want_k, want_v, pos)
+    assert O_part.shape == (B, KV_HEADS, S, GROUP, HEAD_DIM) and lse.shape == (B, KV_HEADS, S,
+                                                                                GROUP)
+    empty = np.arange(S)[None, :] * CHUNK >= (seq_lens + 1)[:, None]  # (B, S)
+    assert (lse.transpose(0, 2, 1, 3)[empty] == -np.inf).all()
+    assert (O_part.transpose(0, 2, 1, 3, 4)[empty] == 0).all()
+    assert np.isfinite(lse.transpose(0, 2, 1, 3)[~empty]).all()
+
+    out = build(graphs["merge"], {"B": B, "S": S}, strategy="unfused")(O_part, lse, pos)
+    want, bound = float64_reference(inputs)
+    assert_within(out, want, bound)
+
+
+@pytest.mark.parametrize("B, max_len", CASES)
+def test_decode_attention_megakernel(B, max_len):
+    compiled = build(decode_attention_graph(CHUNK), {"B": B, "L": max_len}, strategy="static")
+    inputs = make_inputs(max_len, lengths(B, max_len))
+    out = compiled(*inputs)
+    want, bound = float64_reference(inputs)
+    assert_within(out, want, bound)
+
+
+def test_megakernel_updates_the_device_cache_in_place():
+    import tvm
+
+    B, max_len = 4, 1000
+    compiled = build(decode_attention_graph(CHUNK), {"B": B, "L": max_len}, strategy="static")
+    inputs = make_inputs(max_len, lengths(B, max_len))
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in (K_cache, V_cache))
+    compiled(q, k_new, v_new, K_dev, V_dev, seq_lens)
+    want_k, want_v = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+    np.testing.assert_array_equal(K_dev.numpy().view(np.uint16), want_k.view(np.uint16))
+    np.testing.assert_array_equal(V_dev.numpy().view(np.uint16), want_v.view(np.uint16))
+
+
+def test_a_full_cache_gives_nan_for_that_sequence_only():
+    B, max_len = 4, 1000
+    compiled = build(decode_attention_graph(CHUNK), {"B": B, "L": max_len}, strategy="static")
+    inputs = make_inputs(max_len, [5, max_len, 300, -1])
+    out = compiled(*inputs).astype(np.float32)
+    assert np.isnan(out[[1, 3]]).all()
+    want, bound = attention.error_bound(*inputs, chunk=CHUNK)
+    assert_within(out[[0, 2]], want[[0, 2]], bound[[0, 2]])
+
+
+@pytest.mark.parametrize("strategy", ["unfused_tiles", "static"])
+def test_100_launches_are_identical(strategy):
+    B, max_len = 32, 4096
+    inputs = make_inputs(max_len, lengths(B, max_len), seed="repeat")
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    if strategy == "static":
+        compiled = build(decode_attention_graph(CHUNK), {"B": B, "L": max_len},
+                         strategy="static")
+
+        def run():
+            return compiled(*inputs)
+    else:
+        graphs, S = one_call_graphs(CHUNK), attention.num_splits(max_len, CHUNK)
+        dims = {"B": B, "L": max_len}
+        K, V = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+        split = build(graphs["split"], dims, strategy="unfused")
+        merge = build(graphs["merge"], {"B": B, "S": S}, strategy="unfused")
+
+        def run():
+            return merge(*split(q, K, V, seq_lens), seq_lens)
+    first = run()
+    want, bound = float64_reference(inputs)
+    assert_within(first, want, bound)
+    for _ in range(99):
+        np.testing.assert_array_equal(run().view(np.uint16), first.view(np.uint16))
