@@ -2,12 +2,14 @@
 
     router (ceil(T/TB))  --routed "b->0"-->  align (1)
         --aligned, trigger "a=>0:exp_indptr[E], 0:NB1"-->  gate_up (tiles x NB1)
-        --h_ready "gn->g"-->                                down (tiles x NB2)
-                                   (down is released by the same trigger, "0:NB2")
+        --h_ready "gn->g", trigger "g=>g:g+1, 0:NB2 if g < exp_indptr[E]"-->  down (tiles x NB2)
         --y_ready "gn->g, n//R", data-dependent "tc->pair_tile[t,:], c"-->  combine (T x NC)
 
-Tiles past ``exp_indptr[E]`` are never released by the trigger, so both grouped GEMMs skip
-them (their static ``h_ready``/``y_ready`` notifies still run, so the fan-ins complete). Align is
+Tiles past ``exp_indptr[E]`` are never released by a trigger, so both grouped GEMMs skip
+them (their static ``h_ready``/``y_ready`` notifies still run, so the fan-ins complete; the
+guard keeps the completed ``h_ready`` of a skipped tile from releasing its down tiles). The
+dynamic kernel takes a single trigger as a triggered call's only in-edge, hence down's
+per-tile trigger on ``h_ready`` rather than a trigger plus a wait. Align is
 one task, so every expert becomes ready at once: one trigger element over all used tiles is
 the per-expert trigger ``e=>exp_indptr[e]:exp_indptr[e+1]`` of ``moe_graph`` with its E
 elements fired together. A combine task (t, c) waits for exactly the K down tiles holding
@@ -77,8 +79,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         y_ready = ETensor((tiles, nc), name="y_ready")
         y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, tile_expert, exp_indptr],
                         out=Tensor((tiles * BT, H), "float32", name="y"),
-                        in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb2}",
-                                  h_ready: "gn->g"},
+                        in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
                         out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")
         return call_device(combine, tile_num=(tokens, nc), args=[topw, pair_row, pair_tile, y],
                            out=Tensor((tokens, H), "bfloat16", name="out"),
