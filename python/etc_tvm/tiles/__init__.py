@@ -9,6 +9,10 @@ that ask for the same configuration share one device function:
   ReLU / GELU / SiLU over a ``rows x cols`` tile, fp32 in, fp32 or bf16 out.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
   ``make_partial_row_sum_tile(rows, cols, threads)``: fp32 row sums, whole or per column block.
+- ``moe``: the MoE layer's router (top-K, renormalised weights), align (the padded CSR of
+  expert tiles), grouped gate-up (SiLU-mul fused) and down GEMMs on ``gemm.MmaTile``, and the
+  weighted combine; ``apps/moe_layer.py`` wires them into one graph.
+- ``rope``: ``make_qk_norm_rope_tile``: Qwen3's per-head q/k RMSNorm and neox rotary.
 
 A megakernel runs every task with one thread count, so tiles used together must agree on it:
 every family defaults to 128 threads (4 warps), and the default tile shapes line up (64-row
