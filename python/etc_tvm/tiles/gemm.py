@@ -60,6 +60,131 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
 
 
+@T.meta_class
+class MmaTile:
+    """One ``bm x bn`` fp32 accumulator tile on ``mma.sync.m16n8k16``, fed through a
+    ``stages``-deep cp.async ring; the building block of every GEMM-shaped tile.
+
+    The caller says where operand elements live (``a_src(r, k)``: the address of row r of the
+    tile, column k of A; ``b_src(k, c)``: row k, tile column c of B), so gathered rows
+    (grouped GEMMs) and per-expert weights reuse the same main loop. After ``run`` thread
+    ``lane`` of warp ``warp`` holds ``acc[m, n, 2h + v]`` = tile element
+    ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``acc`` directly.
+    The geometry is checked by ``check_geometry`` before a tile is built.
+    """
+
+    def __init__(self, bm, bn, bk, threads, stages, tx, warp, lane):
+        self.bm, self.bn, self.bk, self.threads, self.stages = bm, bn, bk, threads, stages
+        self.wm, self.wn = warp_grid(bm, bn, threads // 32)
+        self.tm, self.tn = bm // self.wm, bn // self.wn  # the warp tile
+        self.mi, self.ni = self.tm // 16, self.tn // 8  # m16 and n8 blocks per warp tile
+        self.tx, self.warp, self.lane = tx, warp, lane
+        self.As = T.alloc_shared((stages, bm, bk + PAD), "bfloat16")
+        self.Bs = T.alloc_shared((stages, bk, bn + PAD), "bfloat16")
+        self.acc = T.alloc_local((self.mi, self.ni, 4), "float32")
+        self.a_frag = T.alloc_local((self.mi, 4), "uint32")
+        self.b_frag = T.alloc_local((self.ni, 2), "uint32")
+
+    def row(self, m, h):
+        """The tile row of accumulator block m, half h (rows g and g + 8, g = lane // 4)."""
+        return self.warp // self.wn * self.tm + m * 16 + h * 8 + self.lane // 4
+
+    def col(self, n, v):
+        """The tile column of accumulator block n, element v (columns 2t, 2t + 1, t = lane % 4)."""
+        return self.warp % self.wn * self.tn + n * 8 + self.lane % 4 * 2 + v
+
+    @T.inline
+    def load_stage(self, a_src, b_src, k_step):
+        # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
+        s = T.meta_var(k_step % self.stages)
+        a_cols, b_cols = T.meta_var(self.bk // CHUNK), T.meta_var(self.bn // CHUNK)
+        for r in T.unroll(self.bm * self.bk // CHUNK // self.threads):
+            c = T.meta_var(r * self.threads + self.tx)
+            T.ptx.cp.async_.cg.shared.global_(
+                self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
+                a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK), 16)
+        for r in T.unroll(self.bk * self.bn // CHUNK // self.threads):
+            c = T.meta_var(r * self.threads + self.tx)
+            T.ptx.cp.async_.cg.shared.global_(
+                self.Bs.ptr_to([s, c // b_cols, c % b_cols * CHUNK]),
+                b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
+
+    @T.inline
+    def run(self, a_src, b_src, num_k):
+        # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for e in T.unroll(4):
+                    self.acc[m, n, e] = T.float32(0)
+        # Prologue: slices 0 .. stages-2 in flight, one commit group each.
+        for p in T.unroll(self.stages - 1):
+            if p < num_k:
+                self.load_stage(a_src, b_src, p)
+            T.ptx.cp.async_.commit_group()
+        for ko in T.serial(num_k):
+            # Refill the slot freed at the end of the previous step; an empty group past the end
+            # keeps "all but the newest stages-1 groups" meaning "slice ko has landed".
+            if ko + self.stages - 1 < num_k:
+                self.load_stage(a_src, b_src, ko + self.stages - 1)
+            T.ptx.cp.async_.commit_group()
+            T.ptx.cp.async_.wait_group(self.stages - 1)
+            T.cuda.cta_sync()
+            s = T.meta_var(ko % self.stages)
+            for kk in T.unroll(self.bk // 16):
+                # Lane l addresses row l % 16, column block l // 16 of a 16x16 block: the
+                # x4 load's four 8x8 matrices are then exactly the mma fragment registers.
+                for m in T.unroll(self.mi):
+                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
+                        self.a_frag[m, 0], self.a_frag[m, 1], self.a_frag[m, 2],
+                        self.a_frag[m, 3],
+                        self.As.ptr_to([s, self.warp // self.wn * self.tm + m * 16
+                                        + self.lane % 16, kk * 16 + self.lane // 16 * 8]))
+                for n2 in T.unroll(self.ni // 2):
+                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
+                        self.b_frag[2 * n2, 0], self.b_frag[2 * n2, 1],
+                        self.b_frag[2 * n2 + 1, 0], self.b_frag[2 * n2 + 1, 1],
+                        self.Bs.ptr_to([s, kk * 16 + self.lane % 16,
+                                        self.warp % self.wn * self.tn + n2 * 16
+                                        + self.lane // 16 * 8]))
+                for m in T.unroll(self.mi):
+                    for n in T.unroll(self.ni):
+                        T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                            self.acc[m, n, 0], self.acc[m, n, 1], self.acc[m, n, 2],
+                            self.acc[m, n, 3],
+                            self.a_frag[m, 0], self.a_frag[m, 1], self.a_frag[m, 2],
+                            self.a_frag[m, 3], self.b_frag[n, 0], self.b_frag[n, 1],
+                            self.acc[m, n, 0], self.acc[m, n, 1], self.acc[m, n, 2],
+                            self.acc[m, n, 3])
+            T.cuda.cta_sync()  # every warp is done with slot ko before it is refilled
+
+    @T.inline
+    def store(self, C, row0, col0):
+        # C[row0 + tile row, col0 + tile col] = acc, cast to C's dtype: pairs of adjacent
+        # columns per thread.
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for h in T.unroll(2):
+                    for v in T.vectorized(2):
+                        C[row0 + self.row(m, h), col0 + self.col(n, v)] = \
+                            T.Cast(C.dtype, self.acc[m, n, h * 2 + v])
+
+
+def check_geometry(bm: int, bn: int, bk: int, threads: int, stages: int) -> None:
+    """Raise unless an ``MmaTile`` of this shape can be built (see the module docstring)."""
+    if threads % 32 or bk % 16 or stages < 1:
+        raise EtcError(f"gemm tile: threads must be whole warps, bk a multiple of 16 and "
+                       f"stages >= 1, got threads={threads}, bk={bk}, stages={stages}")
+    warp_grid(bm, bn, threads // 32)
+    a_loads, b_loads = bm * bk // CHUNK, bk * bn // CHUNK
+    if a_loads % threads or b_loads % threads:
+        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: its {a_loads} + {b_loads} 16-byte chunks per "
+                       f"stage do not divide among {threads} threads")
+    smem = shared_bytes(bm, bn, bk, stages)
+    if smem > SMEM_LIMIT:
+        raise EtcError(f"gemm tile {bm}x{bn}x{bk} x{stages} stages needs {smem} bytes of shared "
+                       f"memory, more than {SMEM_LIMIT}")
+
+
 @functools.cache
 def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
                    out_dtype: str = "float32", stages: int = 2, split_k: int = 1) -> DeviceFunc:
@@ -78,98 +203,16 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
         raise EtcError(f"gemm tile: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if split_k < 1:
         raise EtcError(f"gemm tile: split_k must be positive, got {split_k}")
-    if threads % 32 or bk % 16 or stages < 1:
-        raise EtcError(f"gemm tile: threads must be whole warps, bk a multiple of 16 and "
-                       f"stages >= 1, got threads={threads}, bk={bk}, stages={stages}")
-    wm, wn = warp_grid(bm, bn, threads // 32)
-    tm, tn = bm // wm, bn // wn  # the warp tile
-    mi, ni = tm // 16, tn // 8  # m16 blocks and n8 blocks per warp tile
-    a_loads, b_loads = bm * bk // CHUNK, bk * bn // CHUNK
-    if a_loads % threads or b_loads % threads:
-        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: its {a_loads} + {b_loads} 16-byte chunks per "
-                       f"stage do not divide among {threads} threads")
-    smem = shared_bytes(bm, bn, bk, stages)
-    if smem > SMEM_LIMIT:
-        raise EtcError(f"gemm tile {bm}x{bn}x{bk} x{stages} stages needs {smem} bytes of shared "
-                       f"memory, more than {SMEM_LIMIT}")
-    a_cols, b_cols = bk // CHUNK, bn // CHUNK  # chunks per shared row
+    check_geometry(bm, bn, bk, threads, stages)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
 
     @T.inline
     def tile_body(i, j, k0, num_k, A, B, C, tx, warp, lane):
         # C[tile (i, j)] = A[rows i, k0:k0 + num_k*bk] @ B[k0:k0 + num_k*bk, cols j]
-        As = T.alloc_shared((stages, bm, bk + PAD), "bfloat16")
-        Bs = T.alloc_shared((stages, bk, bn + PAD), "bfloat16")
-        acc = T.alloc_local((mi, ni, 4), "float32")
-        a_frag = T.alloc_local((mi, 4), "uint32")
-        b_frag = T.alloc_local((ni, 2), "uint32")
-        row0 = T.meta_var(i * bm + warp // wn * tm)  # the warp tile's first row and column
-        col0 = T.meta_var(j * bn + warp % wn * tn)
-
-        @T.inline
-        def load_stage(k_step):
-            # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
-            s = T.meta_var(k_step % stages)
-            for r in T.unroll(a_loads // threads):
-                c = T.meta_var(r * threads + tx)
-                T.ptx.cp.async_.cg.shared.global_(
-                    As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
-                    A.ptr_to([i * bm + c // a_cols, k0 + k_step * bk + c % a_cols * CHUNK]), 16)
-            for r in T.unroll(b_loads // threads):
-                c = T.meta_var(r * threads + tx)
-                T.ptx.cp.async_.cg.shared.global_(
-                    Bs.ptr_to([s, c // b_cols, c % b_cols * CHUNK]),
-                    B.ptr_to([k0 + k_step * bk + c // b_cols, j * bn + c % b_cols * CHUNK]), 16)
-
-        for m in T.unroll(mi):
-            for n in T.unroll(ni):
-                for e in T.unroll(4):
-                    acc[m, n, e] = T.float32(0)
-        # Prologue: slices 0 .. stages-2 in flight, one commit group each.
-        for p in T.unroll(stages - 1):
-            if p < num_k:
-                load_stage(p)
-            T.ptx.cp.async_.commit_group()
-        for ko in T.serial(num_k):
-            # Refill the slot freed at the end of the previous step; an empty group past the end
-            # keeps "all but the newest stages-1 groups" meaning "slice ko has landed".
-            if ko + stages - 1 < num_k:
-                load_stage(ko + stages - 1)
-            T.ptx.cp.async_.commit_group()
-            T.ptx.cp.async_.wait_group(stages - 1)
-            T.cuda.cta_sync()
-            s = T.meta_var(ko % stages)
-            for kk in T.unroll(bk // 16):
-                # Lane l addresses row l % 16, column block l // 16 of a 16x16 block: the
-                # x4 load's four 8x8 matrices are then exactly the mma fragment registers.
-                for m in T.unroll(mi):
-                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
-                        a_frag[m, 0], a_frag[m, 1], a_frag[m, 2], a_frag[m, 3],
-                        As.ptr_to([s, warp // wn * tm + m * 16 + lane % 16,
-                                   kk * 16 + lane // 16 * 8]))
-                for n2 in T.unroll(ni // 2):
-                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
-                        b_frag[2 * n2, 0], b_frag[2 * n2, 1],
-                        b_frag[2 * n2 + 1, 0], b_frag[2 * n2 + 1, 1],
-                        Bs.ptr_to([s, kk * 16 + lane % 16,
-                                   warp % wn * tn + n2 * 16 + lane // 16 * 8]))
-                for m in T.unroll(mi):
-                    for n in T.unroll(ni):
-                        T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                            acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3],
-                            a_frag[m, 0], a_frag[m, 1], a_frag[m, 2], a_frag[m, 3],
-                            b_frag[n, 0], b_frag[n, 1],
-                            acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
-            T.cuda.cta_sync()  # every warp is done with slot ko before it is refilled
-        # Accumulator element 2h + v of block (m, n) is row g + 8h, column 2t + v (g = lane // 4,
-        # t = lane % 4): each thread stores pairs of adjacent columns.
-        for m in T.unroll(mi):
-            for n in T.unroll(ni):
-                for h in T.unroll(2):
-                    for v in T.vectorized(2):
-                        C[row0 + m * 16 + h * 8 + lane // 4, col0 + n * 8 + lane % 4 * 2 + v] = \
-                            T.Cast(out_dtype, acc[m, n, h * 2 + v])
-
+        mma = MmaTile(bm, bn, bk, threads, stages, tx, warp, lane)
+        mma.run(lambda r, k: A.ptr_to([i * bm + r, k0 + k]),
+                lambda k, c: B.ptr_to([k0 + k, j * bn + c]), num_k)
+        mma.store(C, i * bm, j * bn)
 
     if split_k == 1:
         @T.prim_func

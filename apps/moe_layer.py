@@ -1,0 +1,170 @@
+"""Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference.
+
+    router (ceil(T/TB))  --routed "b->0"-->  align (1)
+        --aligned, trigger "a=>0:exp_indptr[E], 0:NB1"-->  gate_up (tiles x NB1)
+        --h_ready "gn->g", trigger "g=>g:g+1, 0:NB2 if g < exp_indptr[E]"-->  down (tiles x NB2)
+        --y_ready "gn->g, n//R", data-dependent "tc->pair_tile[t,:], c"-->  combine (T x NC)
+
+Tiles past ``exp_indptr[E]`` are never released by a trigger, so both grouped GEMMs skip
+them (their static ``h_ready``/``y_ready`` notifies still run, so the fan-ins complete; the
+guard keeps the completed ``h_ready`` of a skipped tile from releasing its down tiles). The
+dynamic kernel takes a single trigger as a triggered call's only in-edge, hence down's
+per-tile trigger on ``h_ready`` rather than a trigger plus a wait. Align is
+one task, so every expert becomes ready at once: one trigger element over all used tiles is
+the per-expert trigger ``e=>exp_indptr[e]:exp_indptr[e+1]`` of ``moe_graph`` with its E
+elements fired together. A combine task (t, c) waits for exactly the K down tiles holding
+token t's rows, column block c. Under "mixed" the two grouped GEMMs (a data-dependent number
+of tasks) go through the ready ring, the rest through static queues.
+
+Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
+"""
+import functools
+
+import numpy as np
+
+from etc_tvm import ETensor, Tensor, call_device, graph_func
+from etc_tvm.tiles import moe
+from etc_tvm.tiles.moe import ceil_div, max_tiles
+
+QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
+
+
+@functools.cache
+def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
+                   intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
+                   bn: int = 64, bk: int = 64, combine_cols: int = 512, threads: int = 128):
+    """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
+    x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
+    (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16."""
+    H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
+    combine_cols = min(combine_cols, H)
+    if combine_cols % bn:
+        raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
+    router = moe.make_router_tile(H, E, K, block_tokens, threads)
+    align = moe.make_align_tile(E, K, BT, threads)
+    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads)
+    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads)
+    combine = moe.make_combine_tile(H, K, combine_cols, threads)
+    nb1, nb2, nc = 2 * F // bn, H // bn, H // combine_cols
+    per_block = combine_cols // bn  # down column blocks per combine column block
+
+    @graph_func
+    def moe_layer(x: Tensor(("T", H), "bfloat16"), w_router: Tensor((H, E), "bfloat16"),
+                  w_gate_up: Tensor((E, H, 2 * F), "bfloat16"),
+                  w_down: Tensor((E, F, H), "bfloat16")):
+        tokens = x.shape[0]
+        tiles = max_tiles(tokens, E, K, BT)
+        routed = ETensor((1,), name="routed")
+        topk, topw = call_device(router, tile_num=(ceil_div(tokens, block_tokens),),
+                                 args=[x, w_router],
+                                 out=[Tensor((tokens, K), "int32", name="topk"),
+                                      Tensor((tokens, K), "float32", name="topw")],
+                                 out_edges={routed: "b->0"})
+        aligned = ETensor((1,), name="aligned")
+        _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
+            align, tile_num=(1,), args=[topk],
+            out=[Tensor((E,), "int32", name="counts"),
+                 Tensor((E + 1,), "int32", name="exp_indptr"),
+                 Tensor((tokens, K), "int32", name="pair_row"),
+                 Tensor((tokens, K), "int32", name="pair_tile"),
+                 Tensor((tiles * BT,), "int32", name="sorted_token"),
+                 Tensor((tiles,), "int32", name="tile_expert")],
+            in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
+        h_ready = ETensor((tiles,), name="h_ready")
+        h = call_device(gate_up, tile_num=(tiles, nb1),
+                        args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
+                        out=Tensor((tiles * BT, F), "bfloat16", name="h"),
+                        in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
+                        out_edges={h_ready: "gn->g"}, schedule="dynamic")
+        y_ready = ETensor((tiles, nc), name="y_ready")
+        y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, tile_expert, exp_indptr],
+                        out=Tensor((tiles * BT, H), "float32", name="y"),
+                        in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
+                        out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")
+        return call_device(combine, tile_num=(tokens, nc), args=[topw, pair_row, pair_tile, y],
+                           out=Tensor((tokens, H), "bfloat16", name="out"),
+                           in_edges={y_ready: "tc->pair_tile[t,:], c"})
+
+    return moe_layer
+
+
+def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int):
+    """(out, bound): the layer in float64 from the same bf16 inputs, and the bound on
+    ``|out_device - out|`` the tiles' contracts compose to, given the device picks the same
+    experts (``moe.routing_margin`` > 0): h within ``moe.gate_up_bound``, carried through the
+    down GEMM (``|dh| @ |Wd|`` plus its own fp32 sums), the router weights within
+    ``moe.router_weight_bound``, then ``moe.combine_bound``."""
+    topk, topw = moe.route(x, w_router, top_k)
+    w_gate, w_up = moe.split_gate_up(w_gate_up)
+    F = w_down.shape[1]
+    T_, H = x.shape
+    ys = np.empty((T_, top_k, H))
+    bound_y = np.empty((T_, top_k, H))
+    for e in np.unique(topk):
+        pairs = np.nonzero(topk == e)
+        rows = x[pairs[0]]
+        h64 = moe.gate_up_exact(rows, w_gate[e], w_up[e])[0]
+        bound_h = moe.gate_up_bound(rows, w_gate[e], w_up[e])
+        wd = w_down[e].astype(np.float64)
+        ys[pairs] = h64 @ wd
+        bound_y[pairs] = bound_h @ np.abs(wd) \
+            + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ np.abs(wd))
+    out = np.einsum("tk,tkh->th", topw, ys)
+    bound_w = moe.router_weight_bound(x, w_router, topw)
+    bound = np.einsum("tk,tkh->th", topw + bound_w, bound_y) \
+        + np.einsum("tk,tkh->th", bound_w, np.abs(ys)) \
+        + moe.combine_bound(topw + bound_w, np.abs(ys) + bound_y)
+    return out, bound
+
+
+ROUTINGS = ("random", "one_expert", "idle_experts")
+HOT = 3  # every token's first choice under "one_expert"
+
+
+def make_inputs(rng, tokens: int, hidden: int, experts: int, intermediate: int,
+                routing: str = "random"):
+    """bf16 ``(x, w_router, w_gate_up, w_down)``.
+
+    x and w_router lie on a grid (integers, and multiples of 2**-7) on which every fp32
+    logit is exact in any summation order, so the device picks exactly the float64 experts,
+    ties included (to the lower index); the router tile's own tests cover Gaussian inputs.
+    Feature 0 of x is 4 for every token, and the router row 0 steers: "one_expert" lifts
+    expert HOT by 16 (every token's first choice), "idle_experts" drops the odd experts by 16
+    (no tokens when top-K <= E/2).
+    """
+    import ml_dtypes
+
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    bf16 = ml_dtypes.bfloat16
+    x = rng.integers(-4, 5, (tokens, hidden)).astype(np.float64)
+    x[:, 0] = 4
+    w_router = rng.integers(-3, 4, (hidden, experts)) * 2.0 ** -7
+    w_router[0] = 0
+    if routing == "one_expert":
+        w_router[0, HOT % experts] = 4
+    elif routing == "idle_experts":
+        w_router[0, 1::2] = -4
+    scale = 1 / np.sqrt(hidden * (x * x).mean())
+    w_gate = rng.standard_normal((experts, hidden, intermediate)) * scale
+    w_up = rng.standard_normal((experts, hidden, intermediate)) * scale
+    w_down = rng.standard_normal((experts, intermediate, hidden)) / np.sqrt(intermediate)
+    return (x.astype(bf16), w_router.astype(bf16),
+            moe.interleave_gate_up(w_gate, w_up).astype(bf16), w_down.astype(bf16))
+
+
+def main():  # pragma: no cover (a demonstration)
+    from etc_tvm.executor import execute
+
+    rng = np.random.default_rng(0)
+    H, E, K, F = 128, 16, 4, 64
+    x, w_router, w_gate_up, w_down = make_inputs(rng, 9, H, E, F)
+    graph = make_moe_layer(H, E, K, F)
+    out = execute(graph, x, w_router, w_gate_up, w_down)
+    want, bound = moe_layer_reference(x, w_router, w_gate_up, w_down, K)
+    err = np.abs(out.astype(np.float64) - want)
+    print(f"max error {err.max():.3g}, max error / bound {(err / bound).max():.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,560 @@
+"""Mixture-of-experts tiles (Qwen3-MoE shaped): router, align, grouped GEMMs, combine.
+
+The layer, for T tokens (symbolic), hidden H, E experts, top-K, expert intermediate F, and
+expert tiles of BT rows::
+
+    router   task b (TB tokens)  logits = x @ w_router (fp32); top-K experts per token, their
+                                 softmax weights renormalised to sum to 1
+    align    task 0 (one CTA)    per-expert counts, the CSR of expert tiles exp_indptr [E+1],
+                                 each (t, k) pair's row (pair_row) and tile, each row's token
+    gate_up  task (g, n)         h[rows of g, cols n] = silu(x[tok] @ Wg[e]) * (x[tok] @ Wu[e])
+    down     task (g, n)         y[rows of g, cols n] = h[rows of g] @ Wd[e]       (fp32)
+    combine  task (t, c)         out[t, cols c] = sum_k w[t, k] * y[pair_row[t, k]]  (bf16)
+
+Expert e owns tiles ``exp_indptr[e] .. exp_indptr[e+1] - 1`` and rows from
+``exp_indptr[e] * BT`` on, its pairs in (t, k) row-major order; the last tile of an expert is
+padded (``sorted_token`` -1). ``max_tiles = ceil(T*K / BT) + E`` bounds the tiles used; a grouped
+GEMM task of a tile past ``exp_indptr[E]`` (``tile_expert[g] == E``) does nothing, and in a
+megakernel no trigger releases it, so it is skipped.
+
+Choices, and why:
+
+- Router tasks take TB tokens: a token does only 2 FLOP per router weight, so the 512 KB
+  ``w_router`` read dominates; a block of tokens reads it once. Thread (group of 8 experts,
+  slice of H) reads 16 bytes of a weight row per step; the slices are summed in shared memory.
+  Top-K runs one warp per token: K rounds of warp max, then warp min of the lanes' indices that
+  reach it, so ties go to the lower expert index, as ``np.argsort(kind="stable")`` does.
+  The softmax over all E cancels under renormalisation: ``w_k = exp(l_k - l_1) / sum_j
+  exp(l_j - l_1)`` over the K chosen, which is what Qwen3's ``norm_topk_prob`` computes.
+- Align is one CTA and deterministic: thread th counts its contiguous chunk of the T*K pairs
+  into its row of a (threads x E) histogram in shared memory, a column scan turns the rows into
+  per-thread offsets within each expert, a block-wide (Hillis-Steele) scan of tiles per expert
+  gives exp_indptr, and a second pass over the same chunks hands out rows in (t, k) order.
+  Shared memory: threads * (E + 1) int32 (66 KB for 128 x 128), no atomics; T = 4096 is 256
+  pairs per thread.
+- Grouped GEMMs gather A rows straight from x by ``sorted_token`` (cp.async from the token's
+  row): no scattered copy of x, one task and one hop fewer, and the gather costs nothing extra
+  since each row is loaded once per tile either way. BT = 16 is one m16 row block: at decode
+  most experts get 1-8 pairs, and padding stays below one m16 block per expert.
+- SiLU-and-multiply is fused in gate_up's epilogue: the gate and up weights are interleaved in
+  blocks of 8 columns (``interleave_gate_up``), so accumulator blocks 2q and 2q+1 of a thread
+  hold gate and up of the same h column; h is written once, in bf16, with no fp32 (rows, 2F)
+  round trip and no extra dependency hop.
+- y stays fp32 and the combine sums in fp32 in k order (deterministic, no atomics), rounding
+  once to bf16.
+
+Numeric contracts (against float64 of the same bf16 inputs) are in each ``*_bound`` function.
+TVM compiles with ``--use_fast_math``: ``expf`` is ``ex2.approx`` and division approximate.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..device_func import DeviceFunc, device_func
+from ..errors import EtcError
+from .gemm import MmaTile, check_geometry
+
+WARP = 32
+VEC = 8  # bf16 per 16-byte load
+FLT_LOWEST = -3.4028234663852886e38  # a chosen expert's logit in the top-K rounds
+INTERLEAVE = 8  # gate and up columns alternate in blocks of one n8 mma block
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
+    """Tiles of the grouped GEMMs: enough for every expert's partial last tile."""
+    return ceil_div(tokens * top_k, tile_rows) + experts
+
+
+# ----------------------------------------------------------------------------------- router
+@functools.cache
+def make_router_tile(hidden: int, experts: int, top_k: int, block_tokens: int = 8,
+                     threads: int = 128) -> DeviceFunc:
+    """The tile ``router_<H>x<E>_top<K>_b<TB>``: task b routes tokens b*TB .. b*TB + TB - 1
+    (those below T), writing topk (T, K) int32 and topw (T, K) fp32."""
+    H, E, K, TB = hidden, experts, top_k, block_tokens
+    groups = E // VEC
+    if E % VEC or threads % groups or threads % WARP:
+        raise EtcError(f"router tile: {E} experts must be groups of {VEC} that divide "
+                       f"{threads} threads")
+    slices = threads // groups
+    if H % slices or not 1 <= K <= E:
+        raise EtcError(f"router tile: hidden {H} must split into {slices} slices and "
+                       f"1 <= top_k {K} <= {E}")
+    warps, per_lane = threads // WARP, ceil_div(E, WARP)
+    ntok = tirx.Var("T", "int32")
+
+    @T.prim_func
+    def router(b: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+               w_router: T.Buffer((H, E), "bfloat16"), topk: T.Buffer((ntok, K), "int32"),
+               topw: T.Buffer((ntok, K), "float32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([warps])
+        lane = T.lane_id([WARP])
+        part = T.alloc_shared((slices, TB, E), "float32")
+        logits = T.alloc_shared((TB, E), "float32")
+        acc = T.alloc_local((TB, VEC), "float32")
+        wv = T.alloc_local((VEC,), "bfloat16")
+        eg = T.meta_var(tx % groups)
+        hs = T.meta_var(tx // groups)
+        for t in T.unroll(TB):
+            for j in T.unroll(VEC):
+                acc[t, j] = T.float32(0)
+        for hh in T.serial(H // slices):
+            for j in T.vectorized(VEC):
+                wv[j] = w_router[hh * slices + hs, eg * VEC + j]
+            for t in T.unroll(TB):
+                # rows past T read the last token; their logits are never used
+                xv = T.meta_var(T.Cast("float32", x[T.min(b * TB + t, ntok - 1),
+                                                    hh * slices + hs]))
+                for j in T.unroll(VEC):
+                    acc[t, j] = acc[t, j] + xv * T.Cast("float32", wv[j])
+        for t in T.unroll(TB):
+            for j in T.unroll(VEC):
+                part[hs, t, eg * VEC + j] = acc[t, j]
+        T.cuda.cta_sync()
+        for q in T.serial(ceil_div(TB * E, threads)):
+            v = T.meta_var(q * threads + tx)
+            if v < TB * E:
+                total = T.local_scalar("float32")
+                total = T.float32(0)
+                for s in T.serial(slices):
+                    total = total + part[s, v // E, v % E]
+                logits[v // E, v % E] = total
+        T.cuda.cta_sync()
+        vals = T.alloc_local((per_lane,), "float32")
+        weight = T.alloc_local((K,), "float32")
+        for tt in T.serial(ceil_div(TB, warps)):
+            t = T.meta_var(tt * warps + warp)
+            if t < TB and b * TB + t < ntok:  # warp-uniform: the shuffles see every lane
+                for v in T.unroll(per_lane):
+                    vals[v] = T.float32(FLT_LOWEST)
+                    if lane + v * WARP < E:
+                        vals[v] = logits[t, lane + v * WARP]
+                best = T.local_scalar("float32")
+                mine = T.local_scalar("float32")
+                arg = T.local_scalar("int32")
+                top = T.local_scalar("float32")
+                chosen = T.local_scalar("int32")
+                lsum = T.local_scalar("float32")
+                lsum = T.float32(0)
+                top = T.float32(0)
+                for k in T.unroll(K):
+                    mine = T.float32(FLT_LOWEST)
+                    arg = E
+                    for v in T.unroll(per_lane):  # a lane's indices rise with v: strict '>'
+                        if lane + v * WARP < E and vals[v] > mine:
+                            mine = vals[v]
+                            arg = lane + v * WARP
+                    best = T.cuda.warp_max(mine)
+                    if mine != best:
+                        arg = E
+                    chosen = T.cuda.warp_min(arg)  # the lowest index holding the maximum
+                    for v in T.unroll(per_lane):
+                        if lane + v * WARP == chosen:
+                            vals[v] = T.float32(FLT_LOWEST)
+                    if k == 0:
+                        top = best
+                    weight[k] = T.exp(best - top)
+                    lsum = lsum + weight[k]
+                    if lane == 0:
+                        topk[b * TB + t, k] = chosen
+                if lane == 0:
+                    for k in T.unroll(K):
+                        topw[b * TB + t, k] = weight[k] / lsum
+
+    name = f"router_{H}x{E}_top{K}_b{TB}_t{threads}"
+    tile = device_func(router.with_attr("global_symbol", name), cost=H // slices // 64 + 1)
+
+    @tile.set_reference
+    def _(b, x, w_router, topk, topw):
+        rows = slice(b * TB, min((b + 1) * TB, x.shape[0]))
+        logits = x[rows].astype(np.float32) @ w_router.astype(np.float32)
+        ids, weights = top_k_of(logits, K)
+        topk[rows], topw[rows] = ids, weights.astype(np.float32)
+
+    return tile
+
+
+def top_k_of(logits: np.ndarray, top_k: int):
+    """(ids, weights): the top-K per row, descending, ties to the lower index, and the softmax
+    weights renormalised over the K chosen, in the logits' precision."""
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+    chosen = np.take_along_axis(logits, ids, axis=1)
+    weights = np.exp(chosen - chosen[:, :1])
+    return ids.astype(np.int32), weights / weights.sum(axis=1, keepdims=True)
+
+
+def route(x, w_router, top_k: int):
+    """Float64 routing of bf16 inputs: (topk, topw)."""
+    return top_k_of(x.astype(np.float64) @ w_router.astype(np.float64), top_k)
+
+
+def logit_bound(x, w_router) -> np.ndarray:
+    """(T, E): fp32 sums of exact bf16 products, in any order."""
+    return x.shape[1] * 2.0 ** -24 * (np.abs(x.astype(np.float64))
+                                      @ np.abs(w_router.astype(np.float64)))
+
+
+def routing_margin(x, w_router, top_k: int) -> float:
+    """The smallest float64 gap between a token's K-th and (K+1)-th logit, less the fp32 logit
+    bound twice: positive means the device must pick the float64 experts."""
+    logits = x.astype(np.float64) @ w_router.astype(np.float64)
+    ordered = np.sort(logits, axis=1)[:, ::-1]
+    if top_k == logits.shape[1]:
+        return np.inf
+    return float((ordered[:, top_k - 1] - ordered[:, top_k]
+                  - 2 * logit_bound(x, w_router).max(axis=1)).min())
+
+
+def router_weight_bound(x, w_router, topw64) -> np.ndarray:
+    """(T, K) bound on ``|topw - topw64|`` when the experts agree: d log w_k = dl_k -
+    sum_j w_j dl_j moves by at most 2 * max dl, plus ex2.approx and the division
+    (2**-20 relative together), plus the fp32 roundings of the sum."""
+    delta = logit_bound(x, w_router).max(axis=1, keepdims=True)
+    return topw64 * (2.2 * delta + 2.0 ** -19) + 2.0 ** -126
+
+
+# ------------------------------------------------------------------------------------ align
+@functools.cache
+def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
+    """The tile ``align_<E>_top<K>_bt<BT>``: one task (run it on a grid of 1) that turns
+    topk (T, K) into counts (E,), exp_indptr (E+1,) in tiles, pair_row and pair_tile (T, K),
+    sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles)."""
+    E, K, BT = experts, top_k, tile_rows
+    if threads % WARP or E < 1 or BT < 1:
+        raise EtcError(f"align tile: bad configuration E={E}, BT={BT}, threads={threads}")
+    seg = ceil_div(E, threads)  # experts per thread in the tile scan
+    steps = max(1, math.ceil(math.log2(threads)))
+    search = max(1, math.ceil(math.log2(E + 1)))
+    ntok, rows, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "tiles"))
+
+    @T.prim_func
+    def align(i: T.int32, topk: T.Buffer((ntok, K), "int32"), counts: T.Buffer((E,), "int32"),
+              exp_indptr: T.Buffer((E + 1,), "int32"), pair_row: T.Buffer((ntok, K), "int32"),
+              pair_tile: T.Buffer((ntok, K), "int32"), sorted_token: T.Buffer((rows,), "int32"),
+              tile_expert: T.Buffer((tiles,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        hist = T.alloc_shared((threads, E + 1), "int32")  # +1: rows start in different banks
+        scan = T.alloc_shared((2, threads), "int32")
+        indptr = T.alloc_shared((E + 1,), "int32")
+        count = T.alloc_shared((E,), "int32")
+        chunk = T.meta_var((ntok * K + threads - 1) // threads)
+        lo = T.meta_var(tx * chunk)
+        mine = T.meta_var(T.max(T.min(chunk, ntok * K - tx * chunk), 0))
+        for e in T.serial(E):
+            hist[tx, e] = 0
+        for p in T.serial(mine):
+            hist[tx, topk[(lo + p) // K, (lo + p) % K]] = \
+                hist[tx, topk[(lo + p) // K, (lo + p) % K]] + 1
+        T.cuda.cta_sync()
+        # Column scan: hist[th, e] becomes the pairs of e in the chunks before th's.
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E:
+                run = T.local_scalar("int32")
+                c = T.local_scalar("int32")
+                run = 0
+                for th in T.serial(threads):
+                    c = hist[th, e]
+                    hist[th, e] = run
+                    run = run + c
+                count[e] = run
+                counts[e] = run
+        T.cuda.cta_sync()
+        # Block-wide exclusive scan of the tiles per expert (thread tx: experts tx*seg + s).
+        mysum = T.local_scalar("int32")
+        mysum = 0
+        for s in T.unroll(seg):
+            if tx * seg + s < E:
+                mysum = mysum + (count[tx * seg + s] + BT - 1) // BT
+        scan[0, tx] = mysum
+        T.cuda.cta_sync()
+        for d in T.unroll(steps):
+            if tx >= (1 << d):
+                scan[(d + 1) % 2, tx] = scan[d % 2, tx] + scan[d % 2, tx - (1 << d)]
+            else:
+                scan[(d + 1) % 2, tx] = scan[d % 2, tx]
+            T.cuda.cta_sync()
+        start = T.local_scalar("int32")
+        start = scan[steps % 2, tx] - mysum
+        for s in T.unroll(seg):
+            if tx * seg + s < E:
+                indptr[tx * seg + s] = start
+                exp_indptr[tx * seg + s] = start
+                start = start + (count[tx * seg + s] + BT - 1) // BT
+        if tx == threads - 1:
+            indptr[E] = scan[steps % 2, tx]
+            exp_indptr[E] = scan[steps % 2, tx]
+        T.cuda.cta_sync()
+        # Each tile's expert: the last e with indptr[e] <= g (binary search), E past the end.
+        for q in T.serial((tiles + threads - 1) // threads):
+            g = T.meta_var(q * threads + tx)
+            if g < tiles:
+                lo_e = T.local_scalar("int32")
+                hi_e = T.local_scalar("int32")
+                lo_e = 0
+                hi_e = E
+                if g >= indptr[E]:
+                    lo_e = E
+                else:
+                    for _it in T.unroll(search):  # indptr[lo_e] <= g < indptr[hi_e]
+                        if hi_e - lo_e > 1:
+                            if indptr[(lo_e + hi_e) // 2] <= g:
+                                lo_e = (lo_e + hi_e) // 2
+                            else:
+                                hi_e = (lo_e + hi_e) // 2
+                tile_expert[g] = lo_e
+        for q in T.serial((rows + threads - 1) // threads):
+            if q * threads + tx < rows:
+                sorted_token[q * threads + tx] = -1
+        T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
+        for p in T.serial(mine):
+            e = T.meta_var(topk[(lo + p) // K, (lo + p) % K])
+            row = T.local_scalar("int32")
+            row = indptr[e] * BT + hist[tx, e]
+            hist[tx, e] = hist[tx, e] + 1
+            pair_row[(lo + p) // K, (lo + p) % K] = row
+            pair_tile[(lo + p) // K, (lo + p) % K] = row // BT
+            sorted_token[row] = (lo + p) // K
+
+    name = f"align_{E}_top{K}_bt{BT}_t{threads}"
+    tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4)
+
+    @tile.set_reference
+    def _(i, topk, counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert):
+        c, indptr, rows_, tokens, experts_ = align_reference(topk, E, BT, len(tile_expert))
+        counts[:], exp_indptr[:], pair_row[:], pair_tile[:] = c, indptr, rows_, rows_ // BT
+        sorted_token[:], tile_expert[:] = tokens, experts_
+
+    return tile
+
+
+def align_reference(topk, experts: int, tile_rows: int, tiles: int):
+    """(counts, exp_indptr, pair_row, sorted_token, tile_expert) of a routing."""
+    counts = np.bincount(topk.ravel(), minlength=experts).astype(np.int32)
+    indptr = np.zeros(experts + 1, np.int32)
+    indptr[1:] = np.cumsum(ceil_div(counts, tile_rows))
+    pair_row = np.empty(topk.shape, np.int32)
+    sorted_token = np.full(tiles * tile_rows, -1, np.int32)
+    cursor = indptr[:-1] * tile_rows
+    for pair, e in enumerate(topk.ravel()):  # (t, k) row-major within each expert
+        pair_row.flat[pair] = cursor[e]
+        sorted_token[cursor[e]] = pair // topk.shape[1]
+        cursor[e] += 1
+    tile_expert = np.full(tiles, experts, np.int32)
+    for e in range(experts):
+        tile_expert[indptr[e]:indptr[e + 1]] = e
+    return counts, indptr, pair_row, sorted_token, tile_expert
+
+
+# ----------------------------------------------------------------------------- grouped GEMMs
+def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
+    """(E, H, F) gate and up weights -> (E, H, 2F) with columns ``[g0..g7, u0..u7, g8..]``: the
+    layout gate_up's fused epilogue reads (done once, when the weights are loaded)."""
+    E, H, F = w_gate.shape
+    blocks = (E, H, F // INTERLEAVE, INTERLEAVE)
+    return np.concatenate([w_gate.reshape(blocks), w_up.reshape(blocks)],
+                          axis=3).reshape(E, H, 2 * F)
+
+
+def split_gate_up(w_gate_up: np.ndarray):
+    """The inverse of ``interleave_gate_up``: (w_gate, w_up)."""
+    E, H, F2 = w_gate_up.shape
+    blocks = w_gate_up.reshape(E, H, F2 // (2 * INTERLEAVE), 2, INTERLEAVE)
+    return blocks[:, :, :, 0].reshape(E, H, F2 // 2), blocks[:, :, :, 1].reshape(E, H, F2 // 2)
+
+
+def _silu(v):
+    return v / (T.float32(1) + T.exp(-v))
+
+
+def _np_silu(v):
+    with np.errstate(over="ignore"):
+        return v / (1 + np.exp(-v))
+
+
+@functools.cache
+def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
+                      bn: int = 64, bk: int = 64, threads: int = 128,
+                      stages: int = 2) -> DeviceFunc:
+    """The tile ``gate_up_<H>x<F>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes h columns
+    n*bn/2 .. (n+1)*bn/2 of tile g's rows from x rows gathered by sorted_token and the
+    interleaved (E, H, 2F) weights; ``exp_indptr`` is read by the in-edge's trigger only."""
+    H, F, E, BT = hidden, intermediate, experts, tile_rows
+    check_geometry(BT, bn, bk, threads, stages)
+    if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
+        raise EtcError(f"gate_up tile: H={H} must be a multiple of bk={bk}, 2F={2 * F} of "
+                       f"bn={bn}, and bn of {2 * INTERLEAVE}")
+    ntok, rows, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "tiles"))
+
+    @T.prim_func
+    def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+                w_gate_up: T.Buffer((E, H, 2 * F), "bfloat16"),
+                sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
+                exp_indptr: T.Buffer((E + 1,), "int32"), h: T.Buffer((rows, F), "bfloat16")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        e = T.local_scalar("int32")
+        e = tile_expert[g]
+        if e < E:  # CTA-uniform
+            mma = MmaTile(BT, bn, bk, threads, stages, tx, warp, lane)
+            # padding rows (token -1) load token 0's row; their h rows are never read
+            mma.run(lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
+                    lambda k, c: w_gate_up.ptr_to([e, k, n * bn + c]), H // bk)
+            for m in T.unroll(mma.mi):
+                for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
+                    for hh in T.unroll(2):
+                        for v in T.unroll(2):
+                            col = T.meta_var(mma.col(2 * q, v))  # a gate column of the tile
+                            h[g * BT + mma.row(m, hh),
+                              n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                              + col % INTERLEAVE] = T.Cast(
+                                  "bfloat16", _silu(mma.acc[m, 2 * q, 2 * hh + v])
+                                  * mma.acc[m, 2 * q + 1, 2 * hh + v])
+
+    name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}"
+    tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk)
+
+    @tile.set_reference
+    def _(g, n, x, w_gate_up, sorted_token, tile_expert, exp_indptr, h):
+        e = int(tile_expert[g])
+        if e >= E:
+            return
+        rows_ = slice(g * BT, (g + 1) * BT)
+        a = x[np.maximum(sorted_token[rows_], 0)].astype(np.float32)
+        both = a @ w_gate_up[e][:, n * bn:(n + 1) * bn].astype(np.float32)
+        pairs = both.reshape(BT, bn // (2 * INTERLEAVE), 2, INTERLEAVE)
+        value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]
+        h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(BT, bn // 2).astype(h.dtype)
+
+    return tile
+
+
+@functools.cache
+def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
+                   bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2) -> DeviceFunc:
+    """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
+    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32."""
+    F, H, E, BT = intermediate, hidden, experts, tile_rows
+    check_geometry(BT, bn, bk, threads, stages)
+    if F % bk or H % bn:
+        raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
+    rows, tiles = tirx.Var("rows", "int32"), tirx.Var("tiles", "int32")
+
+    @T.prim_func
+    def down(g: T.int32, n: T.int32, h: T.Buffer((rows, F), "bfloat16"),
+             w_down: T.Buffer((E, F, H), "bfloat16"), tile_expert: T.Buffer((tiles,), "int32"),
+             exp_indptr: T.Buffer((E + 1,), "int32"), y: T.Buffer((rows, H), "float32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        e = T.local_scalar("int32")
+        e = tile_expert[g]
+        if e < E:
+            mma = MmaTile(BT, bn, bk, threads, stages, tx, warp, lane)
+            mma.run(lambda r, k: h.ptr_to([g * BT + r, k]),
+                    lambda k, c: w_down.ptr_to([e, k, n * bn + c]), F // bk)
+            mma.store(y, g * BT, n * bn)
+
+    name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}"
+    tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
+
+    @tile.set_reference
+    def _(g, n, h, w_down, tile_expert, exp_indptr, y):
+        e = int(tile_expert[g])
+        if e >= E:
+            return
+        rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
+        y[rows_, cols] = h[rows_].astype(np.float32) @ w_down[e][:, cols].astype(np.float32)
+
+    return tile
+
+
+def gate_up_exact(xrows, w_gate, w_up):
+    """float64 (h, gate, up) of rows of x under one expert's weights."""
+    a = xrows.astype(np.float64)
+    gate, up = a @ w_gate.astype(np.float64), a @ w_up.astype(np.float64)
+    return _np_silu(gate) * up, gate, up
+
+
+def gate_up_bound(xrows, w_gate, w_up) -> np.ndarray:
+    """Bound on ``|h - h64|``: each GEMM within ``H * 2**-22 * |x| @ |W|`` (gemm.py), carried
+    through silu(g) * u (|silu'| <= 1.1), the fast-math SiLU (``2**-20 * (1 + |g|)``), the
+    product's fp32 rounding and the bf16 rounding of h."""
+    h64, gate, up = gate_up_exact(xrows, w_gate, w_up)
+    a = np.abs(xrows.astype(np.float64))
+    dg = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_gate.astype(np.float64)))
+    du = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_up.astype(np.float64)))
+    silu = np.abs(_np_silu(gate))
+    err = 1.1 * dg * (np.abs(up) + du) + (silu + 1.1 * dg) * du \
+        + 2.0 ** -20 * (1 + np.abs(gate)) * (np.abs(up) + du)
+    return err * (1 + 2.0 ** -8) + 2.0 ** -8 * np.abs(h64) + 2.0 ** -126
+
+
+# ---------------------------------------------------------------------------------- combine
+@functools.cache
+def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
+                      threads: int = 128) -> DeviceFunc:
+    """The tile ``combine_<H>_top<K>_c<cols>``: task (t, c) writes
+    out[t, c*cols:(c+1)*cols] = sum_k topw[t, k] * y[pair_row[t, k], same] in fp32, in k
+    order, rounded once to bf16; ``pair_tile`` is read by the in-edge only."""
+    H, K = hidden, top_k
+    vecs = cols // 4
+    if H % cols or cols % 4 or (vecs > threads and vecs % threads):
+        raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
+                       f"spread over {threads} threads")
+    ntok, rows = tirx.Var("T", "int32"), tirx.Var("rows", "int32")
+
+    @T.prim_func
+    def combine(t: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
+                pair_row: T.Buffer((ntok, K), "int32"), pair_tile: T.Buffer((ntok, K), "int32"),
+                y: T.Buffer((rows, H), "float32"), out: T.Buffer((ntok, H), "bfloat16")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        acc = T.alloc_local((4,), "float32")
+        for s in T.unroll(ceil_div(vecs, threads)):
+            if s * threads + tx < vecs:
+                col = T.meta_var(c * cols + (s * threads + tx) * 4)
+                for j in T.vectorized(4):
+                    acc[j] = T.float32(0)
+                for k in T.unroll(K):
+                    for j in T.vectorized(4):
+                        acc[j] = acc[j] + topw[t, k] * y[pair_row[t, k], col + j]
+                for j in T.vectorized(4):
+                    out[t, col + j] = T.Cast("bfloat16", acc[j])
+
+    name = f"combine_{H}_top{K}_c{cols}_t{threads}"
+    tile = device_func(combine.with_attr("global_symbol", name))
+
+    @tile.set_reference
+    def _(t, c, topw, pair_row, pair_tile, y, out):
+        span = slice(c * cols, (c + 1) * cols)
+        acc = np.zeros(cols, np.float32)
+        for k in range(K):
+            acc = acc + topw[t, k] * y[pair_row[t, k], span]
+        out[t, span] = acc.astype(out.dtype)
+
+    return tile
+
+
+def combine_bound(topw, ys) -> np.ndarray:
+    """Bound on ``|out - sum_k w_k y_k|`` for exact fp32 inputs ``topw`` (T, K) and gathered
+    ``ys`` (T, K, H): K fp32 multiply-adds and the bf16 rounding."""
+    terms = np.abs(topw.astype(np.float64))[:, :, None] * np.abs(ys.astype(np.float64))
+    exact = np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64))
+    return 2 * topw.shape[1] * 2.0 ** -24 * terms.sum(axis=1) + 2.0 ** -8 * np.abs(exact) \
+        + 2.0 ** -126

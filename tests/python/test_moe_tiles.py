@@ -1,0 +1,389 @@
+"""The MoE and RoPE tiles without a GPU: NumPy references against float64 within each tile's
+stated bound, the whole MoE layer on the CPU reference executor under static, dynamic and
+mixed task orders, and the generated CUDA (each tile alone, the layer as one megakernel)
+compiled for sm_90a."""
+import functools
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from etc_tvm import Tensor, call_device, graph_func
+from etc_tvm.build import build
+from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
+                              StaticOrder, execute)
+from etc_tvm.schedule import mixed_schedule
+from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tiles import moe, rope
+
+from test_tiles import assert_within, poisoned
+
+
+def _load_app(name):
+    """apps/<name>.py as the module ``name`` (the GPU tests import it too)."""
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "apps" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+moe_layer = _load_app("moe_layer")
+HOT, ROUTINGS, make_inputs = moe_layer.HOT, moe_layer.ROUTINGS, moe_layer.make_inputs
+make_moe_layer, moe_layer_reference = moe_layer.make_moe_layer, moe_layer.moe_layer_reference
+
+BF16 = ml_dtypes.bfloat16
+H, E, K, F, BT = 128, 16, 4, 64, 16  # the small configuration (Qwen3: 2048, 128, 8, 768, 16)
+TOKENS = (1, 7, 20)
+NVCC = shutil.which("nvcc")
+
+
+@functools.cache
+def small_layer():
+    return make_moe_layer(H, E, K, F, combine_cols=64)
+
+
+def run_tasks(tile, grid, *arrays):
+    for coords in np.ndindex(*grid):
+        tile.reference(*coords, *arrays)
+
+
+def gaussian_routing_inputs(rng, tokens):
+    """bf16 x and w_router with every token's K-th and (K+1)-th logit apart by more than
+    twice the fp32 logit bound (redrawn until so)."""
+    while True:
+        x = rng.standard_normal((tokens, H)).astype(BF16)
+        w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(BF16)
+        if moe.routing_margin(x, w, K) > 0:
+            return x, w
+
+
+# ------------------------------------------------------------------ references vs float64
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_router_reference_is_within_its_bound(tokens, rng):
+    x, w = gaussian_routing_inputs(rng, tokens)
+    tile = moe.make_router_tile(H, E, K)
+    topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
+    run_tasks(tile, (moe.ceil_div(tokens, 8),), x, w, topk, topw)
+    want_k, want_w = moe.route(x, w, K)
+    np.testing.assert_array_equal(topk, want_k)
+    assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
+    np.testing.assert_allclose(topw.sum(axis=1), 1, rtol=1e-6)
+
+
+def test_router_breaks_ties_by_lower_index():
+    """Experts 2 and 5 have the same router column: equal logits, 2 goes first."""
+    x = np.ones((3, H), BF16)
+    w = np.zeros((H, E))
+    w[:, [2, 5]] = 1 / H
+    w[:, 9] = 0.5 / H
+    topk, topw = np.zeros((3, K), np.int32), np.zeros((3, K), np.float32)
+    run_tasks(moe.make_router_tile(H, E, K), (1,), x, w.astype(BF16), topk, topw)
+    np.testing.assert_array_equal(topk[:, :3], [[2, 5, 9]] * 3)
+    np.testing.assert_array_equal(topk[:, 3], [0] * 3)  # the lowest of the zero logits
+
+
+def routed(rng, tokens, routing):
+    """topk (T, K) int32 of a routing: random; every token on expert HOT first; odd experts
+    idle."""
+    if routing == "random":
+        ids = [rng.choice(E, K, replace=False) for _ in range(tokens)]
+    elif routing == "one_expert":
+        ids = [[HOT, *rng.choice(np.delete(np.arange(E), HOT), K - 1, replace=False)]
+               for _ in range(tokens)]
+    else:
+        ids = [rng.choice(np.arange(0, E, 2), K, replace=False) for _ in range(tokens)]
+    return np.asarray(ids, np.int32).reshape(tokens, K)
+
+
+def aligned(topk, tiles):
+    """The align tile's outputs for ``topk``, through its reference."""
+    out = [np.full(s, -7, np.int32) for s in
+           ((E,), (E + 1,), topk.shape, topk.shape, (tiles * BT,), (tiles,))]
+    run_tasks(moe.make_align_tile(E, K, BT), (1,), topk, *out)
+    return out
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", (1, 7, 40, 300))
+def test_align_reference_builds_the_padded_csr(tokens, routing, rng):
+    topk = routed(rng, tokens, routing)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    counts, indptr, pair_row, pair_tile, sorted_token, tile_expert = aligned(topk, tiles)
+    np.testing.assert_array_equal(counts, np.bincount(topk.ravel(), minlength=E))
+    assert indptr[0] == 0 and indptr[E] <= tiles
+    np.testing.assert_array_equal(np.diff(indptr), -(-counts // BT))
+    for e in range(E):  # (t, k) row-major within the expert, from its first tile on
+        np.testing.assert_array_equal(pair_row[topk == e], indptr[e] * BT + np.arange(counts[e]))
+        np.testing.assert_array_equal(tile_expert[indptr[e]:indptr[e + 1]], e)
+    np.testing.assert_array_equal(pair_tile, pair_row // BT)
+    assert (tile_expert[indptr[E]:] == E).all()
+    np.testing.assert_array_equal(sorted_token[pair_row.ravel()], np.repeat(np.arange(tokens), K))
+    assert (np.delete(sorted_token, pair_row.ravel()) == -1).all()
+    if routing == "one_expert":
+        assert counts[HOT] == tokens
+    if routing == "idle_experts":
+        assert (counts[1::2] == 0).all()
+
+
+def test_interleaved_weights_split_back():
+    gate, up = np.arange(2 * 3 * 32).reshape(2, 3, 32), -np.arange(2 * 3 * 32).reshape(2, 3, 32)
+    both = moe.interleave_gate_up(gate, up)
+    np.testing.assert_array_equal(both[:, :, :8], gate[:, :, :8])
+    np.testing.assert_array_equal(both[:, :, 8:16], up[:, :, :8])
+    for got, want in zip(moe.split_gate_up(both), (gate, up)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, routing, rng):
+    """gate_up, down and combine over a real alignment: h, y and out against float64 of the
+    same inputs, padding rows and unused tiles untouched (left NaN)."""
+    x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
+    topk = routed(rng, tokens, routing)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, pair_row, pair_tile, sorted_token, tile_expert = aligned(topk, tiles)
+    h = poisoned((tiles * BT, F), "bfloat16")
+    run_tasks(moe.make_gate_up_tile(H, F, E), (tiles, 2 * F // 64), x, w_gate_up, sorted_token,
+              tile_expert, indptr, h)
+    w_gate, w_up = moe.split_gate_up(w_gate_up)
+    rows = pair_row.ravel()
+    experts = topk.ravel()
+    tok = np.repeat(np.arange(tokens), K)
+    for e in np.unique(experts):
+        mine = experts == e
+        assert_within(h[rows[mine]], moe.gate_up_exact(x[tok[mine]], w_gate[e], w_up[e])[0],
+                      moe.gate_up_bound(x[tok[mine]], w_gate[e], w_up[e]))
+    assert np.isnan(h[indptr[E] * BT:].astype(np.float32)).all()
+
+    y = poisoned((tiles * BT, H), "float32")
+    run_tasks(moe.make_down_tile(F, H, E), (tiles, H // 64), h, w_down, tile_expert, indptr, y)
+    for r, e in zip(rows, experts):
+        hr = h[r].astype(np.float64)
+        wd = np.abs(w_down[e].astype(np.float64))
+        assert_within(y[r], hr @ w_down[e].astype(np.float64), F * 2.0 ** -22 * (np.abs(hr) @ wd))
+
+    topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
+    out = poisoned((tokens, H), "bfloat16")
+    run_tasks(moe.make_combine_tile(H, K, 64), (tokens, H // 64), topw, pair_row, pair_tile, y,
+              out)
+    ys = y[pair_row]
+    assert_within(out, np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64)),
+                  moe.combine_bound(topw, ys))
+
+
+@pytest.mark.parametrize("tokens", (1, 5))
+def test_qk_norm_rope_reference_is_within_its_bound(tokens, rng):
+    Hq, Hk, D = 4, 2, 128
+    q = (3 * rng.standard_normal((tokens, Hq * D))).astype(BF16)
+    k = rng.standard_normal((tokens, Hk * D)).astype(BF16)
+    qw = (1 + 0.1 * rng.standard_normal(D)).astype(BF16)
+    kw = (1 + 0.1 * rng.standard_normal(D)).astype(BF16)
+    positions = rng.integers(0, 200_000, tokens).astype(np.int32)
+    q_out, k_out = poisoned(q.shape, "bfloat16"), poisoned(k.shape, "bfloat16")
+    run_tasks(rope.make_qk_norm_rope_tile(Hq, Hk, D), (tokens,), q, k, qw, kw, positions,
+              q_out, k_out)
+    for got, x, w, heads in ((q_out, q, qw, Hq), (k_out, k, kw, Hk)):
+        want = rope.qk_norm_rope_exact(x, w, positions, heads, D)[0]
+        assert_within(got, want, rope.error_bound(x, w, positions, heads, D))
+
+
+def test_rotation_at_position_zero_is_the_norm_alone(rng):
+    x = rng.standard_normal((2, 128))
+    out, xn = rope.qk_norm_rope_exact(x, np.ones(128), np.zeros(2), 1, 128)
+    np.testing.assert_allclose(out, xn)
+    np.testing.assert_allclose((xn * xn).mean(axis=1), 1, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ the layer, executed
+def deal(order, queues):
+    return [order[k::queues] for k in range(queues)]
+
+
+def _mixed(task_graph, ctas):
+    schedule, ring_calls = mixed_schedule(task_graph, ctas)
+    names = {task_graph.calls[c].fn.name.split("_")[0] for c in ring_calls}
+    assert names == {"gate", "down"}
+    return MixedOrder(schedule.queues, ring_calls)
+
+
+ORDERS = {
+    "static5": lambda tg: StaticOrder(deal(tg.topological_order(), 5)),
+    "static3-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 3), seed=4),
+    "dynamic3": lambda tg: DynamicQueueOrder(3),
+    "ready": lambda tg: ReadyQueueOrder(),
+    "mixed3": lambda tg: _mixed(tg, 3),
+    "mixed1": lambda tg: _mixed(tg, 1),
+    "random0": lambda tg: RandomOrder(0),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_layer_matches_float64_under_every_order(tokens, routing, order):
+    rng = np.random.default_rng(hash((tokens, routing)) % 2**32)
+    inputs = make_inputs(rng, tokens, H, E, F, routing)
+    graph = small_layer()
+    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
+    assert out.dtype == BF16 and out.shape == (tokens, H)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(out, want, bound)
+
+
+def test_layer_routings_are_what_they_say(rng):
+    for routing in ROUTINGS:
+        topk, _ = moe.route(*make_inputs(rng, 20, H, E, F, routing)[:2], K)
+        counts = np.bincount(topk.ravel(), minlength=E)
+        if routing == "one_expert":
+            assert (topk[:, 0] == HOT).all()
+        if routing == "idle_experts":
+            assert (counts[1::2] == 0).all() and (counts[::2] > 0).any()
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_unused_expert_tiles_are_skipped(routing, rng):
+    """Only the tiles below exp_indptr[E] run a grouped-GEMM body; every task still runs once."""
+    tokens = 7
+    inputs = make_inputs(rng, tokens, H, E, F, routing)
+    graph = small_layer()
+    tg = TaskGraph.build(graph, {"T": tokens})
+    runs = {}
+    originals = {}
+    for name, fn in graph.device_funcs.items():
+        if name.startswith(("gate_up", "down")):
+            originals[name] = fn.reference
+            runs[name] = []
+            fn.set_reference(lambda *a, _n=name, _f=fn.reference: (runs[_n].append(a[:2]),
+                                                                    _f(*a)))
+    trace = []
+    try:
+        execute(graph, *inputs, order=RandomOrder(2), trace=trace)
+    finally:
+        for name, fn in originals.items():
+            graph.device_funcs[name].set_reference(fn)
+    assert sorted(trace) == list(range(tg.num_tasks))
+    topk, _ = moe.route(*inputs[:2], K)
+    used = int(np.sum(-(-np.bincount(topk.ravel(), minlength=E) // BT)))
+    gate_up_runs = next(v for n, v in runs.items() if n.startswith("gate_up"))
+    down_runs = next(v for n, v in runs.items() if n.startswith("down"))
+    assert sorted({g for g, _ in gate_up_runs}) == list(range(used))
+    assert len(gate_up_runs) == used * 2 * F // 64 and len(down_runs) == used * H // 64
+
+
+def test_layer_graph_is_valid_for_qwen3_sizes():
+    """The full-size graph instantiates and validates for 1 and 4096 tokens."""
+    graph = make_moe_layer()
+    for tokens in (1, 4096):
+        tg = TaskGraph.build(graph, {"T": tokens})
+        tg.validate()
+
+
+# ------------------------------------------------------------------ CUDA for sm_90a
+def nvcc_cubin(source: str, tmp_path) -> None:
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+                           str(path), "-o", str(tmp_path / "kernel.cubin")],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
+    """Each tile alone as a graph function (strategy "unfused"), as the GPU tests run them:
+    name -> (graph, the arguments' roles)."""
+    Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
+    router = moe.make_router_tile(Hd, Ex, Kk)
+    align = moe.make_align_tile(Ex, Kk, BT)
+    gate_up = moe.make_gate_up_tile(Hd, Fi, Ex)
+    down = moe.make_down_tile(Fi, Hd, Ex)
+    combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
+    qk = rope.make_qk_norm_rope_tile(*qwen_heads)
+    Hq, Hk = qwen_heads
+
+    @graph_func
+    def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
+        n = x.shape[0]
+        return call_device(router, tile_num=(moe.ceil_div(n, 8),), args=[x, w],
+                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")])
+
+    @graph_func
+    def align_only(topk: Tensor(("T", Kk), "int32")):
+        n = topk.shape[0]
+        tiles = moe.max_tiles(n, Ex, Kk, BT)
+        return call_device(align, tile_num=(1,), args=[topk],
+                           out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
+                                Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
+                                Tensor((tiles * BT,), "int32"), Tensor((tiles,), "int32")])
+
+    @graph_func
+    def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
+                     sorted_token: Tensor(("R",), "int32"), tile_expert: Tensor(("G",), "int32"),
+                     exp_indptr: Tensor((Ex + 1,), "int32")):
+        g = tile_expert.shape[0]
+        return call_device(gate_up, tile_num=(g, 2 * Fi // 64),
+                           args=[x, w, sorted_token, tile_expert, exp_indptr],
+                           out=Tensor((sorted_token.shape[0], Fi), "bfloat16"))
+
+    @graph_func
+    def down_only(h: Tensor(("R", Fi), "bfloat16"), w: Tensor((Ex, Fi, Hd), "bfloat16"),
+                  tile_expert: Tensor(("G",), "int32"), exp_indptr: Tensor((Ex + 1,), "int32")):
+        g = tile_expert.shape[0]
+        return call_device(down, tile_num=(g, Hd // 64), args=[h, w, tile_expert, exp_indptr],
+                           out=Tensor((h.shape[0], Hd), "float32"))
+
+    @graph_func
+    def combine_only(topw: Tensor(("T", Kk), "float32"), pair_row: Tensor(("T", Kk), "int32"),
+                     pair_tile: Tensor(("T", Kk), "int32"), y: Tensor(("R", Hd), "float32")):
+        n = topw.shape[0]
+        return call_device(combine, tile_num=(n, Hd // min(512, Hd)),
+                           args=[topw, pair_row, pair_tile, y],
+                           out=Tensor((n, Hd), "bfloat16"))
+
+    @graph_func
+    def qk_norm_rope_only(q: Tensor(("T", Hq * 128), "bfloat16"),
+                          k: Tensor(("T", Hk * 128), "bfloat16"),
+                          qw: Tensor((128,), "bfloat16"), kw: Tensor((128,), "bfloat16"),
+                          positions: Tensor(("T",), "int32")):
+        n = q.shape[0]
+        return call_device(qk, tile_num=(n,), args=[q, k, qw, kw, positions],
+                           out=[Tensor((n, Hq * 128), "bfloat16"),
+                                Tensor((n, Hk * 128), "bfloat16")])
+
+    return {"router": router_only, "align": align_only, "gate_up": gate_up_only,
+            "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
+
+
+def one_call_dims(name, tokens, experts=128, top_k=8):
+    tiles = moe.max_tiles(tokens, experts, top_k, BT)
+    return {"router": {"T": tokens}, "align": {"T": tokens}, "qk_norm_rope": {"T": tokens},
+            "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
+            "down": {"R": tiles * BT, "G": tiles},
+            "combine": {"T": tokens, "R": tiles * BT}}[name]
+
+
+@pytest.mark.parametrize("name", ["router", "align", "gate_up", "down", "combine",
+                                  "qk_norm_rope"])
+def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
+    graph = one_call_graphs(2048, 128, 8, 768)[name]
+    source = build(graph, one_call_dims(name, 16), strategy="unfused").cuda_source()
+    if name in ("gate_up", "down"):
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    nvcc_cubin(source, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
+def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
+    source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
+    assert "__global__" in source
+    nvcc_cubin(source, tmp_path)

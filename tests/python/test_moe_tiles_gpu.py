@@ -1,0 +1,150 @@
+"""The MoE and RoPE tiles on the GPU at Qwen3-30B-A3B sizes: each tile alone (one grid
+launch) and the whole layer as one megakernel (static, dynamic, mixed), on fresh random
+routings, against a PyTorch float64 reference within the bounds the tiles state."""
+import numpy as np
+import pytest
+
+from etc_tvm.build import build
+from etc_tvm.tiles import moe, rope
+
+from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs
+from test_tiles import assert_within
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+moe_layer = _load_app("moe_layer")
+H, E, K, F, BT = 2048, 128, 8, 768, 16
+TOKENS = (1, 16, 128)
+STRATEGIES = ("static", "dynamic", "mixed")
+_compiled = {}
+
+
+def compiled(name, tokens):
+    key = (name, tokens)
+    if key not in _compiled:
+        graph = one_call_graphs(H, E, K, F)[name]
+        _compiled[key] = build(graph, one_call_dims(name, tokens), strategy="unfused")
+    return _compiled[key]
+
+
+def f64(a):
+    return torch.from_numpy(np.asarray(a).astype(np.float64)).cuda()
+
+
+def layer_float64_torch(x, w_router, w_gate_up, w_down):
+    """The layer in float64 with PyTorch on the GPU (ties to the lower index: a stable sort)."""
+    xs, wr, wd = f64(x), f64(w_router), f64(w_down)
+    w_gate, w_up = (f64(w) for w in moe.split_gate_up(w_gate_up))
+    logits = xs @ wr
+    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
+    chosen = torch.gather(logits, 1, topk)
+    w = torch.softmax(chosen, dim=1)  # renormalised over the K chosen
+    out = torch.zeros_like(xs)
+    for k in range(K):
+        e = topk[:, k]
+        gate = torch.einsum("th,thf->tf", xs, w_gate[e])
+        up = torch.einsum("th,thf->tf", xs, w_up[e])
+        hidden = torch.nn.functional.silu(gate) * up
+        out += w[:, k:k + 1] * torch.einsum("tf,tfh->th", hidden, wd[e])
+    return out.cpu().numpy()
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_router_tile(tokens, rng):
+    for _ in range(100):  # redraw until no token has a near tie at its K-th place
+        x = rng.standard_normal((tokens, H)).astype(BF16)
+        w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(BF16)
+        if moe.routing_margin(x, w, K) > 0:
+            break
+    else:
+        pytest.skip("no tie-free draw")
+    topk, topw = compiled("router", tokens)(x, w)
+    want_k, want_w = moe.route(x, w, K)
+    np.testing.assert_array_equal(topk, want_k)
+    assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
+
+
+def routing_ids(rng, tokens, routing):
+    """topk (T, K): random; expert HOT first for every token; only even experts."""
+    hot = moe_layer.HOT
+    if routing == "random":
+        ids = [rng.choice(E, K, replace=False) for _ in range(tokens)]
+    elif routing == "one_expert":
+        ids = [[hot, *rng.choice(np.delete(np.arange(E), hot), K - 1, replace=False)]
+               for _ in range(tokens)]
+    else:
+        ids = [rng.choice(np.arange(0, E, 2), K, replace=False) for _ in range(tokens)]
+    return np.asarray(ids, np.int32).reshape(tokens, K)
+
+
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS + (4096,))
+def test_align_tile(tokens, routing, rng):
+    topk = routing_ids(rng, tokens, routing)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    got = compiled("align", tokens)(topk)
+    for g, w in zip(got, moe.align_reference(topk, E, BT, tiles)[:2]):
+        np.testing.assert_array_equal(g, w)
+    counts, indptr, pair_row, pair_tile, sorted_token, tile_expert = got
+    want = moe.align_reference(topk, E, BT, tiles)
+    np.testing.assert_array_equal(pair_row, want[2])
+    np.testing.assert_array_equal(pair_tile, want[2] // BT)
+    np.testing.assert_array_equal(sorted_token, want[3])
+    np.testing.assert_array_equal(tile_expert, want[4])
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_grouped_gemms_and_combine(tokens, rng):
+    x, _, w_gate_up, w_down = moe_layer.make_inputs(rng, tokens, H, E, F)
+    topk = routing_ids(rng, tokens, "random")
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
+    h = compiled("gate_up", tokens)(x, w_gate_up, sorted_token, tile_expert, indptr)
+    w_gate, w_up = moe.split_gate_up(w_gate_up)
+    rows, experts, tok = pair_row.ravel(), topk.ravel(), np.repeat(np.arange(tokens), K)
+    for e in np.unique(experts):
+        mine = experts == e
+        assert_within(h[rows[mine]], moe.gate_up_exact(x[tok[mine]], w_gate[e], w_up[e])[0],
+                      moe.gate_up_bound(x[tok[mine]], w_gate[e], w_up[e]))
+    y = compiled("down", tokens)(h, w_down, tile_expert, indptr)
+    hr, wd = h[rows].astype(np.float64), w_down[experts].astype(np.float64)
+    assert_within(y[rows], np.einsum("pf,pfh->ph", hr, wd),
+                  F * 2.0 ** -22 * np.einsum("pf,pfh->ph", np.abs(hr), np.abs(wd)))
+    topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
+    out = compiled("combine", tokens)(topw, pair_row, pair_row // BT, y)
+    ys = y[pair_row]
+    assert_within(out, np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64)),
+                  moe.combine_bound(topw, ys))
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qk_norm_rope_tile(tokens, rng):
+    q = (3 * rng.standard_normal((tokens, 32 * 128))).astype(BF16)
+    k = rng.standard_normal((tokens, 4 * 128)).astype(BF16)
+    qw = (1 + 0.1 * rng.standard_normal(128)).astype(BF16)
+    kw = (1 + 0.1 * rng.standard_normal(128)).astype(BF16)
+    positions = rng.integers(0, 200_000, tokens).astype(np.int32)
+    q_out, k_out = compiled("qk_norm_rope", tokens)(q, k, qw, kw, positions)
+    for got, x, w, heads in ((q_out, q, qw, 32), (k_out, k, kw, 4)):
+        want = rope.qk_norm_rope_exact(x, w, positions, heads, 128)[0]
+        assert_within(got, want, rope.error_bound(x, w, positions, heads, 128))
+
+
+_layers = {}
+
+
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_layer_megakernel(strategy, tokens, routing, rng):
+    key = (strategy, tokens)
+    if key not in _layers:
+        _layers[key] = build(moe_layer.make_moe_layer(), {"T": tokens}, strategy=strategy)
+    run = _layers[key]
+    for _ in range(3):  # fresh routings through one compiled kernel
+        inputs = moe_layer.make_inputs(rng, tokens, H, E, F, routing)
+        want, bound = moe_layer.moe_layer_reference(*inputs, K)
+        np.testing.assert_allclose(layer_float64_torch(*inputs), want, rtol=1e-9, atol=1e-9)
+        got = run(*inputs)
+        assert_within(got, want, bound)
