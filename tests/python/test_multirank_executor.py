@@ -301,3 +301,22 @@ def test_mixed_order_is_one_rank_only(rng):
     _, _, inputs = rs_inputs(rng, 2)
     with pytest.raises(EtcError, match="mixed schedule is modelled for one rank"):
         execute_ranks(graph, inputs, order=MixedOrder([[]], ring_calls={0, 1, 2, 3}))
+
+
+def test_edge_map_constants_bind_per_rank():
+    from etc_tvm import edge_map
+
+    m = edge_map.parse("sij->0, (rank + s) % world_size", kind="in", task_rank=3, event_rank=2)
+    assert m.constants == {"rank", "world_size"}
+    assert m.bind(rank=3, world_size=4).evaluate((2, 0, 0)) == [(0, 1)]
+    with pytest.raises(EtcError, match="'rank' has no value here: bind it for a rank"):
+        m.evaluate((0, 0, 0))
+
+
+def test_gpu_lowering_refuses_world_size_above_1():
+    from etc_tvm.relax_passes.instantiate import instantiate
+
+    graph = gemm_reduce_scatter(2)
+    with pytest.raises(GraphError, match="world size 2 runs on the CPU reference executor "
+                                         "only"):
+        instantiate(graph.mod, graph.name, {"M": 16, "K": 3, "N": 8})
