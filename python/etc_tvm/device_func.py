@@ -18,10 +18,14 @@ Nothing orders that write before another call's read but the event edges between
 CPU reference executor lets only those inputs be written.
 
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
-tensors as arrays whose outputs it writes in place); the CPU reference executor runs it.
+tensors as arrays whose outputs it writes in place); the CPU reference executor runs it. A
+reference of a multi-rank graph function may also take keyword-only ``rank``, ``world_size``
+and ``peers`` (``peers[q].name`` is rank q's copy of the symmetric tensor parameter ``name``:
+what a put or get reaches on the GPU); the executor passes only those it declares.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +37,7 @@ from tvm.script import tirx as T
 from .errors import EtcError
 
 _CTA_THREAD_SCOPE = 7  # ScopeIdDef.scope of T.thread_id: (cta, thread)
+REFERENCE_CONTEXT = ("rank", "world_size", "peers")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ class DeviceFunc:
         """Decorator: ``@tile.set_reference`` registers the NumPy reference of this tile."""
         self._reference = fn
         return fn
+
+    @property
+    def reference_context(self) -> tuple[str, ...]:
+        """The keyword-only parameters among ``REFERENCE_CONTEXT`` that the reference takes."""
+        params = inspect.signature(self.reference).parameters.values()
+        return tuple(p.name for p in params
+                     if p.kind is p.KEYWORD_ONLY and p.name in REFERENCE_CONTEXT)
 
     @property
     def num_coords(self) -> int:

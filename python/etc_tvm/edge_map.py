@@ -9,7 +9,9 @@ An edge map relates one ``call_device`` (a grid of tile tasks) to one event tens
   coordinate, the consumer task coordinates it releases; ``lo:hi`` is half-open.
 
 Expressions follow Python (precedence, floor ``//`` and ``%``) and may read the int32
-tensor arguments of the call, ``name[idx, ...]``, where ``:`` is a whole dimension.
+tensor arguments of the call, ``name[idx, ...]``, where ``:`` is a whole dimension. ``rank``
+and ``world_size`` are the constants of an SPMD graph function (``EdgeMap.bind`` gives them
+their values for one rank).
 ``if``, ``and`` and ``or`` are reserved words, so an einsum RHS ``if`` is written ``i, f``.
 The AST stays plain and printable because a later stage lowers it to TIR.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import product
 from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn, TypeVar
@@ -28,7 +30,7 @@ import numpy as np
 
 from .errors import EdgeMapError
 
-__all__ = ["Node", "Int", "Coord", "BinOp", "Neg", "Read", "Slice", "Range", "Compare",
+__all__ = ["Node", "Int", "Const", "Coord", "BinOp", "Neg", "Read", "Slice", "Range", "Compare",
            "BoolOp", "EdgeMap", "parse"]
 
 _NO_TENSORS: Mapping = MappingProxyType({})
@@ -61,6 +63,15 @@ class Node:
 class Int(Node):
     """A non-negative integer literal; ``-3`` is ``Neg(Int(3))``."""
     value: int
+
+
+@dataclass(frozen=True)
+class Const(Node):
+    """A named constant of the graph function, ``rank`` or ``world_size``."""
+    name: str
+
+
+CONSTANTS = ("rank", "world_size")
 
 
 @dataclass(frozen=True)
@@ -123,7 +134,7 @@ def _show(node: Node, context: int = 0) -> str:
     match node:
         case Int(value):
             return str(value)
-        case Coord(name):
+        case Coord(name) | Const(name):
             return name
         case Slice():
             return ":"
@@ -141,7 +152,7 @@ def _show(node: Node, context: int = 0) -> str:
     return f"({text})" if precedence < context else text
 
 
-IntExpr = Int | Coord | BinOp | Neg | Read
+IntExpr = Int | Const | Coord | BinOp | Neg | Read
 Cond = Compare | BoolOp
 Item = IntExpr | Range
 
@@ -174,6 +185,19 @@ class EdgeMap:
     def __str__(self) -> str:
         return self.text
 
+    @property
+    def constants(self) -> frozenset[str]:
+        """The named constants (``rank``, ``world_size``) the map uses, unbound."""
+        return frozenset(n.name for item in (*self.indices, self.guard) if item is not None
+                         for n in item.walk() if isinstance(n, Const))
+
+    def bind(self, **values: int) -> "EdgeMap":
+        """This map with its named constants replaced by ``values`` (one rank's)."""
+        if not self.constants:
+            return self
+        return replace(self, indices=tuple(_bind(i, values) for i in self.indices),
+                       guard=None if self.guard is None else _bind(self.guard, values))
+
     def evaluate(self, coords: Sequence[int],
                  tensors: Mapping[str, np.ndarray] = _NO_TENSORS) -> list[tuple[int, ...]]:
         """The event coordinates of task ``coords`` (``->``), or the task coordinates event
@@ -201,6 +225,20 @@ class EdgeMap:
             return tuple(indices), live
         except _NotOnGrid:
             return None
+
+
+def _bind(node: Node, values: Mapping[str, int]) -> Node:
+    if isinstance(node, Const):
+        return Int(values[node.name]) if node.name in values else node
+    changes = {}
+    for f in fields(node):  # type: ignore[arg-type]
+        value = getattr(node, f.name)
+        if isinstance(value, Node):
+            changes[f.name] = _bind(value, values)
+        elif isinstance(value, tuple):
+            changes[f.name] = tuple(_bind(v, values) if isinstance(v, Node) else v
+                                    for v in value)
+    return replace(node, **changes)
 
 
 class _NotOnGrid(Exception):
@@ -231,6 +269,8 @@ class _Evaluator:
                 return [value]
             case Coord(name):
                 return [self.env[name]]
+            case Const(name):
+                self.fail(f"'{name}' has no value here: bind it for a rank first")
             case Neg(operand):
                 return [-v for v in self.values(operand)]
             case BinOp(op, lhs, rhs) if self.grid:
@@ -500,6 +540,8 @@ class _Parser:
             return node
         if self.tok.text == "[":
             return self.read(tok)
+        if tok.text in CONSTANTS and tok.text not in self.tensors:
+            return Const(tok.text)
         if tok.text in self.tensors:
             self.fail(f"tensor {tok.text!r} must be read with indices, {tok.text}[...]", tok.pos)
         if len(tok.text) != 1 or not tok.text.isalpha():

@@ -17,6 +17,12 @@ It is the oracle for schedules and GPU results: outputs start poisoned (NaN, or 
 negative integer), a deadlock is reported with the blocked tasks, their events and counters, and
 an out-of-range data-dependent index, an over-notified element or a data race through an index
 tensor is an ``ExecutionError``.
+
+A graph function of world size W runs as W ranks at once (``execute_ranks``): the task graph
+holds every rank's tasks (``TaskGraph``: rank-major ids, one counter array per rank for an
+unsharded ETensor, one global array for a sharded one), so every order interleaves the ranks'
+tasks and a deadlock or race across ranks gets the same report, naming the rank. A reference
+that declares ``rank``, ``world_size`` or ``peers`` gets them (see ``device_func``).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import tvm
 from .errors import DeadlockError, EtcError, ExecutionError
 from .graph_func import GraphFunc
 from .schedule import DynamicPlan
-from .task_graph import CallNode, TaskGraph, check_element
+from .task_graph import CallNode, TaskGraph
 
 class Order:
     """Chooses the next task among those that can start; subclasses are the policies."""
@@ -95,9 +101,29 @@ class StaticOrder(Order):
     def __init__(self, queues: Sequence[Sequence[int]], seed: int | None = None):
         self.queues = [list(map(int, q)) for q in queues]
         self.rng = random.Random(seed) if seed is not None else None
+        self.rank_queues = None
+        self.labels = [f" on SM {sm}" for sm in range(len(self.queues))]
+
+    @classmethod
+    def per_rank(cls, rank_queues: Sequence[Sequence[Sequence[int]]],
+                 seed: int | None = None) -> "StaticOrder":
+        """A static schedule on every rank: ``rank_queues[r][k]`` is SM k's queue on rank r,
+        in the task ids of one rank (``TaskGraph.rank_task`` maps them to the global ones)."""
+        order = cls([], seed)
+        order.rank_queues = [[list(map(int, q)) for q in queues] for queues in rank_queues]
+        return order
 
     def start(self, run):
         super().start(run)
+        if self.rank_queues is not None:
+            graph = run.graph
+            if len(self.rank_queues) != graph.world_size:
+                raise EtcError(f"static queues for {len(self.rank_queues)} ranks, the graph "
+                               f"runs on {graph.world_size}")
+            self.queues = [[graph.rank_task(r, t) for t in q]
+                           for r, queues in enumerate(self.rank_queues) for q in queues]
+            self.labels = [f" on SM {sm} of rank {r}" for r, queues in
+                           enumerate(self.rank_queues) for sm in range(len(queues))]
         listed = sorted(t for q in self.queues for t in q)
         if listed != list(range(run.graph.num_tasks)):
             missing = sorted(set(range(run.graph.num_tasks)) - set(listed))
@@ -117,7 +143,7 @@ class StaticOrder(Order):
         return self.queues[sm][self.heads[sm] - 1]
 
     def blocked(self):
-        return [(q[self.heads[sm]], f" on SM {sm}") for sm, q in enumerate(self.queues)
+        return [(q[self.heads[sm]], self.labels[sm]) for sm, q in enumerate(self.queues)
                 if self.heads[sm] < len(q)]
 
 
@@ -132,7 +158,8 @@ class DynamicQueueOrder(Order):
     ready is not pushed: that CTA keeps it and runs it next. A late call's tasks are pushed
     together once every task of the calls it depends on is dispatched; a triggered task once
     it is ready. ``max_queued`` records the deepest the ring got (the plan's capacity covers
-    it).
+    it). With several ranks, each rank has ``num_ctas`` CTAs and a ring of its own tasks; a
+    CTA keeps only a consumer of its own rank.
     """
 
     def __init__(self, num_ctas: int = 132, early_push: bool = True):
@@ -145,9 +172,10 @@ class DynamicQueueOrder(Order):
         self.plan = self.make_plan(run.graph)
         self.pending = self.plan.pending.copy()
         self.late_pending = [lc.pending for lc in self.plan.late_calls]
-        self.ring, self.pushed = deque(), set()
-        self.ctas: list[int | None] = [None] * self.num_ctas
-        self.held: list[int | None] = [None] * self.num_ctas  # each CTA's next task
+        world = run.graph.world_size
+        self.rings, self.pushed = [deque() for _ in range(world)], set()
+        self.ctas: list[int | None] = [None] * (self.num_ctas * world)  # rank-major
+        self.held: list[int | None] = [None] * (self.num_ctas * world)  # each CTA's next task
         self.max_queued = 0
         for task in self.plan.seeds:
             self._push(task)
@@ -155,11 +183,25 @@ class DynamicQueueOrder(Order):
     def make_plan(self, graph) -> DynamicPlan:
         return DynamicPlan.of(graph)
 
+    @property
+    def ring(self) -> deque:
+        """Rank 0's ring (the only one with one rank)."""
+        return self.rings[0]
+
+    def _cta_rank(self, cta: int) -> int:
+        return cta // self.num_ctas
+
+    def _cta_name(self, cta: int) -> str:
+        world = self.run.graph.world_size
+        return f"CTA {cta % self.num_ctas}" + (f" of rank {cta // self.num_ctas}"
+                                               if world > 1 else "")
+
     def _push(self, task: int) -> None:
         if task not in self.pushed:
             self.pushed.add(task)
-            self.ring.append(task)
-            self.max_queued = max(self.max_queued, len(self.ring))
+            ring = self.rings[self.run.graph.rank_of(task)]
+            ring.append(task)
+            self.max_queued = max(self.max_queued, len(ring))
 
     def _take(self, cta: int, task: int) -> None:
         """CTA ``cta`` takes ``task``; under early push its consumers are counted down now."""
@@ -177,7 +219,7 @@ class DynamicQueueOrder(Order):
         for k, c in enumerate(self.plan.consumers(task)):
             self.pending[c] -= 1
             if self.pending[c] == 0:
-                if k == 0:
+                if k == 0 and self.run.graph.rank_of(int(c)) == self._cta_rank(cta):
                     self.pushed.add(int(c))
                     self.held[cta] = int(c)
                 else:
@@ -196,8 +238,9 @@ class DynamicQueueOrder(Order):
 
     def next(self):
         for k, task in enumerate(self.ctas):
-            if task is None and not self._take_held(k) and self.ring:
-                self._take(k, self.ring.popleft())
+            ring = self.rings[self._cta_rank(k)]
+            if task is None and not self._take_held(k) and ring:
+                self._take(k, ring.popleft())
         for k, task in enumerate(self.ctas):
             if task is not None and self.run.is_ready(task):
                 self.ctas[k] = None
@@ -207,9 +250,11 @@ class DynamicQueueOrder(Order):
         return None
 
     def blocked(self):
-        held = [(t, f" on CTA {k}") for k, t in enumerate(self.ctas) if t is not None]
-        queued = [(t, " (in the ring)") for t in self.ring]
-        queued += [(t, f" (next on CTA {k})") for k, t in enumerate(self.held) if t is not None]
+        held = [(t, f" on {self._cta_name(k)}") for k, t in enumerate(self.ctas)
+                if t is not None]
+        queued = [(t, " (in the ring)") for ring in self.rings for t in ring]
+        queued += [(t, f" (next on {self._cta_name(k)})") for k, t in enumerate(self.held)
+                   if t is not None]
         unpushed = [(t, " (not pushed)") for t in self.run.pending_tasks()
                     if t not in self.pushed]
         return held + queued + unpushed
@@ -231,6 +276,9 @@ class MixedOrder(DynamicQueueOrder):
         return DynamicPlan.of(graph, self.ring_calls)
 
     def start(self, run):
+        if run.graph.world_size > 1:
+            raise EtcError("the mixed schedule is modelled for one rank; run a graph of world "
+                           f"size {run.graph.world_size} under another order")
         ring_tasks = {t for c in self.ring_calls for t in run.graph.calls[c].tasks}
         listed = sorted(t for q in self.queues for t in q)
         if listed != sorted(set(range(run.graph.num_tasks)) - ring_tasks):
@@ -272,8 +320,38 @@ def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
     a sample size, reused for a smaller one): the tasks outside the inputs' own grids are
     skipped. A skipped task waits for nothing, runs no body and performs its static notifies,
     so every count of the larger graph still completes.
+
+    A graph of world size above 1 runs with ``execute_ranks``.
     """
-    dims = bind_dims(graph, inputs)
+    if graph.world_size != 1:
+        raise EtcError(f"{graph.name} has world size {graph.world_size}: run it with "
+                       "execute_ranks(graph, [inputs of rank 0, ..., inputs of rank "
+                       f"{graph.world_size - 1}])")
+    return execute_ranks(graph, [inputs], order=order, trace=trace,
+                         schedule_dims=schedule_dims)[0]
+
+
+def execute_ranks(graph: GraphFunc, inputs: Sequence[Sequence[np.ndarray]], *,
+                  order: Order | None = None, trace: list | None = None,
+                  schedule_dims: Mapping[str, int] | None = None) -> list:
+    """Run ``graph`` as all its ranks at once: ``inputs[r]`` are rank r's input arrays (the
+    same shapes on every rank, as SPMD needs); returns ``[outputs of rank 0, ...]``, each as
+    ``execute`` returns them. ``order`` and ``trace`` see the tasks of every rank, numbered
+    rank-major (``TaskGraph.rank_task``); the rest is as for ``execute``.
+    """
+    world = graph.world_size
+    if isinstance(inputs, np.ndarray) or len(inputs) != world or not all(
+            isinstance(x, (list, tuple)) for x in inputs):
+        got = "an array" if isinstance(inputs, np.ndarray) else f"{len(inputs)} entries" \
+            if all(isinstance(x, (list, tuple)) for x in inputs) else "not a list of lists"
+        raise EtcError(f"{graph.name} runs on {world} ranks: execute_ranks needs one list of "
+                       f"inputs per rank, got {got}")
+    dims = bind_dims(graph, inputs[0])
+    for r in range(1, world):
+        other = bind_dims(graph, inputs[r], where=f"rank {r}: ")
+        if other != dims:
+            raise EtcError(f"{graph.name}: rank {r}'s inputs give dims {other}, rank 0's "
+                           f"{dims}; every rank runs the same shapes")
     actual = task_graph = TaskGraph.build(graph, dims)
     out_of_range: set[int] = set()
     if schedule_dims is not None:
@@ -286,8 +364,11 @@ def execute(graph: GraphFunc, *inputs: np.ndarray, order: Order | None = None,
     run = _Run(task_graph, inputs, order or ReadyQueueOrder(), trace, out_of_range,
                [t.shape for t in actual.tensors])
     run.run()
-    outs = tuple(run.arrays[t] for t in task_graph.outputs)
-    return outs if task_graph.returns_tuple else outs[0]
+    results = []
+    for r in range(world):
+        outs = tuple(run.arrays[t] for t in task_graph.rank_outputs(r))
+        results.append(outs if task_graph.returns_tuple else outs[0])
+    return results
 
 
 def _at_least(dims: Mapping[str, int], schedule_dims: Mapping[str, int]) -> dict[str, int]:
@@ -299,8 +380,18 @@ def _at_least(dims: Mapping[str, int], schedule_dims: Mapping[str, int]) -> dict
     return {**dims, **schedule_dims}
 
 
-def bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]:
-    """The symbolic dims of ``graph`` from the shapes of its inputs, checked for consistency."""
+def bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray], where: str = "") -> dict[str, int]:
+    """The symbolic dims of ``graph`` from the shapes of its inputs, checked for consistency;
+    ``where`` prefixes the errors (which rank's inputs)."""
+    try:
+        return _bind_dims(graph, inputs)
+    except EtcError as err:
+        if not where:
+            raise
+        raise EtcError(f"{where}{err}") from None
+
+
+def _bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]:
     params = graph.func.params
     if len(inputs) != len(params):
         raise EtcError(f"{graph.name} takes {len(params)} inputs, got {len(inputs)}")
@@ -340,6 +431,43 @@ def poison(shape, dtype: str) -> np.ndarray:
     return np.full(shape, np.nan, dt)
 
 
+class Peers:
+    """``peers[q].name``: rank q's copy of the symmetric tensor parameter ``name`` of a task's
+    device function, which its reference may write (a put) or read (a get)."""
+
+    def __init__(self, run: "_Run", call: CallNode):
+        self._run, self._call = run, call
+        self._params = dict(zip((p.name for p in call.fn.buffer_params), call.tensor_args()))
+
+    def __len__(self) -> int:
+        return self._run.graph.world_size
+
+    def __getitem__(self, rank: int) -> "_PeerTensors":
+        if not 0 <= rank < len(self):
+            raise ExecutionError(f"{self._call.name} on rank {self._call.rank} reaches rank "
+                                 f"{rank}; the world size is {len(self)}")
+        return _PeerTensors(self, rank)
+
+
+class _PeerTensors:
+    def __init__(self, peers: Peers, rank: int):
+        self._peers, self._rank = peers, rank
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        peers = self._peers
+        fn = peers._call.fn.name
+        if name not in peers._params:
+            raise ExecutionError(f"{fn}: peers[{self._rank}].{name}: {fn} has no tensor "
+                                 f"parameter '{name}'")
+        graph = peers._run.graph
+        node = graph.tensors[peers._params[name]]
+        if not node.symmetric:
+            raise ExecutionError(f"{fn}: peers[{self._rank}].{name}: '{node.name}' is not "
+                                 "symmetric; only Tensor(..., symmetric=True) outputs are "
+                                 "reachable on other ranks")
+        return peers._run.arrays[graph.replicas(node.index)[self._rank]]
+
+
 class _Run:
     """The state of one run: counters, armed ETensors, complete tensors, task states."""
 
@@ -352,7 +480,7 @@ class _Run:
                    if p.name in c.fn.updates}
         for node, shape in zip(graph.tensors, shapes):
             if node.param is not None:  # a copy: inputs a tile updates change only in the run
-                arr = np.array(inputs[node.param], copy=True)
+                arr = np.array(inputs[node.rank][node.param], copy=True)
                 arr.flags.writeable = node.index in updated
                 self.arrays[node.index] = arr
             else:
@@ -371,6 +499,7 @@ class _Run:
         self.done = [False] * graph.num_tasks
         self.blocked_on = defaultdict(list)
         self.remaining = graph.num_tasks
+        self.contexts: dict[int, dict] = {}  # call -> the reference's keyword arguments
 
     # ---------------------------------------------------------------- readiness
     def _needed_tensors(self, call: CallNode) -> set[int]:
@@ -381,8 +510,13 @@ class _Run:
         return {t for t in need if self.graph.tensors[t].producer is not None}
 
     def complete(self, tensor: int) -> bool:
-        producer = self.graph.tensors[tensor].producer
-        return producer is None or self.unfinished[producer] == 0
+        """Written: by its rank's producer call, or for a symmetric tensor (which peers write)
+        by every rank's."""
+        node = self.graph.tensors[tensor]
+        if node.symmetric:
+            return all(self.unfinished[self.graph.tensors[t].producer] == 0
+                       for t in self.graph.replicas(tensor))
+        return node.producer is None or self.unfinished[node.producer] == 0
 
     def blocker(self, task: int):
         """What ``task`` waits for now, or None if it can start."""
@@ -413,10 +547,9 @@ class _Run:
         coords = call.coords(task)
         for e in call.in_edges:
             if e.map.is_data_dependent and not e.map.is_trigger:
-                et = self.graph.etensors[e.etensor]
                 for idx in e.map.evaluate(coords, tensors):
-                    check_element(et, idx, e.map, self.graph.task_name(task), ExecutionError)
-                    waits.append((e.etensor, idx))
+                    waits.append((e.etensor, self.graph.place(
+                        e, call, idx, self.graph.task_name(task), ExecutionError)))
         if call.triggers:
             waits += self._triggers(call).get(task, [])
         for name, idx in waits:
@@ -483,7 +616,7 @@ class _Run:
         skipped = task in self.out_of_range or (call.triggers and task in self.skipped[call.index])
         if not skipped:
             arrays = [self.arrays[t] for t in call.tensor_args()]
-            call.fn.reference(*call.coords(task), *arrays)
+            call.fn.reference(*call.coords(task), *arrays, **self._context(call))
         notifies = list(self.graph.notifies[task])
         if not skipped:
             notifies += self._dynamic_notifies(call, task)
@@ -496,11 +629,20 @@ class _Run:
         self.unfinished[call.index] -= 1
         if self.unfinished[call.index] == 0:
             for t in call.outputs:
-                self._release(("tensor", t))
+                for r in (self.graph.replicas(t) if self.graph.tensors[t].symmetric else (t,)):
+                    self._release(("tensor", r))
             for name, need in self.arm_inputs.items():
                 if not self.armed[name] and need & set(call.outputs) and all(
                         self.complete(t) for t in need):
                     self._arm(name)
+
+    def _context(self, call: CallNode) -> dict:
+        """What the reference declares of ``rank``, ``world_size`` and ``peers``."""
+        if call.index not in self.contexts:
+            values = {"rank": call.rank, "world_size": self.graph.world_size,
+                      "peers": Peers(self, call)}
+            self.contexts[call.index] = {k: values[k] for k in call.fn.reference_context}
+        return self.contexts[call.index]
 
     def _dynamic_notifies(self, call: CallNode, task: int) -> list:
         dyn = [e for e in call.out_edges if e.map.is_data_dependent]
@@ -513,10 +655,9 @@ class _Run:
                     "it: make the call wait for it")
         out, tensors = [], self._index_tensors(call)
         for e in dyn:
-            et = self.graph.etensors[e.etensor]
             for idx in e.map.evaluate(call.coords(task), tensors):
-                check_element(et, idx, e.map, self.graph.task_name(task), ExecutionError)
-                out.append((e.etensor, idx))
+                out.append((e.etensor, self.graph.place(
+                    e, call, idx, self.graph.task_name(task), ExecutionError)))
         return out
 
     def _notify(self, name: str, idx: tuple, task: int) -> None:
@@ -538,6 +679,12 @@ class _Run:
         added = np.zeros(et.shape, np.int64)
         if et.count_tensor is not None:
             given = self.arrays[et.count_tensor]
+            if et.shard_dim is not None and et.world_size > 1:  # each owner's counts
+                given, k = given.copy(), et.shard_dim
+                n = et.local_shape[k]
+                for r, t in enumerate(self.graph.replicas(et.count_tensor)):
+                    shard = (slice(None),) * k + (slice(r * n, (r + 1) * n),)
+                    given[shard] = self.arrays[t][shard]
             if (given < 0).any():
                 source = self.graph.tensors[et.count_tensor].name
                 raise ExecutionError(f"the wait_count tensor '{source}' of {name} holds a "
@@ -555,9 +702,8 @@ class _Run:
                         continue
                     for e in dyn:
                         for idx in e.map.evaluate(call.coords(task), tensors):
-                            check_element(et, idx, e.map, self.graph.task_name(task),
-                                          ExecutionError)
-                            added[idx] += 1
+                            added[self.graph.place(e, call, idx, self.graph.task_name(task),
+                                                   ExecutionError)] += 1
         counts = self.counters[name]
         counts += added
         self.initial[name] = self.initial[name] + added

@@ -51,6 +51,12 @@ class GraphFunc:
     def func(self) -> relax.Function:
         return self.mod[self.name]
 
+    @property
+    def world_size(self) -> int:
+        """How many ranks run the function (SPMD); 1 unless ``@graph_func(world_size=W)``."""
+        attrs = self.func.attrs
+        return int(attrs["etc.world_size"]) if attrs and "etc.world_size" in attrs else 1
+
     def script(self) -> str:
         return self.mod.script()
 
@@ -76,6 +82,10 @@ def graph_func(fn: Callable | None = None, *, world_size: int = 1):
             if not isinstance(p.annotation, Tensor):
                 raise EtcError(f"graph function {f.__name__}: parameter '{p.name}' needs a "
                                "Tensor(shape, dtype) annotation")
+            if p.annotation.symmetric:
+                raise EtcError(f"graph function {f.__name__}: parameter '{p.name}' is "
+                               "symmetric; only call outputs can be (each rank passes its own "
+                               "inputs)")
             ty = relax.TensorType([as_dim(d, tracer.symbols) for d in p.annotation.shape],
                                   p.annotation.dtype)
             params.append(relax.Var(tracer.claim_name(p.name, p.name), ty))
@@ -148,7 +158,7 @@ def call_device(fn: DeviceFunc, tile_num, args: Sequence[TensorValue], out,
     out_names = [name] if single else [tracer.claim_name(o.name, f"{name}_out") for o in outs]
     call = ops.call_device(tracer.global_var(fn), [a.var for a in args], in_events, in_maps,
                            out_events, out_maps, grid, out_ty, name=name, out_names=out_names,
-                           schedule=schedule or "")
+                           schedule=schedule or "", symmetric=[o.symmetric for o in outs])
     if single:
         return TensorValue(tracer.emit(call, name))
     tup = tracer.emit(call, name)

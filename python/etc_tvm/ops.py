@@ -10,7 +10,8 @@
     A grid of ``tile_num`` tasks of the device function ``fn``. Attrs ``in_edges`` and
     ``out_edges`` hold one edge-map string per waited / notified ETensor; ``name`` and
     ``out_names`` label the call and its outputs in reports (binding names change under
-    passes); the output type is the
+    passes); ``symmetric`` holds 1 for each output that is a symmetric tensor (one copy per
+    rank at the same place, which other ranks' tasks may write); the output type is the
     call's ``ty_args[0]`` (a tensor, or a tuple of tensors), as for ``R.call_tir``.
 
 The ops are pure: at the Relax level an ETensor is a value that names a set of counters, and a
@@ -64,13 +65,15 @@ def local_view(etensor: relax.Expr, shape, world_size: int) -> ir.Call:
 
 
 def call_device(fn: ir.GlobalVar, args, in_events, in_edges, out_events, out_edges, tile_num,
-                out_ty, *, name: str, out_names, schedule: str = "") -> ir.Call:
+                out_ty, *, name: str, out_names, schedule: str = "", symmetric=()) -> ir.Call:
+    attrs = {"in_edges": list(in_edges), "out_edges": list(out_edges), "name": name,
+             "out_names": list(out_names), "schedule": schedule}
+    if any(symmetric):
+        attrs["symmetric"] = [int(s) for s in symmetric]
     return ir.Call(Op.get(CALL_DEVICE),
                    [fn, relax.Tuple(list(args)), relax.Tuple(list(in_events)),
                     relax.Tuple(list(out_events)), relax.ShapeExpr(list(tile_num))],
-                   attrs={"in_edges": list(in_edges), "out_edges": list(out_edges), "name": name,
-                          "out_names": list(out_names), "schedule": schedule},
-                   ty_args=[out_ty])
+                   attrs=attrs, ty_args=[out_ty])
 
 
 def is_op(expr, name: str) -> bool:
@@ -85,6 +88,10 @@ class EventTensorCall:
     name: str
     wait_count: int | relax.Expr | None
     shard: str | None
+
+    @property
+    def shard_dim(self) -> int | None:
+        return None if self.shard is None else int(self.shard.strip()[2:-1])
 
     @staticmethod
     def of(call: ir.Call) -> "EventTensorCall":
@@ -112,6 +119,7 @@ class CallDeviceCall:
     name: str
     out_names: tuple
     schedule: str | None  # "static", "dynamic", or None: the strategy's
+    symmetric: tuple = ()  # per output
 
     @staticmethod
     def of(call: ir.Call) -> "CallDeviceCall":
@@ -122,7 +130,10 @@ class CallDeviceCall:
                               call.ty_args[0], str(call.attrs["name"]),
                               tuple(str(n) for n in call.attrs["out_names"]),
                               str(call.attrs["schedule"]) or None
-                              if "schedule" in call.attrs else None)
+                              if "schedule" in call.attrs else None,
+                              tuple(bool(int(s)) for s in call.attrs["symmetric"])
+                              if "symmetric" in call.attrs else (False,) * len(call.attrs[
+                                  "out_names"]))
 
     @property
     def out_types(self) -> tuple:

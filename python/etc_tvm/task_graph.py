@@ -6,6 +6,12 @@ and the visualiser. It holds
 * tensors: the graph function's parameters and each ``call_device`` output;
 * calls and tasks: every coordinate of every ``tile_num`` grid, numbered in program order;
 * event tensors (ETensors): shapes and wait counts, with ``local_view`` aliases resolved;
+* ranks: a graph function of world size W is instantiated as W copies, rank-major (rank r's
+  tensors, calls and tasks follow rank r-1's, each in program order). An unsharded ETensor
+  has one copy per rank; a sharded one (``shard="S[k]"``) is one global ETensor whose
+  elements rank r owns along dim k in ``[r*n_k/W, (r+1)*n_k/W)``. An edge names global
+  elements, except one through ``local_view()``, whose coordinates are its rank's shard;
+  edge maps may use the constants ``rank`` and ``world_size``;
 * static edges: the event elements each task waits on and notifies, from the edge maps that
   read no runtime tensor;
 * dynamic edges: the edge maps that read runtime tensors (``i->topk[i,:]``), trigger maps
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -48,26 +54,63 @@ class TensorNode:
     producer: int | None = None
     param: int | None = None
     sym_shape: tuple = ()  # the shape in the graph function's symbolic dims
+    rank: int = 0
+    symmetric: bool = False  # one array per rank at the same place; peers write it
 
 
 @dataclass(frozen=True)
 class ETensorNode:
-    """An event tensor. ``wait_count`` is an int, None (inferred) or a tensor index."""
+    """An event tensor. ``wait_count`` is an int, None (inferred) or a tensor index.
+
+    ``name`` is the key in ``TaskGraph.etensors``; with several ranks an unsharded ETensor's
+    copies are ``E@r`` (``rank`` r, ``label`` E), a sharded one is global (``rank`` None) and
+    has ``shard_dim``.
+    """
 
     name: str
     shape: tuple[int, ...]
     wait_count: int | None
     count_tensor: int | None
     shard: str | None
+    label: str = ""
+    rank: int | None = None
+    world_size: int = 1
+    shard_dim: int | None = None
 
     def element_name(self, idx: tuple[int, ...]) -> str:
-        return f"{self.name}[{','.join(map(str, idx))}]"
+        text = f"{self.label or self.name}[{','.join(map(str, idx))}]"
+        if self.rank is not None:
+            return f"{text} of rank {self.rank}"
+        if self.shard_dim is not None and self.world_size > 1 and len(idx) == len(self.shape):
+            return f"{text} (on rank {self.owner(idx)})"
+        return text
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of one rank's shard."""
+        k, shape = self.shard_dim, list(self.shape)
+        shape[k] //= self.world_size
+        return tuple(shape)
+
+    def owner(self, idx: tuple[int, ...]) -> int:
+        """The rank that holds global element ``idx`` of a sharded ETensor."""
+        return int(idx[self.shard_dim]) // self.local_shape[self.shard_dim]
+
+    def local_view(self, rank: int) -> "ETensorNode":
+        """Rank ``rank``'s shard, in its local coordinates (for checks and reports)."""
+        return ETensorNode(self.name, self.local_shape, self.wait_count, None, None,
+                           f"{self.label or self.name}.local_view()", rank)
+
+    def to_global(self, idx: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        k = self.shard_dim
+        return idx[:k] + (idx[k] + rank * self.local_shape[k],) + idx[k + 1:]
 
 
 @dataclass(frozen=True)
 class Edge:
     etensor: str
     map: edge_lang.EdgeMap
+    local: bool = False  # through local_view(): the map gives the rank's local coordinates
 
 
 @dataclass
@@ -86,6 +129,7 @@ class CallNode:
     first_task: int = 0
     schedule: str | None = None  # the call_device's choice for the "mixed" strategy
     sym_grid: tuple = ()  # tile_num in the graph function's symbolic dims
+    rank: int = 0
 
     @property
     def num_tasks(self) -> int:
@@ -152,6 +196,7 @@ class TaskGraph:
     waits: list[list[Element]] = field(default_factory=list)
     notifies: list[list[Element]] = field(default_factory=list)
     task_call: list[int] = field(default_factory=list)
+    world_size: int = 1
     # what the queries below derive, computed once: a built graph does not change
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -171,7 +216,39 @@ class TaskGraph:
 
     def task_name(self, task: int) -> str:
         call = self.call_of(task)
-        return f"{call.name}({','.join(map(str, call.coords(task)))})"
+        name = f"{call.name}({','.join(map(str, call.coords(task)))})"
+        return f"{name} on rank {call.rank}" if self.world_size > 1 else name
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def tasks_per_rank(self) -> int:
+        return self.num_tasks // self.world_size
+
+    def rank_of(self, task: int) -> int:
+        return self.call_of(task).rank
+
+    def rank_task(self, rank: int, task: int) -> int:
+        """The id of rank ``rank``'s copy of task ``task`` (an id of the one-rank numbering)."""
+        return rank * self.tasks_per_rank + task
+
+    def replicas(self, tensor: int) -> tuple[int, ...]:
+        """Every rank's copy of ``tensor``, in rank order."""
+        per_rank = len(self.tensors) // self.world_size
+        return tuple(tensor % per_rank + r * per_rank for r in range(self.world_size))
+
+    def rank_outputs(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s copies of the graph function's results."""
+        return tuple(self.replicas(t)[rank] for t in self.outputs)
+
+    def place(self, edge: Edge, call: CallNode, idx: tuple, where: str, error) -> tuple:
+        """The global element of ``idx``, an element ``edge``'s map gave a task of ``call``:
+        checked against the ETensor (a local view's shard for a local edge)."""
+        et = self.etensors[edge.etensor]
+        if not edge.local:
+            check_element(et, idx, edge.map, where, error)
+            return idx
+        check_element(et.local_view(call.rank), idx, edge.map, where, error)
+        return et.to_global(idx, call.rank)
 
     def internal_etensors(self) -> set[str]:
         """See ``internal_events``."""
@@ -184,7 +261,8 @@ class TaskGraph:
         out = {}
         for et in self.etensors.values():
             if et.count_tensor is not None:
-                need = {et.count_tensor}
+                need = set(self.replicas(et.count_tensor)) if et.shard_dim is not None \
+                    else {et.count_tensor}
             elif et.wait_count is None and et.name in self.dynamically_notified():
                 need = set()
                 for call in self.calls:
@@ -460,9 +538,7 @@ class _Builder:
         self.graph = graph
         self.func = graph.func
         world = self.func.attrs.get("etc.world_size", 1) if self.func.attrs else 1
-        if int(world) != 1:
-            raise GraphError(f"{graph.name}: task graphs of world size {int(world)} are not "
-                             "supported yet; build it with world_size=1")
+        self.world = int(world)
         self.dims = {str(k): int(v) for k, v in dims.items()}
         self.analyzer = tvm.sym.Analyzer()
         self.symbols = {}
@@ -490,6 +566,7 @@ class _Builder:
         return tuple(self.eval(d, f"dim {k} of {what}") for k, d in enumerate(ty.shape.values))
 
     def add_tensor(self, name, ty, **kw) -> int:
+        """A tensor of rank 0's copy of the graph (``replicate`` makes the others)."""
         node = TensorNode(len(self.tensors), name, self.shape(ty, name), str(ty.dtype), **kw,
                           sym_shape=tuple(ty.shape.values))
         self.tensors.append(node)
@@ -511,10 +588,41 @@ class _Builder:
         result = body.body
         fields = result.fields if isinstance(result, relax.Tuple) else (result,)
         outputs = tuple(self.tensor(f, "a graph function result") for f in fields)
-        graph = TaskGraph(self.graph.name, self.dims, self.tensors, self.etensors, self.calls,
-                          outputs, isinstance(result, relax.Tuple))
+        graph = TaskGraph(self.graph.name, self.dims, *self.replicate(), outputs,
+                          isinstance(result, relax.Tuple), world_size=self.world)
         self.instantiate_static_edges(graph)
         return graph
+
+    def replicate(self):
+        """(tensors, etensors, calls) of every rank, from rank 0's: each rank's copies of the
+        tensors, calls and unsharded ETensors; one global copy of a sharded ETensor; edge maps
+        bound to their rank."""
+        world, n_tensors, n_calls = self.world, len(self.tensors), len(self.calls)
+        tensors = [replace(t, index=t.index + r * n_tensors, rank=r,
+                           producer=None if t.producer is None else t.producer + r * n_calls)
+                   for r in range(world) for t in self.tensors]
+        etensors, keys = {}, {}
+        for et in self.etensors.values():
+            if world == 1 or et.shard_dim is not None:
+                etensors[et.name] = replace(et, world_size=world)
+                keys.update({(et.name, r): et.name for r in range(world)})
+                continue
+            for r in range(world):
+                key = keys[(et.name, r)] = f"{et.name}@{r}"
+                etensors[key] = replace(et, name=key, label=et.name, rank=r, world_size=world,
+                                        count_tensor=None if et.count_tensor is None
+                                        else et.count_tensor + r * n_tensors)
+
+        def edges(es, r):
+            return tuple(Edge(keys[(e.etensor, r)], e.map.bind(rank=r, world_size=world),
+                              e.local) for e in es)
+
+        calls = [replace(c, index=c.index + r * n_calls, rank=r,
+                         inputs=tuple(t + r * n_tensors for t in c.inputs),
+                         outputs=tuple(t + r * n_tensors for t in c.outputs),
+                         in_edges=edges(c.in_edges, r), out_edges=edges(c.out_edges, r))
+                 for r in range(world) for c in self.calls]
+        return tensors, etensors, calls
 
     def bind(self, var, value) -> None:
         name = var.name
@@ -522,14 +630,19 @@ class _Builder:
             decl = ops.EventTensorCall.of(value)
             count_tensor = None if not isinstance(decl.wait_count, relax.Expr) \
                 else self.tensor(decl.wait_count, f"the wait_count of {decl.name}")
+            shape = tuple(self.eval(d, f"dim {k} of ETensor {decl.name}")
+                          for k, d in enumerate(decl.shape))
+            shard_dim = decl.shard_dim
+            if shard_dim is not None and shape[shard_dim] % self.world:
+                raise GraphError(f"{self.graph.name}: ETensor {decl.name} is sharded on dim "
+                                 f"{shard_dim} ({decl.shard}) of size {shape[shard_dim]}, which "
+                                 f"does not divide over world size {self.world}")
             self.etensors[decl.name] = ETensorNode(
-                decl.name, tuple(self.eval(d, f"dim {k} of ETensor {decl.name}")
-                                 for k, d in enumerate(decl.shape)),
-                decl.wait_count if isinstance(decl.wait_count, int) else None,
-                count_tensor, decl.shard)
+                decl.name, shape, decl.wait_count if isinstance(decl.wait_count, int) else None,
+                count_tensor, decl.shard, shard_dim=shard_dim)
             self.value[var] = ("etensor", decl.name)
         elif ops.is_op(value, ops.LOCAL_VIEW):
-            self.value[var] = self.value[value.args[0]]
+            self.value[var] = ("local", self.value[value.args[0]][1])
         elif ops.is_op(value, ops.CALL_DEVICE):
             self.add_call(var, ops.CallDeviceCall.of(value))
         elif isinstance(value, relax.TupleGetItem):
@@ -548,8 +661,8 @@ class _Builder:
         name = call.name
         grid = tuple(self.eval(d, f"tile_num[{k}] of {name}") for k, d in enumerate(call.tile_num))
         inputs = tuple(self.tensor(a, f"argument {k} of {name}") for k, a in enumerate(call.args))
-        outputs = tuple(self.add_tensor(n, ty, producer=index)
-                        for n, ty in zip(call.out_names, call.out_types))
+        outputs = tuple(self.add_tensor(n, ty, producer=index, symmetric=sym)
+                        for n, ty, sym in zip(call.out_names, call.out_types, call.symmetric))
         readable = {p.name: p.rank for p in fn.buffer_params if p.dtype == "int32"}
         inputs_readable = {k: v for k, v in readable.items()
                            if k in {p.name for p in fn.buffer_params[:len(inputs)]}}
@@ -557,10 +670,15 @@ class _Builder:
         def edges(events, maps, kind, tensors):
             out = []
             for ev, text in zip(events, maps):
-                et = self.etensors[self.value[ev][1]]
-                out.append(Edge(et.name, edge_lang.parse(
-                    text, kind=kind, task_rank=len(grid), event_rank=len(et.shape),
-                    tensors=tensors, etensor=et.name)))
+                view, et_name = self.value[ev]
+                et = self.etensors[et_name]
+                emap = edge_lang.parse(text, kind=kind, task_rank=len(grid),
+                                       event_rank=len(et.shape), tensors=tensors,
+                                       etensor=et.name)
+                if view == "local" and emap.is_trigger:
+                    raise GraphError(f"{name}: the trigger map '{text}' reads a local_view of "
+                                     f"{et.name}; trigger maps take the global ETensor")
+                out.append(Edge(et.name, emap, local=view == "local"))
             return tuple(out)
 
         shapes = [self.tensors[t].shape for t in inputs + outputs]
@@ -592,12 +710,16 @@ class _Builder:
             if e.map.is_data_dependent or e.map.is_trigger:
                 continue
             et = graph.etensors[e.etensor]
+            if e.local:  # checked against the rank's shard, then made global
+                et = et.local_view(call.rank)
             on_grid = e.map.evaluate_grid(grid)
             if on_grid is None:
                 for k in range(n):
                     coords = call.coords(call.first_task + k)
                     for idx in e.map.evaluate(coords):
-                        check_element(et, idx, e.map, f"{call.name}{coords}", GraphError)
+                        check_element(et, idx, e.map, _where(graph, call, coords), GraphError)
+                        if e.local:
+                            idx = graph.etensors[e.etensor].to_global(idx, call.rank)
                         out[k].append((e.etensor, idx))
                 continue
             indices, live = on_grid
@@ -607,11 +729,19 @@ class _Builder:
             for k in np.flatnonzero(live & ~inside)[:1]:  # the first task outside, as evaluate
                 coords = call.coords(call.first_task + int(k))
                 check_element(et, tuple(int(i[k]) for i in indices), e.map,
-                              f"{call.name}{coords}", GraphError)
+                              _where(graph, call, coords), GraphError)
+            if e.local:
+                glob = graph.etensors[e.etensor]
+                indices = tuple(i + call.rank * et.shape[d] if d == glob.shard_dim else i
+                                for d, i in enumerate(indices))
             for k, idx in zip(np.flatnonzero(live).tolist(),
                               zip(*(i[live].tolist() for i in indices))):
                 out[k].append((e.etensor, idx))
         return out
+
+
+def _where(graph: TaskGraph, call: CallNode, coords: tuple) -> str:
+    return f"{call.name}{coords}" + (f" on rank {call.rank}" if graph.world_size > 1 else "")
 
 
 def check_element(et: ETensorNode, idx: tuple, emap, where: str, error) -> None:

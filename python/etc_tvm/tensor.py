@@ -16,17 +16,22 @@ class Tensor:
 
     Annotates a graph function's parameters and gives ``call_device`` its output types. A str
     dim is a symbolic size, one per name in a graph function (int64, as Relax shapes are).
+    ``symmetric=True`` (call outputs only) makes one copy per rank at the same place (the
+    symmetric heap), which the tasks of other ranks may write (a put) or read (a get).
     """
 
-    def __init__(self, shape: Sequence, dtype: str = "float32", name: str | None = None):
+    def __init__(self, shape: Sequence, dtype: str = "float32", name: str | None = None,
+                 symmetric: bool = False):
         if isinstance(shape, (int, str)) or tvm.ir.is_prim_expr(shape):
             shape = (shape,)
         self.shape = tuple(shape)
         self.dtype = str(dtype)
         self.name = name
+        self.symmetric = bool(symmetric)
 
     def __repr__(self) -> str:
-        return f"Tensor({self.shape}, {self.dtype!r})"
+        sym = ", symmetric=True" if self.symmetric else ""
+        return f"Tensor({self.shape}, {self.dtype!r}{sym})"
 
 
 class TracedTensor:

@@ -38,9 +38,19 @@ def instantiate(mod: tvm.IRModule, name: str, dims: Mapping[str, int]):
     func = func.bind_symbolic_vars({symbols[k]: v for k, v in dims.items() if k in symbols})
     mod = tvm.IRModule({**dict(mod.functions_items()), mod.get_global_var(name): func},
                        attrs=mod.attrs)
-    graph = TaskGraph.build(GraphFunc.from_module(mod, name), {})
+    graph = single_rank(TaskGraph.build(GraphFunc.from_module(mod, name), {}))
     graph.validate()
     return mod, graph
+
+
+def single_rank(graph: TaskGraph) -> TaskGraph:
+    """``graph``, if one GPU runs it: the kernels of several ranks (NVSHMEM puts, remote
+    notifies) are not generated yet, only the CPU reference executor runs them."""
+    if graph.world_size != 1:
+        raise GraphError(f"{graph.name}: world size {graph.world_size} runs on the CPU "
+                         "reference executor only (execute_ranks); GPU kernels are generated "
+                         "for world size 1")
+    return graph
 
 
 def sample_function(name: str, k: int) -> str:
@@ -64,7 +74,7 @@ class PersistentScheduleTransform:
                 mod = self.lower(mod, name, graph, f"{name}_{self.kernel_name}")
                 continue
             for k, sample in enumerate(self.samples):
-                graph = TaskGraph.build(GraphFunc.from_module(mod, name), sample)
+                graph = single_rank(TaskGraph.build(GraphFunc.from_module(mod, name), sample))
                 graph.validate()
                 mod = self.lower(mod, name, graph, f"{name}_{self.kernel_name}_{k}",
                                  variant=sample_function(name, k))
