@@ -2,8 +2,6 @@
 on the reference executor against float64 attention within ``attention.error_bound``, and the
 CUDA for sm_90a (each tile alone, and one static megakernel) through nvcc and its SASS."""
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,23 +16,9 @@ from etc_tvm.tiles import attention
 from etc_tvm.tiles.attention import GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
 
 from attention_graph import MIXES, decode_attention_graph, make_inputs
+from cubin import build_cubin, sass
 from test_tiles import assert_within
 
-NVCC = shutil.which("nvcc")
-
-
-def find_cuobjdump():
-    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel, if installed."""
-    if shutil.which("cuobjdump"):
-        return shutil.which("cuobjdump")
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for path in Path(root).glob("*/bin/cuobjdump"):
-            return str(path)
-    return None
 
 
 def run_tiles(chunk, q, k_new, v_new, K_cache, V_cache, seq_lens):
@@ -154,26 +138,7 @@ def test_caller_inputs_are_not_changed_by_the_executor():
 
 # ------------------------------------------------------------------ CUDA for sm_90a
 def cubin(source: str, tmp_path) -> Path:
-    """nvcc builds ``source`` for sm_90a with no register spill; returns the cubin."""
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH")
-    cu, out = tmp_path / "kernel.cu", tmp_path / "kernel.cubin"
-    cu.write_text(source)
-    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-                           "-Xptxas=-v", str(cu), "-o", str(out)], capture_output=True, text=True,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
-    assert spills and not any(spills), done.stderr[-4000:]
-    return out
-
-
-def sass(path: Path) -> str:
-    tool = find_cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True,
-                          check=True).stdout
+    return build_cubin(source, tmp_path)[0]
 
 
 def one_call_graphs(chunk=256):

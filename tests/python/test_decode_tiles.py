@@ -4,9 +4,6 @@ add through the reference executor and as one static megakernel on symbolic M.
 
 ``test_decode_tiles_gpu`` holds the GPU results to the same bounds.
 """
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,21 +14,12 @@ from etc_tvm.build import build
 from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.tiles import elementwise, gemv, norm
 
+from cubin import build_cubin, sass
 from test_tiles import BF16, assert_within, poisoned, randn, run_reference
 
-NVCC = shutil.which("nvcc")
 BN = 128  # GEMV slab, also the epilogues' column block
 EPS = 1e-6
 ROWS = (1, 3, 16)
-
-
-def cuobjdump() -> str | None:
-    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel of this Python."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    wheel = Path(sys.prefix).glob("lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump")
-    return next((str(p) for p in wheel), None)
 
 
 # ------------------------------------------------------------------ graphs
@@ -229,27 +217,11 @@ def test_factories_reject_configurations_they_cannot_run(make, kwargs, message):
 
 # ------------------------------------------------------------------ CUDA code for sm_90a
 def cubin(source: str, tmp_path) -> Path:
-    """``source`` compiled to an sm_90a cubin, with no register spilled."""
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH: the CUDA source was generated but not compiled")
-    path, out = tmp_path / "kernel.cu", tmp_path / "kernel.cubin"
-    path.write_text(source)
-    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-                           "-Xptxas=-v", str(path), "-o", str(out)], capture_output=True,
-                          text=True, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "0 bytes spill stores" in done.stderr and " bytes spill stores" in done.stderr
+    """``source`` built for sm_90a with no register spilled and no stack frame."""
+    out, report = build_cubin(source, tmp_path)
     assert all(line.strip().startswith("0 bytes stack")
-               for line in done.stderr.splitlines() if "bytes stack frame" in line), done.stderr
+               for line in report.splitlines() if "bytes stack frame" in line), report
     return out
-
-
-def sass(path: Path) -> str:
-    tool = cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found: the cubin was built but not disassembled")
-    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True,
-                          check=True).stdout
 
 
 ONE_CALL = {  # name: (graph, dims)

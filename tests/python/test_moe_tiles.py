@@ -4,8 +4,6 @@ mixed task orders, and the generated CUDA (each tile alone, the layer as one meg
 compiled for sm_90a."""
 import functools
 import importlib.util
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
 
+from cubin import build_cubin
 from test_tiles import assert_within, poisoned
 
 
@@ -42,7 +41,6 @@ make_moe_layer, moe_layer_reference = moe_layer.make_moe_layer, moe_layer.moe_la
 BF16 = ml_dtypes.bfloat16
 H, E, K, F, BT = 128, 16, 4, 64, 16  # the small configuration (Qwen3: 2048, 128, 8, 768, 16)
 TOKENS = (1, 7, 20)
-NVCC = shutil.which("nvcc")
 
 
 @functools.cache
@@ -288,17 +286,6 @@ def test_layer_graph_is_valid_for_qwen3_sizes():
 
 
 # ------------------------------------------------------------------ CUDA for sm_90a
-def nvcc_cubin(source: str, tmp_path) -> None:
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH")
-    path = tmp_path / "kernel.cu"
-    path.write_text(source)
-    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-                           str(path), "-o", str(tmp_path / "kernel.cubin")],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
 def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
     """Each tile alone as a graph function (strategy "unfused"), as the GPU tests run them:
     name -> (graph, the arguments' roles)."""
@@ -379,11 +366,11 @@ def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     source = build(graph, one_call_dims(name, 16), strategy="unfused").cuda_source()
     if name in ("gate_up", "down"):
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
-    nvcc_cubin(source, tmp_path)
+    build_cubin(source, tmp_path, allow_spills=True)
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
 def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
-    nvcc_cubin(source, tmp_path)
+    build_cubin(source, tmp_path, allow_spills=True)

@@ -4,11 +4,6 @@ persistent megakernel (HGMMA in the SASS, no spill, no serialised wgmma).
 
 ``test_wgmma_gemm_gpu`` holds the GPU results to the same bound.
 """
-import os
-import re
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -17,9 +12,9 @@ from etc_tvm.build import build
 from etc_tvm.tiles import wgmma_gemm
 from etc_tvm.tir_sched.inline import shared_bytes
 
+from cubin import build_cubin, count, sass
 from test_tiles import assert_within, poisoned, randn, run_reference
 
-NVCC = shutil.which("nvcc")
 WGMMA = "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"
 
 CONFIGS = {  # make_wgmma_gemm_tile configurations
@@ -144,44 +139,11 @@ def test_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
 
 
 # ------------------------------------------------------------------ machine code for sm_90a
-def sass_tool():
-    """cuobjdump (with nvdisasm beside it): on PATH, or from the nvidia-cuda-cuobjdump wheel."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia.cu13  # noqa: PLC0415 (optional wheel)
-    except ImportError:
-        return None
-    path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
-    return path if os.path.exists(path) else None
-
-
 def sass_of(source: str, tmp_path) -> str:
-    """nvcc builds ``source`` into an sm_90a cubin (no spill, wgmma not serialised); its SASS."""
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH: the CUDA source was generated but not compiled")
-    path, cubin = tmp_path / "kernel.cu", tmp_path / "kernel.cubin"
-    path.write_text(source)
-    done = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-                           "-Xptxas=-v", str(path), "-o", str(cubin)],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
-    assert spills and not any(spills), done.stderr[-4000:]
-    assert "serializ" not in done.stderr, done.stderr[-4000:]  # ptxas C7515 and kin
-    tool = sass_tool()
-    if tool is None:
-        pytest.skip("no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-    env = {**os.environ, "PATH": os.path.dirname(tool) + os.pathsep + os.environ["PATH"]}
-    dump = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
-                          check=False, env=env)
-    assert dump.returncode == 0, dump.stderr[-4000:]
-    return dump.stdout
-
-
-def count(sass: str, opcode: str) -> int:
-    return len(re.findall(rf"\b{re.escape(opcode)}\b", sass))
+    """The SASS of ``source`` built for sm_90a: no spill, no wgmma serialised by ptxas."""
+    cubin, report = build_cubin(source, tmp_path)
+    assert "serializ" not in report, report[-4000:]  # ptxas C7515 and kin
+    return sass(cubin)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -192,14 +154,14 @@ def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
     source = compiled.cuda_source()
     assert WGMMA.format(n=cfg["bn"]) in source
     assert "fence.proxy.async.shared::cta" in source
-    sass = sass_of(source, tmp_path)
+    code = sass_of(source, tmp_path)
     hgmma = f"HGMMA.64x{cfg['bn']}x16.F32.BF16"
     # one per m64 block of a warpgroup and k16 step, per K step (the loop may be unrolled)
     per_step = cfg["bm"] // (cfg["threads"] // 128) // 64 * cfg["bk"] // 16
-    assert count(sass, hgmma) % per_step == 0 and count(sass, hgmma) >= per_step, sass
-    assert "tnspB" in sass  # B read MN-major from shared memory
-    assert count(sass, "LDGSTS.E.BYPASS.128") > 0
-    assert count(sass, "HMMA.16816.F32.BF16") == 0
+    assert count(code, hgmma) % per_step == 0 and count(code, hgmma) >= per_step, code
+    assert "tnspB" in code  # B read MN-major from shared memory
+    assert count(code, "LDGSTS.E.BYPASS.128") > 0
+    assert count(code, "HMMA.16816.F32.BF16") == 0
 
 
 def test_megakernel_composes_two_wgmma_gemms(tmp_path):
@@ -210,8 +172,8 @@ def test_megakernel_composes_two_wgmma_gemms(tmp_path):
                      strategy="static")
     source = compiled.cuda_source()
     assert "wgmma_chain_megakernel_kernel" in source
-    sass = sass_of(source, tmp_path)
-    assert count(sass, "HGMMA.64x256x16.F32.BF16") >= 2 * 4, sass
+    code = sass_of(source, tmp_path)
+    assert count(code, "HGMMA.64x256x16.F32.BF16") >= 2 * 4, code
 
 
 def test_tile_shared_memory_and_threads():
