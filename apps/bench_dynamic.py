@@ -10,7 +10,8 @@
 
 Strategies: static (list-scheduled queues, uniform costs), dynamic (the ring), mixed (the
 second layer or the expert tiles in the ring, the rest in queues), barrier, unfused and
-unfused replayed from a CUDA graph (the MoE graph's trigger has no unfused form). Every
+unfused replayed from a CUDA graph (the MoE graph's trigger has no unfused form); (a) also
+runs static and dynamic with 4 persistent CTAs per SM ("-4"). Every
 variant is checked against NumPy first. Prints one table per part, writes JSON (``--json``).
 """
 import argparse
@@ -24,6 +25,7 @@ import tvm_ffi
 from tvm.script import tirx as T
 
 from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
+from etc_tvm.tir_sched.persistent import KernelOptions
 from timing import checked_run, time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
@@ -33,6 +35,9 @@ WIDTH, THREADS, UNIT = 128, 128, 512  # UNIT dependent multiply-adds make one re
 DECAY, STEP = 0.999, 0.001  # acc -> acc * DECAY + STEP: contracting, so rounding stays small
 N_TASKS = T.int32()
 STRATEGIES = ["static", "dynamic", "mixed", "barrier", "unfused", "unfused+graph"]
+# the tile is one 128-thread CTA of dependent arithmetic: the unfused grid keeps up to 16 of
+# them on an SM, a persistent kernel as many as its CTAs per SM
+OCCUPANCY = ["static-4", "dynamic-4"]
 
 
 @device_func
@@ -80,12 +85,16 @@ def make_unbalanced(ring_layer: str):
 
 
 def measure(graph, dims, inputs, want, strategies, rtol) -> dict:
-    """Build each strategy, check it against ``want`` (relative L2 error), then time all."""
+    """Build each strategy, check it against ``want`` (relative L2 error), then time all.
+    A label "<strategy>-<k>" runs k persistent CTAs per SM; "<strategy>+graph" replays the
+    launches from a CUDA graph."""
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
     runs = {}
     for label in strategies:
-        compiled = build(graph, dims, strategy=label.replace("+graph", ""))
+        strategy, _, ctas = label.replace("+graph", "").partition("-")
+        compiled = build(graph, dims, strategy=strategy,
+                         options=KernelOptions(ctas_per_sm=int(ctas or 1)))
         runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol,
                                   replay=label.endswith("+graph"))
     return time_interleaved(runs, reps=50, warmup=5)
@@ -117,7 +126,8 @@ def main() -> None:
             reps_b = rng.integers(low, high + 1, n).astype("int32")
             want = work_reference(work_reference(x, reps_a), reps_b)
             unbalanced.append({"case": case, **measure(
-                make_unbalanced("b"), {"N": n}, [x, reps_a, reps_b], want, STRATEGIES, 1e-4)})
+                make_unbalanced("b"), {"N": n}, [x, reps_a, reps_b], want,
+                STRATEGIES + OCCUPANCY, 1e-4)})
 
         graph = make_moe_graph(128, 32, 4, 128, 16, "tensor")
         for tokens in args.tokens:
@@ -138,7 +148,8 @@ def main() -> None:
         overhead.append({**row, "per task": (row["dynamic"] - row["static"]) / per_cta})
 
     labels = STRATEGIES
-    table(f"(a) two layers of {args.tasks} tasks, reps per task", unbalanced, labels)
+    table(f"(a) two layers of {args.tasks} tasks, reps per task", unbalanced,
+          labels + OCCUPANCY)
     table("(b) MoE layer (hidden 128, 32 experts, top-4, 16-row expert tiles)", moe,
           [s for s in labels if not s.startswith("unfused")])
     print(f"\n(c) queue overhead: static {overhead[0]['static']:.1f} us, dynamic "
