@@ -32,8 +32,7 @@ from .instantiate import PersistentScheduleTransform, replace_with_persistent_ke
 class DynamicScheduleTransform(PersistentScheduleTransform):
     """Lower every graph function of the module to one launch of a ready-ring kernel.
 
-    dims: values of the symbolic dims. num_sms: SMs of the target; ``options.ctas_per_sm``
-    persistent CTAs each. samples: see ``PersistentScheduleTransform``.
+    Parameters: see ``PersistentScheduleTransform`` (a ring needs no scheduler).
     """
 
     kernel_name = "dynamic_megakernel"
@@ -41,10 +40,7 @@ class DynamicScheduleTransform(PersistentScheduleTransform):
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
                  options: KernelOptions = DEFAULT_OPTIONS,
                  samples: Sequence[Mapping[str, int]] | None = None):
-        self.dims = dict(dims or {})
-        self.num_sms = num_sms
-        self.options = options
-        self.samples = [dict(s) for s in samples] if samples else None
+        super().__init__(dims, num_sms, options, samples=samples)
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
         plan = DynamicPlan.of(graph)

@@ -11,9 +11,10 @@ from tvm import relax
 from .. import ops
 from ..errors import GraphError
 from ..graph_func import GraphFunc
+from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
-from ..tir_sched.persistent import timeline_size
+from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, timeline_size
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -62,10 +63,27 @@ class PersistentScheduleTransform:
     """What the persistent-kernel transforms share: every graph function lowered for ``dims``
     in place, or, given ``samples``, once per sample into ``sample_function(name, k)`` (a
     kernel on the function's symbolic shapes that serves sizes up to the sample's). A
-    subclass sets ``self.dims`` and ``self.samples`` and says how one task graph is lowered
-    (``lower``) and what its kernels are called (``kernel_name``)."""
+    subclass says how one task graph is lowered (``lower``) and what its kernels are called
+    (``kernel_name``).
+
+    dims: values of the symbolic dims. num_sms: SMs of the target (132 on an H200);
+    ``options.ctas_per_sm`` persistent CTAs each. scheduler: (task graph, number of queues) ->
+    StaticSchedule, for the kernels with static queues. samples: instead of ``dims``, sizes to
+    compute kernels for; each gives a function ``sample_function(name, k)`` with the graph
+    function's symbolic parameters, whose kernel serves any sizes up to the sample's by
+    skipping the tasks outside the launch's grids.
+    """
 
     kernel_name = "megakernel"
+
+    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
+                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
+                 samples: Sequence[Mapping[str, int]] | None = None):
+        self.dims = dict(dims or {})
+        self.num_sms = num_sms
+        self.options = options
+        self.scheduler = scheduler
+        self.samples = [dict(s) for s in samples] if samples else None
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):

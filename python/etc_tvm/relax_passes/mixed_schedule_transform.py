@@ -14,37 +14,23 @@ The queues and the ring's calls come from ``schedule.mixed_schedule``; the ring 
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax
 
-from ..schedule import DynamicPlan, list_schedule, mixed_schedule
+from ..schedule import DynamicPlan, mixed_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.mixed_kernel import build_mixed_kernel
-from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from ..tir_sched.persistent import STATUS_WORDS
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.MixedScheduleTransform")
 class MixedScheduleTransform(PersistentScheduleTransform):
     """Lower every graph function to one kernel of static queues and a ready ring.
-
-    dims: values of the symbolic dims. num_sms: SMs of the target; ``options.ctas_per_sm``
-    persistent CTAs each. scheduler: (task graph, number of queues) -> StaticSchedule.
-    samples: see ``PersistentScheduleTransform``.
-    """
+    Parameters: see ``PersistentScheduleTransform``."""
 
     kernel_name = "mixed_megakernel"
-
-    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
-                 samples: Sequence[Mapping[str, int]] | None = None):
-        self.dims = dict(dims or {})
-        self.num_sms = num_sms
-        self.options = options
-        self.scheduler = scheduler
-        self.samples = [dict(s) for s in samples] if samples else None
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
         schedule, ring_calls = mixed_schedule(

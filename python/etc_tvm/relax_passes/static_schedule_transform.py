@@ -24,38 +24,21 @@ the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
 
 import tvm
 from tvm import relax
 
-from ..schedule import list_schedule
 from ..tir_sched.events import EventLayout
-from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from ..tir_sched.persistent import STATUS_WORDS
 from ..tir_sched.static_kernel import build_static_kernel
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
 @tvm.transform.module_pass(opt_level=0, name="etc.StaticScheduleTransform")
 class StaticScheduleTransform(PersistentScheduleTransform):
-    """Lower every graph function of the module to one launch of a persistent kernel.
-
-    dims: values of the symbolic dims (a static schedule is computed for concrete sizes).
-    num_sms: SMs of the target (132 on an H200); ``options.ctas_per_sm`` persistent CTAs each.
-    scheduler: (task graph, number of queues) -> StaticSchedule; list scheduling by default.
-    samples: instead of ``dims``, sizes to compute schedules for. Each gives a function
-      ``sample_function(name, k)`` with the graph function's symbolic parameters, whose kernel
-      serves any sizes up to the sample's by skipping the tasks outside the launch's grids.
-    """
-
-    def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
-                 options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
-                 samples: Sequence[Mapping[str, int]] | None = None):
-        self.dims = dict(dims or {})
-        self.num_sms = num_sms
-        self.options = options
-        self.scheduler = scheduler
-        self.samples = [dict(s) for s in samples] if samples else None
+    """Lower every graph function of the module to one launch of a persistent kernel, its
+    queues list-scheduled (or by ``scheduler``) for concrete sizes. Parameters: see
+    ``PersistentScheduleTransform``."""
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
         schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
