@@ -1,15 +1,17 @@
-"""Decode tiles against PyTorch: achieved bandwidth at decode shapes, on the GPU.
+"""Tiles against PyTorch: achieved bandwidth at decode shapes, FLOP rate at prefill shapes.
 
-Each tile runs as a one-call graph ("unfused": one grid launch through the VM), PyTorch runs
-the same operation (``torch.matmul`` for the GEMV, ``rms_norm``, ``silu * up`` and ``+`` for
-the others), both on the same inputs in the same run. Bandwidth is the bytes the operation
-must move (weights, activations in, results out) over the median time of one call (CUDA
-events, the variants taking turns call by call). Inputs rotate through enough copies to
-exceed the 60 MiB L2 twice, so no call finds its weights in L2 from the previous one.
+Each tile runs as a one-call graph ("unfused": one grid launch), PyTorch runs the same
+operation (``torch.matmul`` for the GEMV and the GEMM, ``rms_norm``, ``silu * up`` and ``+``
+for the others), both on the same inputs in the same run. Each side is replayed from a CUDA
+graph of one call per input copy, so the times are the kernels' own (no host call path, no
+launch gaps), medians of CUDA events with the two sides taking turns. Inputs rotate through
+enough copies to exceed the 60 MiB L2 twice, so no call finds its operands in L2 from the
+previous one.
 
-The GEMV picks the smallest split-K that gives every SM at least two tasks. Small tiles
-(RMSNorm of one row) are dominated by the launch; their "bandwidth" is printed for
-completeness, their time is the number to read. Prints one table and writes JSON (``--json``).
+Bandwidth is the bytes the operation must move (weights, activations in, results out) over
+the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
+every SM two tasks; the GEMM is the wgmma tile (128 x 256 x 64, three stages, bf16 out).
+Prints one table and writes JSON (``--json``).
 """
 import argparse
 import json
@@ -18,10 +20,11 @@ import ml_dtypes
 import numpy as np
 import torch
 import tvm
-import tvm_ffi
 
 from etc_tvm import ETensor, Tensor, build, call_device, graph_func
-from etc_tvm.tiles import gemv, make_residual_add_tile, make_rmsnorm_tile, make_silu_mul_tile
+from etc_tvm.runtime import cuda_graph
+from etc_tvm.tiles import (gemv, make_residual_add_tile, make_rmsnorm_tile, make_silu_mul_tile,
+                           wgmma_gemm)
 from timing import time_interleaved
 
 BF16 = ml_dtypes.bfloat16
@@ -29,6 +32,8 @@ BN = 128
 EPS = 1e-6
 L2_BYTES = 60 << 20
 SMS = 132
+GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "stages": 3, "threads": 256,
+             "out_dtype": "bfloat16"}
 
 
 def gemv_graph(split_k: int):
@@ -84,31 +89,51 @@ def split_for(K: int, N: int) -> int:
 
 
 def cases(rows, hidden_sizes, vocab):
-    """(tile, label, graph, dims, input shapes, torch op, bytes moved)."""
+    """(tile, label, graph, dims, input shapes, torch op, bytes moved, "TB/s")."""
     for M in rows:
         for H in hidden_sizes:
             F = {2048: 5632, 4096: 11008}.get(H, 4 * H)
             for K, N in [(H, H), (H, 2 * F), (F, H), (H, vocab)]:
                 s = split_for(K, N)
                 yield ("gemv", f"M={M} {K}x{N} k{s}", gemv_graph(s), {"M": M, "K": K, "N": N},
-                       [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N))
+                       [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N), "TB/s")
             yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H}, [(M, H), (H,)],
                    lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
-                   2 * (2 * M * H + H))
+                   2 * (2 * M * H + H), "TB/s")
             yield ("silu_mul", f"M={M} F={F}", silu_mul_only, {"M": M, "F2": 2 * F},
                    [(M, 2 * F)],
                    lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2])
-                   * h[:, h.shape[1] // 2:], 2 * 3 * M * F)
+                   * h[:, h.shape[1] // 2:], 2 * 3 * M * F, "TB/s")
             yield ("residual_add", f"M={M} N={H}", residual_add_only, {"M": M, "N": H},
-                   [(M, H), (M, H)], torch.add, 2 * 3 * M * H)
+                   [(M, H), (M, H)], torch.add, 2 * 3 * M * H, "TB/s")
+
+
+def gemm_cases(shapes):
+    """(tile, label, graph, dims, input shapes, torch op, FLOPs, "TFLOP/s") of the wgmma GEMM."""
+    tile = wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE)
+
+    @graph_func
+    def gemm_only(A: Tensor(("M", "K"), "bfloat16"), B: Tensor(("K", "N"), "bfloat16")):
+        M, N = A.shape[0], B.shape[1]
+        return call_device(tile, tile_num=(M // GEMM_TILE["bm"], N // GEMM_TILE["bn"]),
+                           args=[A, B], out=Tensor((M, N), "bfloat16"))
+
+    for M, K, N in shapes:
+        yield ("gemm", f"{M}x{K}x{N}", gemm_only, {"M": M, "K": K, "N": N}, [(M, K), (K, N)],
+               torch.matmul, 2 * M * K * N, "TFLOP/s")
 
 
 def measure(label, graph, dims, shapes, torch_op, rng, reps):
-    """Median us of the tile and of PyTorch, after a check of the tile against PyTorch."""
+    """Median us of one call of the tile and of PyTorch, after a check of the tile against
+    PyTorch.
+
+    Each side is captured into a CUDA graph of one call per input copy, so that neither the
+    host's call path nor the launch gaps count: the numbers are the kernels' own."""
     dev = tvm.cuda(0)
     per_set = sum(int(np.prod(s)) * 2 for s in shapes)
     copies = max(1, -(-2 * L2_BYTES // per_set))
-    host = [[(rng.standard_normal(s) / np.sqrt(s[0] if len(s) == 2 else 1)).astype(BF16)
+    host = [[(rng.standard_normal(s, dtype=np.float32)
+              / np.float32(np.sqrt(s[0] if len(s) == 2 else 1))).astype(BF16)
              for s in shapes] for _ in range(copies)]
     on_tvm = [[tvm.runtime.tensor(x, dev) for x in inputs] for inputs in host]
     on_torch = [[torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) for x in inputs]
@@ -118,17 +143,10 @@ def measure(label, graph, dims, shapes, torch_op, rng, reps):
     want = torch_op(*on_torch[0]).float().cpu().numpy().astype(np.float64)
     error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
     assert error < 2e-2, f"{label}: relative error {error:.2e} against PyTorch"
-    turn = {"etc": 0, "torch": 0}
-
-    def etc():
-        turn["etc"] = (turn["etc"] + 1) % copies
-        compiled.run(*on_tvm[turn["etc"]])
-
-    def reference():
-        turn["torch"] = (turn["torch"] + 1) % copies
-        torch_op(*on_torch[turn["torch"]])
-
-    return time_interleaved({"etc": etc, "torch": reference}, reps=reps)
+    etc, _ = cuda_graph(lambda: [compiled.run(*inputs) for inputs in on_tvm])
+    reference, _ = cuda_graph(lambda: [torch_op(*inputs) for inputs in on_torch])
+    times = time_interleaved({"etc": etc, "torch": reference}, reps=reps)
+    return {k: t / copies for k, t in times.items()}
 
 
 def main() -> None:
@@ -136,24 +154,26 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 3, 16])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
+                        help="M x K x N of the compute-bound GEMM rows")
+    parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    gemms = [tuple(int(v) for v in g.split("x")) for g in args.gemm]
     results = []
-    print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc TB/s':>9} "
-          f"{'torch TB/s':>10} {'etc/torch':>9}", flush=True)
-    with tvm_ffi.use_torch_stream():
-        for tile, label, graph, dims, shapes, op, nbytes in cases(args.rows, args.hidden,
-                                                                   args.vocab):
-            t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
-            row = {"tile": tile, "shape": label, "bytes": nbytes, "etc_us": t["etc"],
-                   "torch_us": t["torch"], "etc_TBps": nbytes / t["etc"] / 1e6,
-                   "torch_TBps": nbytes / t["torch"] / 1e6}
-            results.append(row)
-            print(f"{tile:>12} {label:>24} {row['etc_us']:>9.2f} {row['torch_us']:>9.2f} "
-                  f"{row['etc_TBps']:>9.3f} {row['torch_TBps']:>10.3f} "
-                  f"{row['torch_us'] / row['etc_us']:>8.2f}x", flush=True)
+    print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc rate':>9} "
+          f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
+    for tile, label, graph, dims, shapes, op, amount, unit in (
+            *cases(args.rows, args.hidden, args.vocab), *gemm_cases(gemms)):
+        t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
+        row = {"tile": tile, "shape": label, "unit": unit, "etc_us": t["etc"],
+               "torch_us": t["torch"], "etc_rate": amount / t["etc"] / 1e6,
+               "torch_rate": amount / t["torch"] / 1e6}
+        results.append(row)
+        print(f"{tile:>12} {label:>24} {row['etc_us']:>9.2f} {row['torch_us']:>9.2f} "
+              f"{row['etc_rate']:>9.3f} {row['torch_rate']:>10.3f} {unit:>7} "
+              f"{row['torch_us'] / row['etc_us']:>8.2f}x", flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 

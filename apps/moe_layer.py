@@ -119,18 +119,26 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int):
 
 ROUTINGS = ("random", "one_expert", "idle_experts")
 HOT = 3  # every token's first choice under "one_expert"
+ROUTING_X_MEAN_SQUARE = 20 / 3  # E[x^2] of make_routing_inputs' integers in -4..4
 
 
 def make_inputs(rng, tokens: int, hidden: int, experts: int, intermediate: int,
                 routing: str = "random"):
-    """bf16 ``(x, w_router, w_gate_up, w_down)``.
+    """bf16 ``(x, w_router, w_gate_up, w_down)``: ``make_routing_inputs`` then
+    ``make_expert_weights``."""
+    return (*make_routing_inputs(rng, tokens, hidden, experts, routing),
+            *make_expert_weights(rng, hidden, experts, intermediate))
 
-    x and w_router lie on a grid (integers, and multiples of 2**-7) on which every fp32
-    logit is exact in any summation order, so the device picks exactly the float64 experts,
-    ties included (to the lower index); the router tile's own tests cover Gaussian inputs.
-    Feature 0 of x is 4 for every token, and the router row 0 steers: "one_expert" lifts
-    expert HOT by 16 (every token's first choice), "idle_experts" drops the odd experts by 16
-    (no tokens when top-K <= E/2).
+
+def make_routing_inputs(rng, tokens: int, hidden: int, experts: int, routing: str = "random"):
+    """bf16 ``(x, w_router)``.
+
+    Both lie on a grid (integers, and multiples of 2**-7) on which every fp32 logit is exact
+    in any summation order, so the device picks exactly the float64 experts, ties included
+    (to the lower index); the router tile's own tests cover Gaussian inputs. Feature 0 of x
+    is 4 for every token, and the router row 0 steers: "one_expert" lifts expert HOT by 16
+    (every token's first choice), "idle_experts" drops the odd experts by 16 (no tokens when
+    top-K <= E/2).
     """
     import ml_dtypes
 
@@ -145,12 +153,22 @@ def make_inputs(rng, tokens: int, hidden: int, experts: int, intermediate: int,
         w_router[0, HOT % experts] = 4
     elif routing == "idle_experts":
         w_router[0, 1::2] = -4
-    scale = 1 / np.sqrt(hidden * (x * x).mean())
-    w_gate = rng.standard_normal((experts, hidden, intermediate)) * scale
-    w_up = rng.standard_normal((experts, hidden, intermediate)) * scale
-    w_down = rng.standard_normal((experts, intermediate, hidden)) / np.sqrt(intermediate)
-    return (x.astype(bf16), w_router.astype(bf16),
-            moe.interleave_gate_up(w_gate, w_up).astype(bf16), w_down.astype(bf16))
+    return x.astype(bf16), w_router.astype(bf16)
+
+
+def make_expert_weights(rng, hidden: int, experts: int, intermediate: int):
+    """bf16 ``(w_gate_up, w_down)``, Gaussian, scaled so that h and y stay near unit size for
+    the inputs of ``make_routing_inputs`` (drawn in float32: they are rounded to bf16)."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    scale = np.float32(1 / np.sqrt(hidden * ROUTING_X_MEAN_SQUARE))
+    gate_up = rng.standard_normal((experts, hidden, 2 * intermediate), dtype=np.float32)
+    gate_up *= scale
+    w_down = rng.standard_normal((experts, intermediate, hidden), dtype=np.float32)
+    w_down *= np.float32(1 / np.sqrt(intermediate))
+    return (moe.interleave_gate_up(gate_up[..., :intermediate], gate_up[..., intermediate:])
+            .astype(bf16), w_down.astype(bf16))
 
 
 def main():  # pragma: no cover (a demonstration)

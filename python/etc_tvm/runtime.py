@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -175,27 +176,12 @@ class CompiledGraph:
         """Capture one run on ``inputs`` (device tensors) into a CUDA graph.
 
         Returns ``(replay, outputs)``: each ``replay()`` re-runs the captured launches on the
-        same buffers, refreshing ``outputs``. Uses PyTorch's CUDA graph support (torch must be
-        installed): this is how the unfused baseline is replayed without launch overhead.
+        same buffers, refreshing ``outputs``. This is how the unfused baseline is replayed
+        without launch overhead (see ``cuda_graph``).
         """
-        import torch
-        import tvm_ffi
-
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side), tvm_ffi.use_torch_stream():
-            for _ in range(3):  # settle the allocator's pool before capturing
-                self.run(*inputs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
-            outputs = self.run(*inputs)
-
-        def replay() -> None:
-            graph.replay()
-
-        # the captured launches use this library's kernels and the output buffers: they live
-        # as long as the replay does
-        replay.compiled, replay.outputs = self, outputs
+        replay, outputs = cuda_graph(lambda: self.run(*inputs))
+        # the captured launches use this library's kernels: it lives as long as the replay
+        replay.compiled = self
         return replay, outputs
 
     def cuda_source(self) -> str:
@@ -225,3 +211,31 @@ def load(path: str | os.PathLike, device=None) -> CompiledGraph:
     fields = json.loads(Path(f"{path}.json").read_text())
     meta = SampledMeta(**fields) if "samples" in fields else GraphMeta(**fields)
     return CompiledGraph(tvm.runtime.load_module(str(path)), meta, device)
+
+
+def cuda_graph(work: Callable[[], object]):
+    """``work()`` captured into a CUDA graph: ``(replay, what work returned)``.
+
+    ``work`` launches on the current PyTorch stream: PyTorch operations, and calls of
+    compiled graphs (TVM launches on that stream during the capture). It runs three times on
+    a side stream first, so that the allocators' pools hold its buffers before the capture.
+    Needs PyTorch's CUDA graph support.
+    """
+    import torch
+    import tvm_ffi
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), tvm_ffi.use_torch_stream():
+        for _ in range(3):
+            work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
+        result = work()
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.result = result  # buffers the graph writes live as long as the replay
+    return replay, result

@@ -28,8 +28,19 @@ def compiled(name, tokens):
     return _compiled[key]
 
 
+@pytest.fixture(scope="module")
+def expert_weights():
+    """One draw of the 604 M bf16 expert weights for the module: drawing them takes seconds,
+    the activations and routings are drawn fresh for every launch."""
+    return moe_layer.make_expert_weights(np.random.default_rng(7), H, E, F)
+
+
 def f64(a):
-    return torch.from_numpy(np.asarray(a).astype(np.float64)).cuda()
+    """float64 on the GPU (bf16 arrays converted there)."""
+    a = np.asarray(a)
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16).double()
+    return torch.from_numpy(a.astype(np.float64)).cuda()
 
 
 def layer_float64_torch(x, w_router, w_gate_up, w_down):
@@ -95,8 +106,9 @@ def test_align_tile(tokens, routing, rng):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_grouped_gemms_and_combine(tokens, rng):
-    x, _, w_gate_up, w_down = moe_layer.make_inputs(rng, tokens, H, E, F)
+def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
+    x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    w_gate_up, w_down = expert_weights
     topk = routing_ids(rng, tokens, "random")
     tiles = moe.max_tiles(tokens, E, K, BT)
     _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
@@ -137,13 +149,13 @@ _layers = {}
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_layer_megakernel(strategy, tokens, routing, rng):
+def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights):
     key = (strategy, tokens)
     if key not in _layers:
         _layers[key] = build(moe_layer.make_moe_layer(), {"T": tokens}, strategy=strategy)
     run = _layers[key]
     for _ in range(3):  # fresh routings through one compiled kernel
-        inputs = moe_layer.make_inputs(rng, tokens, H, E, F, routing)
+        inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
         want, bound = moe_layer.moe_layer_reference(*inputs, K)
         np.testing.assert_allclose(layer_float64_torch(*inputs), want, rtol=1e-9, atol=1e-9)
         got = run(*inputs)

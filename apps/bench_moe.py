@@ -1,0 +1,181 @@
+"""The Qwen3-30B-A3B MoE layer as one graph function, against PyTorch and Hugging Face.
+
+The layer of apps/moe_layer.py (hidden 2048, 128 experts, top-8 with renormalised weights,
+expert intermediate 768, bf16 weights drawn at random) at several token counts, under every
+execution strategy of the same tiles, against:
+
+- "torch loop": PyTorch eager as a layer is usually written (router, softmax, top-k, one
+  pair of matmuls per expert that has tokens, ``index_add_``);
+- "HF": transformers' ``Qwen3MoeSparseMoeBlock`` with ``_experts_implementation =
+  "grouped_mm"``, eager and replayed from a CUDA graph ("HF+graph").
+
+Each variant's output is checked against a float64 PyTorch layer that picks the experts
+the device picks (the activations and router weights lie on a grid where fp32 logits are
+exact; ``moe_layer.make_routing_inputs``). Our variants must be within ``RTOL``; the HF block
+rounds its router logits to bf16, so near ties may pick other experts: its error is printed,
+not asserted. Times are medians of CUDA events around one call, the variants taking turns
+(``timing.time_interleaved``); "+graph" variants replay a CUDA graph of one call, the others
+include the host's call path. Prints one table (us; the last columns are ratios of HF+graph
+and of our barrier megakernel over our dynamic one) and writes JSON (``--json``).
+"""
+import argparse
+import json
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import moe_layer
+from etc_tvm import build
+from etc_tvm.errors import EtcError
+from etc_tvm.runtime import cuda_graph
+from etc_tvm.tiles import moe
+from timing import checked_run, time_interleaved
+
+H, E, K, F = 2048, 128, 8, 768
+RTOL = 2e-2  # bf16 h and out, fp32 accumulation: measured errors are near 3e-3
+OURS = ["static", "dynamic", "mixed", "barrier", "unfused", "unfused+graph", "static+graph"]
+THEIRS = ["torch loop", "HF", "HF+graph"]
+
+
+def on_gpu(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(a).cuda()
+
+
+def float64_layer(x, w_router, w_gate, w_up, w_down) -> np.ndarray:
+    """The layer in float64 (ties to the lower expert index: a stable sort)."""
+    x, w_router = x.double(), w_router.double()
+    logits = x @ w_router
+    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
+    topw = torch.softmax(torch.gather(logits, 1, topk), dim=1)
+    out = torch.zeros_like(x)
+    for e in topk.unique().tolist():
+        token, slot = (topk == e).nonzero(as_tuple=True)
+        rows = x[token]
+        h = torch.nn.functional.silu(rows @ w_gate[e].double()) * (rows @ w_up[e].double())
+        out.index_add_(0, token, topw[token, slot, None] * (h @ w_down[e].double()))
+    return out.cpu().numpy()
+
+
+def torch_loop_layer(x, w_router, w_gate, w_up, w_down):
+    """PyTorch eager, bf16 matmuls: one gate/up/down triple per expert with tokens."""
+    logits = (x @ w_router).float()
+    topw, topk = torch.topk(torch.softmax(logits, dim=1), K, dim=1)
+    topw = topw / topw.sum(dim=1, keepdim=True)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk.unique().tolist():
+        token, slot = (topk == e).nonzero(as_tuple=True)
+        rows = x[token]
+        h = torch.nn.functional.silu(rows @ w_gate[e]) * (rows @ w_up[e])
+        out.index_add_(0, token, topw[token, slot, None] * (h @ w_down[e]).float())
+    return out.to(torch.bfloat16)
+
+
+def hf_block(w_gate, w_up, w_down):
+    """transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts) holding these expert weights:
+    ``(run(x), its router weight (E, H))``."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K,
+                            moe_intermediate_size=F, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    want = {"gate.weight": torch.zeros(E, H),  # HF weights are (out, in)
+            "experts.gate_up_proj": torch.cat([w_gate, w_up], dim=2).transpose(1, 2),
+            "experts.down_proj": w_down.transpose(1, 2)}
+    for e in range(E):  # transformers before grouped experts: one MLP module per expert
+        want |= {f"experts.{e}.gate_proj.weight": w_gate[e].t(),
+                 f"experts.{e}.up_proj.weight": w_up[e].t(),
+                 f"experts.{e}.down_proj.weight": w_down[e].t()}
+    params = dict(block.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name not in want or want[name].shape != p.shape:
+                raise RuntimeError(f"Qwen3MoeSparseMoeBlock parameter {name} {tuple(p.shape)}: "
+                                   "layout not known to this benchmark")
+            p.copy_(want[name])
+
+    def run(x):
+        out = block(x.view(1, *x.shape))
+        return (out[0] if isinstance(out, tuple) else out).view(x.shape)
+
+    return run, params["gate.weight"]
+
+
+def relative_error(got, want) -> float:
+    got = got.float().cpu().numpy() if isinstance(got, torch.Tensor) else got
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
+    """One row: us per call of every variant at ``tokens``, and the errors."""
+    import tvm
+
+    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    inputs = (x, w_router, *weights["ours"])
+    dev = tvm.cuda(0)
+    on_device = [tvm.runtime.tensor(a, dev) for a in inputs]
+    xt, wrt = on_gpu(x), on_gpu(w_router)
+    want = float64_layer(xt, wrt, *weights["torch"])
+    hf_run, hf_router = hf
+    with torch.no_grad():
+        hf_router.copy_(wrt.t())
+    runs, row = {}, {"tokens": tokens, "error": {}, "skipped": {}}
+    libraries = {}
+    for label in OURS:
+        strategy, replay = label.split("+")[0], label.endswith("+graph")
+        try:
+            if strategy not in libraries:
+                libraries[strategy] = build(moe_layer.make_moe_layer(), {"T": tokens},
+                                            strategy=strategy)
+        except EtcError as err:  # a strategy that cannot run this graph says why
+            row["skipped"][label] = str(err).splitlines()[0]
+            continue
+        runs[label] = checked_run(label, libraries[strategy], inputs, on_device, want, RTOL,
+                                  replay)
+    runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"])
+    row["error"]["torch loop"] = relative_error(runs["torch loop"](), want)
+    runs["HF"] = lambda: hf_run(xt)
+    row["error"]["HF"] = relative_error(hf_run(xt), want)
+    runs["HF+graph"], out = cuda_graph(lambda: hf_run(xt))
+    runs["HF+graph"]()
+    row["error"]["HF+graph"] = relative_error(out, want)
+    row["us"] = time_interleaved(runs, reps=reps)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", default="bench_moe.json")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
+    w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
+    weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
+    hf = hf_block(*weights["torch"])
+    rows = []
+    for tokens in args.tokens:
+        rows.append(measure(tokens, weights, hf, rng, args.reps))
+        for label, why in rows[-1]["skipped"].items():
+            print(f"T={tokens} {label}: not run ({why})")
+        print(f"T={tokens} errors: " + ", ".join(f"{k} {v:.1e}"
+                                                  for k, v in rows[-1]["error"].items()))
+    labels = [v for v in OURS + THEIRS if any(v in r["us"] for r in rows)]
+    print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
+          + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}")
+    for r in rows:
+        us = r["us"]
+        cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
+        print(f"{r['tokens']:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
+              f" {us['barrier'] / us['dynamic']:11.2f}x")
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
