@@ -57,6 +57,13 @@ class StaticSchedule:
         return StaticSchedule(tuple(tuple(t for t in q if t not in tasks) for q in self.queues),
                               self.makespan)
 
+    def for_rank(self, graph: TaskGraph, rank: int) -> "StaticSchedule":
+        """Rank ``rank``'s tasks of a schedule of every rank's, in the same queues and order:
+        one rank's GPU runs them. A queue's order is the schedule's start order, so its
+        subsequence needs nothing that starts later, on any rank."""
+        return StaticSchedule(tuple(tuple(t for t in q if graph.rank_of(t) == rank)
+                                    for q in self.queues), self.makespan)
+
     def local_waits(self, graph: TaskGraph) -> set[int]:
         """Tasks with waits, all of whose elements are notified only by tasks placed earlier
         on the same SM (static edges; data-dependent ones never count as local, nor tasks of

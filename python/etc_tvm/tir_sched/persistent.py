@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from tvm import tirx
+from tvm.backend.cuda import op as cuda_op
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
@@ -38,6 +39,7 @@ TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
 SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
+NVSHMEM_RUNTIME_SOURCE = RUNTIME_SOURCE.with_name("etc_runtime_nvshmem.cuh")
 
 
 def timeline_size(graph: TaskGraph) -> int:
@@ -45,11 +47,15 @@ def timeline_size(graph: TaskGraph) -> int:
     return max(1, graph.num_tasks) * TIMELINE_WORDS
 
 
-def runtime_source() -> str:
-    if not RUNTIME_SOURCE.exists():
-        raise FileNotFoundError(f"the etc_tvm device runtime {RUNTIME_SOURCE} is missing: "
-                                "install etc_tvm from its source tree (pip install -e .)")
-    return RUNTIME_SOURCE.read_text()
+def runtime_source(ranks: bool = False) -> str:
+    """The device runtime; with ``ranks``, followed by its NVSHMEM part (kernels of world size
+    above 1 only: TVM links a module against NVSHMEM when its source includes the header)."""
+    paths = [RUNTIME_SOURCE, NVSHMEM_RUNTIME_SOURCE] if ranks else [RUNTIME_SOURCE]
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"the etc_tvm device runtime {path} is missing: "
+                                    "install etc_tvm from its source tree (pip install -e .)")
+    return "\n".join(path.read_text() for path in paths)
 
 
 @dataclass(frozen=True)
@@ -75,29 +81,38 @@ class PersistentKernel:
     """The buffers, scopes and statement builders shared by the persistent kernels."""
 
     def __init__(self, graph: TaskGraph, layout: EventLayout, options: KernelOptions,
-                 symbolic: bool = False):
+                 symbolic: bool = False, rank: int | None = None):
         """``symbolic``: the tensors keep the graph function's symbolic shapes, bound from the
         arguments at each launch; ``graph`` (instantiated for the largest sizes the kernel
-        serves) then fixes the tasks, and those outside the arguments' grids are skipped."""
-        threads = {c.fn.num_threads for c in graph.calls}
+        serves) then fixes the tasks, and those outside the arguments' grids are skipped.
+
+        ``rank``: for a graph of world size above 1, the rank whose tasks this kernel runs
+        (one kernel per rank). Every rank keeps the whole ``layout`` in its counter array, a
+        symmetric allocation: a rank uses its own copies and the shards it owns, and a notify
+        of an element another rank owns decrements that rank's copy (``etc_notify_remote``).
+        """
+        self.rank = _rank(graph, rank)
+        self.calls = [c for c in graph.calls if self.rank is None or c.rank == self.rank]
+        threads = {c.fn.num_threads for c in self.calls}
         if len(threads) != 1:
             raise ValueError(f"the device functions of {graph.name} run different thread "
                              f"counts {sorted(threads)}; one kernel runs one")
         self.graph, self.layout, self.options = graph, layout, options
         self.scopes = ThreadScopes(threads.pop())
         self.tx = self.scopes.tx
-        self.source = runtime_source()
+        self.source = runtime_source(ranks=self.rank is not None)
         self.symbolic = symbolic
         self.buffers = [tirx.decl_buffer(t.sym_shape if symbolic else t.shape, t.dtype, t.name)
                         for t in graph.tensors]
-        self.inputs = [self.buffers[t.index] for t in graph.tensors if t.param is not None]
-        self.outputs = [self.buffers[t.index] for t in graph.tensors if t.producer is not None]
+        own = [t for t in graph.tensors if self.rank is None or t.rank == self.rank]
+        self.inputs = [self.buffers[t.index] for t in own if t.param is not None]
+        self.outputs = [self.buffers[t.index] for t in own if t.producer is not None]
         self.initial = tirx.decl_buffer((layout.size,), "int32", "initial")
         self.counters = tirx.decl_buffer((layout.size,), "int32", "counters")
         self.status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
         self.timeline = tirx.decl_buffer((timeline_size(graph),), "int64", "timeline") \
             if options.profile else None
-        arena_bytes = max(shared_bytes(c.fn) for c in graph.calls)
+        arena_bytes = max(shared_bytes(c.fn) for c in self.calls)
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
         if per_sm * arena_bytes > SM_SHARED_BYTES or per_sm * threads > SM_THREADS:
             raise EtcError(f"{graph.name}: {per_sm} persistent CTAs per SM of {threads} threads "
@@ -168,6 +183,11 @@ class PersistentKernel:
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
         Tb.evaluate(Tb.cuda.grid_sync())
+        if self.rank is not None:
+            with Tb.If(tirx.And(bx == 0, self.tx == 0)):
+                with Tb.Then():
+                    Tb.evaluate(cuda_op.nvshmem_barrier_all())
+            Tb.evaluate(Tb.cuda.grid_sync())
         arm = self.arm_at_launch(bx)
         if arm is not None:
             Tb.add_to_parent(arm)
@@ -175,7 +195,7 @@ class PersistentKernel:
     def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None) -> tirx.Stmt:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits."""
         out = None
-        for call in reversed([c for c in self.graph.calls if c.num_tasks]):
+        for call in reversed([c for c in self.calls if c.num_tasks]):
             cond = task < i32(call.first_task + call.num_tasks)
             out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits), out)
         return out
@@ -237,7 +257,8 @@ class PersistentKernel:
         for e in call.in_edges:
             if not (e.map.is_data_dependent or e.map.is_trigger):
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
-                step = wait(layout.flat_index(e.etensor, lowered.index), task)
+                index = self.global_index(e, lowered.index)
+                step = wait(layout.flat_index(e.etensor, index), task)
                 steps.append(lowered.nest(step))
         for producer in sorted(self.graph.completion_waits(call)):
             steps.append(wait(i32(layout.done[producer]), task))
@@ -280,7 +301,8 @@ class PersistentKernel:
                                tirx.BufferStore(self.stop, i32(1) - ready, [i32(0)]), None)
 
     def _wait(self, flat: tirx.Expr, task) -> tirx.Stmt:
-        wait = self.runtime_call("etc_wait", self.counters.ptr_to([flat]),
+        name = "etc_wait" if self.rank is None else "etc_wait_sys"
+        wait = self.runtime_call(name, self.counters.ptr_to([flat]),
                                  self.status.ptr_to([0]), task, flat, self.limit,
                                  return_type="int32")
         return tirx.IfThenElse(self.stop[0] == 0, tirx.BufferStore(self.stop, wait, [i32(0)]),
@@ -352,8 +374,11 @@ class PersistentKernel:
         for e in call.out_edges:
             if not e.map.is_data_dependent:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
-                steps.append(lowered.nest(self._notify(
-                    e, self.layout.flat_index(e.etensor, lowered.index))))
+                owner = self.owner(e, lowered.index)
+                flat = self.layout.flat_index(e.etensor, lowered.index)
+                steps.append(lowered.nest(self._notify(e, flat) if owner is None else tirx.Evaluate(
+                    self.runtime_call("etc_notify_remote", self.counters.ptr_to([flat]),
+                                      owner))))
         return tirx.stmt_seq(*steps) if steps else None
 
     def _notify(self, edge, flat) -> tirx.Stmt:
@@ -448,6 +473,23 @@ class PersistentKernel:
         return self.strided(call.num_tasks, lambda j: tirx.stmt_seq(
             *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))], count))
 
+    def global_index(self, edge, index) -> tuple:
+        """An in-edge's element in the ETensor's global coordinates: a wait through
+        ``local_view()`` names the element of this rank's shard."""
+        if not edge.local or self.rank is None:
+            return index
+        et = self.graph.etensors[edge.etensor]
+        k, n = et.shard_dim, et.local_shape[et.shard_dim]
+        return tuple(i + i32(self.rank * n) if d == k else i for d, i in enumerate(index))
+
+    def owner(self, edge, index) -> tirx.Expr | None:
+        """The rank that owns an out-edge's element of a sharded ETensor (None: this rank's
+        own copy, or a kernel of one rank)."""
+        et = self.graph.etensors[edge.etensor]
+        if self.rank is None or et.shard_dim is None:
+            return None
+        return tirx.floordiv(index[et.shard_dim], i32(et.local_shape[et.shard_dim]))
+
     def inside(self, call, coords) -> tirx.Expr | None:
         """Whether the task at ``coords`` lies in the call's grid for the launch's sizes
         (None: always, the kernel being built for the sizes it runs)."""
@@ -487,6 +529,26 @@ class PersistentKernel:
     def params(self, call) -> dict:
         """The call's device-function parameter names -> the kernel's buffers."""
         return {p.name: self.buffers[t] for p, t in zip(call.fn.buffer_params, call.tensor_args())}
+
+
+def _rank(graph: TaskGraph, rank: int | None) -> int | None:
+    """``rank``, checked against the graph: a kernel of several ranks runs one of them, and
+    only the static events are lowered for it so far."""
+    if graph.world_size == 1:
+        if rank not in (None, 0):
+            raise EtcError(f"{graph.name} runs on one rank; rank {rank} does not exist")
+        return None
+    if rank is None or not 0 <= rank < graph.world_size:
+        raise EtcError(f"{graph.name} runs on {graph.world_size} ranks: build one kernel per "
+                       f"rank (rank = 0 .. {graph.world_size - 1}), not rank {rank}")
+    runtime = [n for n, et in graph.etensors.items() if et.count_tensor is not None]
+    runtime += [c.name for c in graph.calls if any(
+        e.map.is_data_dependent or e.map.is_trigger for e in c.in_edges + c.out_edges)]
+    if runtime or graph.gates():
+        raise NotImplementedError(
+            f"{graph.name}: run-time counts, data-dependent and trigger edges are not lowered "
+            f"for world size above 1 yet ({sorted(set(runtime))})")
+    return rank
 
 
 def _both(a, b):

@@ -19,6 +19,11 @@ counts every launch starts from, never written), then the outputs ``counters`` i
 ``status`` int32[STATUS_WORDS] (fresh every launch, initialised by the kernel itself before a
 grid-wide barrier: no separate launch) and every call's output tensors. ``status`` is the
 watchdog record of ``src/etc_runtime.cuh``.
+
+A graph of several ranks gets one kernel per rank, with the same parameters (that rank's
+tensors). ``counters`` must then be a symmetric allocation (``nvshmem_malloc``) holding every
+rank's layout, and after its own grid-wide barrier each rank waits for the others to
+initialise theirs (``nvshmem_barrier_all``) before any notify may cross.
 """
 from __future__ import annotations
 
@@ -35,10 +40,12 @@ from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
 
 def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: EventLayout,
                         name: str, options: KernelOptions = DEFAULT_OPTIONS,
-                        symbolic: bool = False) -> tirx.PrimFunc:
+                        symbolic: bool = False, rank: int | None = None) -> tirx.PrimFunc:
     """The persistent kernel that runs ``schedule`` (per-CTA queues) of ``graph``; with
-    ``symbolic``, on tensors of any sizes up to ``graph``'s (``PersistentKernel``)."""
-    kernel = PersistentKernel(graph, layout, options, symbolic)
+    ``symbolic``, on tensors of any sizes up to ``graph``'s (``PersistentKernel``). For a
+    graph of several ranks, rank ``rank``'s kernel: ``schedule`` holds that rank's tasks
+    (``StaticSchedule.for_rank``)."""
+    kernel = PersistentKernel(graph, layout, options, symbolic, rank)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     task = tirx.Var("t", "int32")

@@ -1,0 +1,61 @@
+// etc_tvm device runtime, multi-GPU part: appended to etc_runtime.cuh in kernels of world size
+// above 1 only. It lives in its own file because TVM 0.27 compiles a module the NVSHMEM way
+// (relocatable device code, nvlink with libnvshmem_device.a, a cubin) whenever the source
+// contains the text "#include <nvshmem.h>": a kernel of one rank must not carry it.
+//
+// Protocol across ranks (docs/distributed.md): waits stay local, on counters in the symmetric
+// heap; a notify of an element another rank owns is an NVSHMEM atomic on the owner's copy of
+// the counter array, after a fence that orders the CTA's earlier puts to that rank before it.
+// Remote atomics are performed by another GPU, so local waits on such counters acquire at
+// system scope.
+#ifndef ETC_TVM_RUNTIME_NVSHMEM_CUH_
+#define ETC_TVM_RUNTIME_NVSHMEM_CUH_
+
+// A kernel includes these first, through TVM's NVSHMEM intrinsics (its barrier across ranks):
+// included after TVM's preamble, whose `#define uint`, the NVSHMEM headers do not parse.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+__device__ __forceinline__ int etc_load_relaxed_sys(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int etc_load_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// etc_wait on a counter that other GPUs decrement: the same bound and stop record, with
+// system-scope loads. Called by one thread.
+__device__ __noinline__ int etc_wait_sys(const int* counter, int* status, int task, int element,
+                                         long long limit_ns) {
+  if (etc_load_acquire_sys(counter) <= 0) return 0;
+  const unsigned long long start = etc_globaltimer_ns();
+  for (unsigned polls = 1;; ++polls) {
+    const int seen = etc_load_relaxed_sys(counter);
+    if (seen <= 0) {
+      etc_load_acquire_sys(counter);
+      return 0;
+    }
+    if (polls % 64 != 0) continue;
+    if (etc_load_relaxed(status) != 0) return 1;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      etc_record_stop(status, 1, task, element, seen);
+      return 1;
+    }
+    __nanosleep(20);
+  }
+}
+
+// One notify of ``counter`` (a symmetric address) on rank ``pe``: the fence orders this
+// rank's earlier puts to ``pe`` before the decrement. Called by one thread, after the CTA's
+// barrier.
+__device__ __forceinline__ void etc_notify_remote(int* counter, int pe) {
+  nvshmem_fence();
+  nvshmem_int_atomic_add(counter, -1, pe);
+}
+
+#endif  // ETC_TVM_RUNTIME_NVSHMEM_CUH_
