@@ -50,10 +50,21 @@ __device__ __noinline__ int etc_wait_sys(const int* counter, int* status, int ta
   }
 }
 
-// One notify of ``counter`` (a symmetric address) on rank ``pe``: the fence orders this
-// rank's earlier puts to ``pe`` before the decrement. Called by one thread, after the CTA's
-// barrier.
+// ``ptr`` (symmetric) in rank ``pe``'s copy, for plain loads and stores over NVLink: a task
+// writes a symmetric output on the rank it notifies. Ranks of one node: across nodes NVSHMEM
+// has no such address, and the kernel stops rather than store through a null pointer.
+template <typename T>
+__device__ __forceinline__ T* etc_peer(T* ptr, int pe) {
+  T* peer = static_cast<T*>(nvshmem_ptr(ptr, pe));
+  if (peer == nullptr) __trap();
+  return peer;
+}
+
+// One notify of ``counter`` (a symmetric address) on rank ``pe``. Called by one thread, after
+// the CTA's barrier: the system-scope fence is cumulative over the CTA's stores to ``pe``'s
+// memory that the barrier ordered before it, and nvshmem_fence orders its puts.
 __device__ __forceinline__ void etc_notify_remote(int* counter, int pe) {
+  __threadfence_system();
   nvshmem_fence();
   nvshmem_int_atomic_add(counter, -1, pe);
 }

@@ -17,6 +17,11 @@ A tile may update an input in place (a KV cache, say): it names such tensors in 
 Nothing orders that write before another call's read but the event edges between them, and the
 CPU reference executor lets only those inputs be written.
 
+In a graph function of several ranks, a body reads its rank and the world size as ``RANK`` and
+``WORLD_SIZE`` (closure variables of the script; each kernel binds them, 0 and 1 on one GPU).
+A task writes a symmetric output on the rank its out-edge notifies (the owner of the element):
+the kernel hands the body that rank's copy, so the body addresses it as its own.
+
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
 tensors as arrays whose outputs it writes in place); the CPU reference executor runs it. A
 reference of a multi-rank graph function may also take keyword-only ``rank``, ``world_size``
@@ -38,6 +43,10 @@ from .errors import EtcError
 
 _CTA_THREAD_SCOPE = 7  # ScopeIdDef.scope of T.thread_id: (cta, thread)
 REFERENCE_CONTEXT = ("rank", "world_size", "peers")
+# In a body: the rank its kernel runs and the world size, constants each kernel substitutes
+# (a placeholder call, so that the script is well formed on its own).
+RANK = tirx.call_extern("int32", "etc_rank")
+WORLD_SIZE = tirx.call_extern("int32", "etc_world_size")
 
 
 @dataclass(frozen=True)

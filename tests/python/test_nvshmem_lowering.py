@@ -2,53 +2,31 @@
 notifies the owner of a sharded element through NVSHMEM and waits on its own shard; TVM builds
 it the NVSHMEM way (relocatable code linked with libnvshmem_device.a) for sm_90a. Kernels of
 one rank carry no NVSHMEM."""
-import importlib.util
-import os
 import shutil
-from pathlib import Path
 
 import pytest
-import tvm
 
-from etc_tvm.build import build, default_target
+from etc_tvm import distributed
+from etc_tvm.build import build
+from etc_tvm.errors import EtcError
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout
 from etc_tvm.tir_sched.static_kernel import build_static_kernel
 
-from tp_graphs import gemm_reduce_scatter
+from tp_graphs import all_gather_gemm, gemm_reduce_scatter
 
 DIMS = {"M": 16, "K": 8, "N": 8}
 
 
-def nvshmem_root() -> Path | None:
-    """The NVSHMEM installation: ``NVSHMEM_HOME``, or the nvidia-nvshmem wheel."""
-    if "NVSHMEM_HOME" in os.environ:
-        return Path(os.environ["NVSHMEM_HOME"])
-    spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations if spec else []):
-        if (Path(base) / "nvshmem" / "include" / "nvshmem.h").exists():
-            return Path(base) / "nvshmem"
-    return None
-
-
 @pytest.fixture(scope="module")
-def nvshmem_home(tmp_path_factory):
-    """A directory TVM's ``find_nvshmem_paths`` accepts: it looks for ``libnvshmem.a`` or
-    ``libnvshmem.so``, which the wheel names ``libnvshmem_host.so.3``."""
-    root = nvshmem_root()
-    if root is None or not (root / "include" / "nvshmem.h").exists() \
-            or shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc and the NVSHMEM headers (pip install nvidia-nvshmem-cu13)")
-    lib = root / "lib"
-    if (lib / "libnvshmem.a").exists() or (lib / "libnvshmem.so").exists():
-        return root
-    home = tmp_path_factory.mktemp("nvshmem_home")
-    (home / "lib").mkdir()
-    (home / "include").symlink_to(root / "include")
-    (home / "lib" / "libnvshmem_device.a").symlink_to(lib / "libnvshmem_device.a")
-    (home / "lib" / "libnvshmem.so").symlink_to(lib / "libnvshmem_host.so.3")
-    return home
+def nvshmem_home():
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    try:
+        return distributed.nvshmem_home()
+    except EtcError as err:
+        pytest.skip(str(err))
 
 
 def rank_kernels(world_size: int):
@@ -60,18 +38,48 @@ def rank_kernels(world_size: int):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_rank_kernel_compiles_and_links_against_nvshmem(rank, nvshmem_home, monkeypatch):
-    monkeypatch.setenv("NVSHMEM_HOME", str(nvshmem_home))
-    _, kernels = rank_kernels(2)
-    target = default_target()
-    with target:
-        ex = tvm.compile(tvm.IRModule({"k": kernels[rank]}), target=target, tir_pipeline="tirx")
-    source = ex.mod.imports[0].inspect_source("cuda")
+def test_rank_kernel_compiles_and_links_against_nvshmem(rank, nvshmem_home):
+    """GEMM tile (i, j) stores its partial into the owner's copy of ``partials`` (a peer
+    address), then notifies the owner; the reduce tiles wait on their own shard."""
+    program = distributed.build_rank(gemm_reduce_scatter(2), DIMS, rank, num_sms=4)
+    source = program.executable.mod.imports[0].inspect_source("cuda")
     assert source.index("#include <nvshmem.h>") < source.index("#define uint")
     kernel = source[source.index(f"gemm_rs_rank{rank}_kernel("):]
-    order = [kernel.index(s) for s in ("tvm_builtin_nvshmem_barrier_all()", "partials_ptr[",
+    order = [kernel.index(s) for s in ("tvm_builtin_nvshmem_barrier_all()",
+                                       "etc_peer(partials_ptr", "partials_peer[",
                                        "etc_notify_remote(", "etc_wait_sys(", "D_ptr[")]
     assert order == sorted(order)
+    assert "etc_rank" not in kernel and "etc_world_size" not in kernel
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_all_gather_gemm_rank_kernel_compiles(rank, nvshmem_home):
+    """Gather task (p, i) stores into rank p's ``gathered``; the ring GEMM reads its own."""
+    program = distributed.build_rank(all_gather_gemm(2), {"M": 8, "K": 8, "N": 8}, rank,
+                                     num_sms=4)
+    kernel = program.executable.mod.imports[0].inspect_source("cuda")
+    assert "etc_peer(gathered_ptr" in kernel and "gathered_ptr[" in kernel
+    indptr, tasks, initial = program.arrays
+    assert len(indptr) == 5 and len(tasks) == program.graph.num_tasks
+    assert len(initial) == EventLayout.of(program.graph).size
+
+
+def test_build_rank_refuses_a_graph_of_one_rank():
+    with pytest.raises(EtcError, match="one rank: build it with etc_tvm.build"):
+        distributed.build_rank(gemm_reduce_scatter(1), DIMS, 0, num_sms=4)
+
+
+def test_joining_checks_the_rank_before_touching_nvshmem():
+    with pytest.raises(EtcError, match="rank 2 is outside a world of 2"):
+        distributed.Nvshmem.init(2, 2, b"")
+
+
+def test_host_library_builds_and_exports_its_calls(nvshmem_home):
+    lib = distributed.Nvshmem.library()
+    assert lib.etc_nvshmem_unique_id_size() > 0
+    for name in ("etc_nvshmem_init", "etc_nvshmem_malloc", "etc_nvshmem_module_init",
+                 "etc_nvshmem_barrier_all", "etc_nvshmem_finalize"):
+        assert hasattr(lib, name)
 
 
 def test_rank_kernel_takes_its_own_tensors_and_notifies_the_owner():
@@ -96,5 +104,7 @@ def test_rank_is_required_for_several_ranks_and_run_time_counts_are_refused():
 
 
 def test_world_size_1_kernel_carries_no_nvshmem():
+    """RANK is 0 and WORLD_SIZE 1 there, and the symmetric tensor is the kernel's own."""
     source = build(gemm_reduce_scatter(1), DIMS, num_sms=8).cuda_source()
     assert "nvshmem" not in source and "etc_notify(" in source
+    assert "etc_rank" not in source and "etc_peer" not in source

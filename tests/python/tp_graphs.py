@@ -4,12 +4,11 @@ GEMM + Reduce-Scatter: rank r holds ``A[:, K_r]`` and ``B[K_r, :]`` and gets row
 ``A @ B``. All-Gather + GEMM: rank r holds row block r of ``A`` and column block r of ``B`` and
 gets column block r of ``A @ B``. Each factory builds the graph for one world size.
 
-The tiles' TIRx bodies are the world-size-1 tiles: they write their own copy of a symmetric
-tensor, since a put to a peer (``T.nvshmem`` putmem and a remote notify) belongs to the
-multi-GPU lowering, which does not exist yet. The NumPy references put to the peer through
-``peers``, so only the CPU reference executor runs these graphs at world size above 1.
+A tile that writes a symmetric tensor writes the copy of the rank it notifies: its TIRx body
+addresses the tensor as its own (the rank kernel hands it the peer's copy), and its NumPy
+reference writes ``peers[owner]``. Bodies read their rank as ``RANK`` and ``WORLD_SIZE``.
 """
-from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
+from etc_tvm import RANK, WORLD_SIZE, ETensor, Tensor, call_device, device_func, graph_func
 from tvm.script import tirx as T
 
 TP = 4  # tile edge: TP x TP blocks
@@ -21,14 +20,14 @@ M, N, K, R, Q = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
 def gemm_put_tile(i: T.int32, j: T.int32, A: T.Buffer((M, K), "float32"),
                   B: T.Buffer((K, N), "float32"), P: T.Buffer((R, Q, N), "float32")):
     """Partial product tile (i, j) of this rank's K slice, put into ``P[rank]`` on the owner
-    of row tile i (rows ``[o*Q, (o+1)*Q)`` belong to rank o). TIRx body: world size 1."""
+    of row tile i (rows ``[o*Q, (o+1)*Q)`` belong to rank o)."""
     T.device_entry()
     tx = T.thread_id([THREADS])
-    P[0, i * TP + tx // TP, j * TP + tx % TP] = T.float32(0)
+    row = i * TP - i * TP // Q * Q + tx // TP  # within the owner's rows
+    P[RANK, row, j * TP + tx % TP] = T.float32(0)
     for k in T.serial(K):
-        P[0, i * TP + tx // TP, j * TP + tx % TP] = (
-            P[0, i * TP + tx // TP, j * TP + tx % TP]
-            + A[i * TP + tx // TP, k] * B[k, j * TP + tx % TP])
+        P[RANK, row, j * TP + tx % TP] = (P[RANK, row, j * TP + tx % TP]
+                                          + A[i * TP + tx // TP, k] * B[k, j * TP + tx % TP])
 
 
 @gemm_put_tile.set_reference
@@ -92,12 +91,12 @@ def gemm_reduce_scatter(world_size: int, wait_count="W", notify: str = "ij->ij",
 @device_func
 def gather_tile(p: T.int32, i: T.int32, A: T.Buffer((M, K), "float32"),
                 G: T.Buffer((R, M, K), "float32")):
-    """Row tile i of this rank's A, put into ``G[rank]`` on rank p. TIRx body: world size 1."""
+    """Row tile i of this rank's A, put into ``G[rank]`` on rank p."""
     T.device_entry()
     tx = T.thread_id([THREADS])
     for k in T.serial(K):
         if tx < TP:
-            G[0, i * TP + tx, k] = A[i * TP + tx, k]
+            G[RANK, i * TP + tx, k] = A[i * TP + tx, k]
 
 
 @gather_tile.set_reference
@@ -110,14 +109,15 @@ def _(p, i, A, G, *, rank, peers):
 def ring_gemm_tile(s: T.int32, i: T.int32, j: T.int32, G: T.Buffer((R, M, K), "float32"),
                    B: T.Buffer((K, N), "float32"), C: T.Buffer((Q, N), "float32")):
     """C tile (i, j) of source rank ``(rank + s) % world_size``'s rows: gathered A rows times
-    this rank's B columns. TIRx body: world size 1 (source s)."""
+    this rank's B columns."""
     T.device_entry()
     tx = T.thread_id([THREADS])
-    C[s * M + i * TP + tx // TP, j * TP + tx % TP] = T.float32(0)
+    src = (RANK + s) % WORLD_SIZE
+    C[src * M + i * TP + tx // TP, j * TP + tx % TP] = T.float32(0)
     for k in T.serial(K):
-        C[s * M + i * TP + tx // TP, j * TP + tx % TP] = (
-            C[s * M + i * TP + tx // TP, j * TP + tx % TP]
-            + G[s, i * TP + tx // TP, k] * B[k, j * TP + tx % TP])
+        C[src * M + i * TP + tx // TP, j * TP + tx % TP] = (
+            C[src * M + i * TP + tx // TP, j * TP + tx % TP]
+            + G[src, i * TP + tx // TP, k] * B[k, j * TP + tx % TP])
 
 
 @ring_gemm_tile.set_reference

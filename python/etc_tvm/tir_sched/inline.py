@@ -16,7 +16,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.tirx import buffer_data
 
-from ..device_func import DeviceFunc
+from ..device_func import RANK, WORLD_SIZE, DeviceFunc
 
 # ScopeIdDef.scope values (tvm/tirx/exec_scope.py) -> (parent, current) scope names
 SCOPE_NAMES = {3: ("cta", "warpgroup"), 4: ("cta", "warp"), 5: ("warpgroup", "warp"),
@@ -78,8 +78,10 @@ def shared_bytes(fn: DeviceFunc, align: int = 128) -> int:
 
 
 def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
-                arena: tirx.Buffer | None, align: int = 128) -> tirx.Stmt:
-    """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``."""
+                arena: tirx.Buffer | None, align: int = 128, rank: int = 0,
+                world_size: int = 1) -> tirx.Stmt:
+    """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``, on
+    rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body)."""
     func = tvm.s_tir.renew_defs(fn.prim_func)
     stmts = list(tirx.stmt_list(func.body.body))
     vmap, prologue = {}, []
@@ -96,10 +98,22 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
                                           if str(have.ty) != str(want.ty) else have))
                 bound.add(want)
         prologue.append(tirx.DeclBuffer(param, data=buffer_data(buf)))
-    body = substitute(tirx.stmt_seq(*stmts), vmap)
+    body = _with_rank(substitute(tirx.stmt_seq(*stmts), vmap), rank, world_size)
     if arena is not None:
         body = _into_arena(body, arena, align)
     return tirx.stmt_seq(*prologue, body)
+
+
+def _with_rank(body: tirx.Stmt, rank: int, world_size: int) -> tirx.Stmt:
+    """``RANK`` and ``WORLD_SIZE`` of the body replaced by their values."""
+    values = {RANK.args[0].value: i32(rank), WORLD_SIZE.args[0].value: i32(world_size)}
+
+    def replace(call):
+        if call.op.same_as(RANK.op) and isinstance(call.args[0], tvm.ir.StringImm):
+            return values.get(call.args[0].value, call)
+        return call
+
+    return tvm_ffi.structural_map(body, (tvm.ir.Call, replace), order="post")
 
 
 def _into_arena(body: tirx.Stmt, arena: tirx.Buffer, align: int) -> tirx.Stmt:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from tvm import tirx
+from tvm.tirx import buffer_data
 from tvm.backend.cuda import op as cuda_op
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
@@ -132,7 +133,7 @@ class PersistentKernel:
         """The timeline buffer when profiling (the last state output, before the calls')."""
         return [] if self.timeline is None else [self.timeline]
 
-    def runtime_call(self, name: str, *args, return_type: str = "void"):
+    def runtime_call(self, name: str, *args, return_type="void"):
         """A call of a function of the device runtime (src/etc_runtime.cuh)."""
         return Tb.cuda.func_call(name, *args, source_code=self.source, return_type=return_type)
 
@@ -213,9 +214,10 @@ class PersistentKernel:
             run_waits = _both(run_waits, inside)
             stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
         stmts.append(self._trace("etc_trace_waited", task))
-        args = [self.buffers[t] for t in call.tensor_args()]
-        body = tirx.stmt_seq(*tirx.stmt_list(
-            inline_task(call.fn, coord_vars, args, self.scopes, self.arena)))
+        args, peers = self._task_buffers(call, coord_vars)
+        body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
+            call.fn, coord_vars, args, self.scopes, self.arena, rank=self.rank or 0,
+            world_size=self.graph.world_size)))
         run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
         stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the
@@ -231,6 +233,36 @@ class PersistentKernel:
             stmts.append(self._completion(call))
         stmts.append(self._trace("etc_trace_end", task))
         return tirx.stmt_seq(*[s for s in stmts if s is not None])
+
+    def _task_buffers(self, call, coords) -> tuple[list, list]:
+        """The tensors a task of ``call`` runs on, and the statements that bind them: on
+        several ranks a symmetric output is the copy of the rank the task notifies, reached
+        by plain stores over NVLink (``etc_peer``)."""
+        args, binds = [], []
+        for t in call.tensor_args():
+            buf = self.buffers[t]
+            if self.rank is not None and t in call.outputs and self.graph.tensors[t].symmetric:
+                pointer = buffer_data(buf).ty
+                data = tirx.Var(f"{buf.name}_peer", pointer)
+                binds.append(tirx.Bind(data, self.runtime_call(
+                    "etc_peer", buffer_data(buf), self._data_owner(call, coords),
+                    return_type=pointer)))
+                buf = tirx.decl_buffer(buf.shape, buf.dtype, f"{buf.name}_peer", data=data)
+                binds.append(tirx.DeclBuffer(buf, data=data))
+            args.append(buf)
+        return args, binds
+
+    def _data_owner(self, call, coords) -> tirx.Expr:
+        """The rank a task of ``call`` writes its symmetric outputs on: the owner of the one
+        element of a sharded ETensor that the task notifies."""
+        sharded = [e for e in call.out_edges
+                   if self.graph.etensors[e.etensor].shard_dim is not None]
+        lowered = [lower_edge(e.map, dict(zip(e.map.coords, coords))) for e in sharded]
+        if len(sharded) != 1 or lowered[0].loops or lowered[0].guard is not None:
+            raise EtcError(f"{call.name} writes a symmetric tensor: it must notify exactly one "
+                           "element of one sharded ETensor (whose owner receives the data); "
+                           f"its out-edges are {[f'{e.etensor}: {e.map}' for e in call.out_edges]}")
+        return self.owner(sharded[0], lowered[0].index)
 
     def _trace(self, name: str, task) -> tirx.Stmt | None:
         """Thread 0 stamps ``task``'s timeline row (profiling only)."""
