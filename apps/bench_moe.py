@@ -134,8 +134,11 @@ def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
         except EtcError as err:  # a strategy that cannot run this graph says why
             row["skipped"][label] = str(err).splitlines()[0]
             continue
-        runs[label] = checked_run(label, libraries[strategy], inputs, on_device, want, RTOL,
-                                  replay)
+        try:
+            runs[label] = checked_run(label, libraries[strategy], inputs, on_device, want,
+                                      RTOL, replay)
+        except (AssertionError, EtcError) as err:  # wrong results are reported, not timed
+            row["skipped"][label] = f"FAILED: {err}"
     runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"])
     row["error"]["torch loop"] = relative_error(runs["torch loop"](), want)
     runs["HF"] = lambda: hf_run(xt)
@@ -158,21 +161,20 @@ def main() -> None:
     w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
     hf = hf_block(*weights["torch"])
+    labels = OURS + THEIRS
+    print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
+          + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        rows.append(measure(tokens, weights, hf, rng, args.reps))
-        for label, why in rows[-1]["skipped"].items():
-            print(f"T={tokens} {label}: not run ({why})")
-        print(f"T={tokens} errors: " + ", ".join(f"{k} {v:.1e}"
-                                                  for k, v in rows[-1]["error"].items()))
-    labels = [v for v in OURS + THEIRS if any(v in r["us"] for r in rows)]
-    print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
-          + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}")
-    for r in rows:
+        r = measure(tokens, weights, hf, rng, args.reps)
+        rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
-        print(f"{r['tokens']:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
-              f" {us['barrier'] / us['dynamic']:11.2f}x")
+        print(f"{tokens:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
+              f" {us['barrier'] / us['dynamic']:11.2f}x", flush=True)
+        print("        errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+              + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
+              flush=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
 
