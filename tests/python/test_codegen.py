@@ -70,7 +70,7 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "unfused"])
 @pytest.mark.parametrize("count_mode", COUNT_MODES)
 def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, strategy,
                                                                  tmp_path):
@@ -95,3 +95,16 @@ def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():
         < expert.index("exp_indptr_ptr[") < expert.index("skip_ptr[0] = 0;") \
         < expert.index("if (skip_ptr[0] == 0)")
 
+
+
+def test_unfused_expert_tiles_scan_the_trigger_then_run_or_skip():
+    """Unfused, an expert tile's CTA reads exp_indptr to find an element of expert_ready whose
+    range holds its tile, waiting on nothing (the grouping launch has completed), and runs its
+    body only if it found one."""
+    source = build(moe_graph(2, "tensor"), {"T": 7}, strategy="unfused").cuda_source()
+    assert "etc_wait" not in source and "etc_notify" not in source
+    expert = source[source.rindex("expert0_grid_kernel(int"):]  # its definition
+    expert = expert[expert.index("{"):]
+    order = [expert.index(s) for s in ("skip_ptr[0] = 1;", "exp_indptr_ptr[", "skip_ptr[0] = 0;",
+                                       "if (skip_ptr[0] == 0)", "expert0_ptr[")]
+    assert order == sorted(order)

@@ -1,5 +1,6 @@
 """Edge maps lowered to TIR give, compiled and run (for the CPU), what ``EdgeMap.evaluate``
-gives: the same coordinates, in the same order, for every task or event coordinate."""
+gives: the same coordinates, in the same order, for every task or event coordinate; and a
+trigger's scan finds, from each task, exactly the elements whose map releases it."""
 import itertools
 
 import numpy as np
@@ -10,7 +11,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
 from etc_tvm import edge_map
-from etc_tvm.tir_sched.events import lower_edge
+from etc_tvm.tir_sched.events import lower_edge, trigger_scan
 
 CASES = [  # text, kind, grid (task or event coordinates), event/task rank, tensors
     ("ij->ji", "out", (3, 4), 2, {}),
@@ -25,6 +26,30 @@ CASES = [  # text, kind, grid (task or event coordinates), event/task rank, tens
     ("e=>ptr[e]:ptr[e+1]", "in", (4,), 1, {"ptr": (5,)}),
     ("e=>ptr[e]:ptr[e+1], 0:2", "in", (3,), 2, {"ptr": (4,)}),
 ]
+
+
+TRIGGERS = [  # text, event shape, task grid, tensors: name -> (shape, largest value)
+    ("e=>ptr[e]:ptr[e+1]", (4,), (9,), {"ptr": ((5,), 8)}),
+    ("e=>ptr[e]:ptr[e+1], 0:2", (3,), (7, 2), {"ptr": ((4,), 6)}),
+    ("e=>ptr[e]:ptr[e+1], e", (3,), (7, 3), {"ptr": ((4,), 6)}),
+    ("e=>e*2:e*2+2 if e < 2", (3,), (6,), {}),
+    ("e=>idx[e, :]", (3,), (5,), {"idx": ((3, 2), 3)}),
+    ("a=>0:ptr[4], 0:3", (1,), (9, 3), {"ptr": ((5,), 8)}),  # the MoE layer's two triggers
+    ("g=>g:g+1, 0:3 if g < ptr[4]", (9,), (9, 3), {"ptr": ((5,), 8)}),
+    ("ij=>i:i+1, ptr[j]:ptr[j+1]", (2, 4), (2, 9), {"ptr": ((5,), 8)}),
+]
+
+
+def prim_func(name: str, params, body: tirx.Stmt) -> tirx.PrimFunc:
+    """A CPU function of ``params`` running ``body``."""
+    with IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name(name)
+            Tb.func_attr({"global_symbol": name})
+            for b in params:
+                Tb.arg(b.name, b)
+            Tb.add_to_parent(body)
+    return ib.get()
 
 
 def run_lowered(emap, grid, rank, arrays):
@@ -42,22 +67,68 @@ def run_lowered(emap, grid, rank, arrays):
         store = tirx.For(var, lo, hi - lo, tirx.ForKind.SERIAL, store)
     if lowered.guard is not None:
         store = tirx.IfThenElse(lowered.guard, store, None)
-    for var, n in reversed(list(zip(coords, grid))):
-        store = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", n),
-                         tirx.ForKind.SERIAL, store)
-    with IRBuilder() as ib:
-        with Tb.prim_func():
-            Tb.func_name("points")
-            Tb.func_attr({"global_symbol": "points"})
-            for b in [*buffers.values(), out, count]:
-                Tb.arg(b.name, b)
-            Tb.buffer_store(count, tirx.IntImm("int32", 0), [0])
-            Tb.add_to_parent(store)
-    executable = tvm.compile(tvm.IRModule({"points": ib.get()}), target="llvm")
+    store = over_grid(coords, grid, store)
+    func = prim_func("points", [*buffers.values(), out, count],
+                     tirx.stmt_seq(tirx.BufferStore(count, tirx.IntImm("int32", 0), [0]), store))
+    executable = tvm.compile(tvm.IRModule({"points": func}), target="llvm")
     result = tvm.runtime.tensor(np.zeros((limit, rank), "int32"))
     n = tvm.runtime.tensor(np.zeros(1, "int32"))
     executable["points"](*(tvm.runtime.tensor(a) for a in arrays.values()), result, n)
     return [tuple(int(v) for v in row) for row in result.numpy()[:int(n.numpy()[0])]]
+
+
+def over_grid(coords, grid, body: tirx.Stmt) -> tirx.Stmt:
+    """``body`` for every point of ``grid`` (row-major), its coordinates bound to ``coords``."""
+    for var, n in reversed(list(zip(coords, grid))):
+        body = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", n),
+                        tirx.ForKind.SERIAL, body)
+    return body
+
+
+def run_trigger_scan(emap, shape, grid, arrays):
+    """``(task, element)`` for every hit of ``trigger_scan`` over the tasks of ``grid``, from a
+    TIR function built for the CPU."""
+    limit = int(np.prod(grid)) * int(np.prod(shape)) * 4
+    buffers = {n: tirx.decl_buffer(a.shape, "int32", n) for n, a in arrays.items()}
+    width = len(grid) + len(shape)
+    out = tirx.decl_buffer((limit, width), "int32", "out")
+    count = tirx.decl_buffer((1,), "int32", "count")
+    coords = [tirx.Var(f"t{k}", "int32") for k in range(len(grid))]
+
+    def hit(elem):
+        return tirx.stmt_seq(*[tirx.BufferStore(out, v, [count[0], k])
+                               for k, v in enumerate([*coords, *elem])],
+                             tirx.BufferStore(count, count[0] + 1, [0]))
+
+    scan = over_grid(coords, grid, trigger_scan(emap, shape, coords, buffers, hit))
+    func = prim_func("hits", [*buffers.values(), out, count],
+                     tirx.stmt_seq(tirx.BufferStore(count, tirx.IntImm("int32", 0), [0]), scan))
+    executable = tvm.compile(tvm.IRModule({"hits": func}), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((limit, width), "int32"))
+    n = tvm.runtime.tensor(np.zeros(1, "int32"))
+    executable["hits"](*(tvm.runtime.tensor(a) for a in arrays.values()), result, n)
+    rows = result.numpy()[:int(n.numpy()[0])]
+    return [(tuple(map(int, r[:len(grid)])), tuple(map(int, r[len(grid):]))) for r in rows]
+
+
+@pytest.mark.parametrize("text, shape, grid, shapes", TRIGGERS, ids=[c[0] for c in TRIGGERS])
+def test_trigger_scan_finds_the_elements_that_release_each_task(text, shape, grid, shapes,
+                                                                 rng):
+    """For each task, the scan hits the elements ``evaluate`` says release it, in row-major
+    element order (once per time the map lists the task); the tasks it hits no element for,
+    those no element releases, are the tasks every kernel skips. The tensors' values stop
+    short of the last task row, so some are."""
+    arrays = {n: np.sort(rng.integers(0, high + 1, s), axis=-1).astype("int32")
+              for n, (s, high) in shapes.items()}  # sorted: a CSR row pointer
+    emap = edge_map.parse(text, kind="in", task_rank=len(grid), event_rank=len(shape),
+                          tensors={n: len(s) for n, (s, _) in shapes.items()})
+    released = {c: [] for c in itertools.product(*map(range, grid))}
+    for elem in itertools.product(*map(range, shape)):
+        for task in emap.evaluate(elem, arrays):
+            released[task].append(elem)
+    want = [(task, elem) for task, elems in released.items() for elem in elems]
+    assert want and len(released) > len({task for task, _ in want})
+    assert run_trigger_scan(emap, shape, grid, arrays) == want
 
 
 @pytest.mark.parametrize("text, kind, grid, rank, shapes", CASES, ids=[c[0] for c in CASES])

@@ -15,6 +15,7 @@ from etc_tvm import Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
+from etc_tvm.relax_passes import UnfusedTransform
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
@@ -369,8 +370,27 @@ def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     build_cubin(source, tmp_path, allow_spills=True)
 
 
-@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "unfused"])
 def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_unfused_layer_skips_the_grouped_gemm_tiles_past_the_used_ones():
+    """Unfused, the layer is five grid launches; the two grouped GEMMs launch every tile of
+    ``max_tiles`` and run the body only for a tile below ``exp_indptr[E]``: gate_up through
+    the one ``aligned`` element's range, down through the element of h_ready its tile
+    names (guarded by the same bound)."""
+    mod = UnfusedTransform({"T": 16})(make_moe_layer().mod)
+    tiles = moe.max_tiles(16, 128, 8, BT)
+    scripts = {gv.name_hint: mod[gv].script() for gv in mod.get_global_vars()
+               if gv.name_hint.endswith("_grid")}
+    assert sorted(name for name, script in scripts.items() if "skip" in script) == [
+        "h_grid", "y_grid"]
+    for name, blocks in (("h_grid", 2 * 768 // 64), ("y_grid", 2048 // 64)):
+        script = scripts[name]
+        assert f"bx = T.cta_id([{tiles * blocks}])" in script
+        assert script.index("skip: T.int32 = 1") < script.index("exp_indptr[128]") \
+            < script.index("skip = 0") < script.index("if skip == 0:") \
+            < script.index("T.alloc_shared(")  # the body

@@ -1,5 +1,6 @@
 """The MoE and RoPE tiles on the GPU at Qwen3-30B-A3B sizes: each tile alone (one grid
-launch) and the whole layer as one megakernel (static, dynamic, mixed), on fresh random
+launch) and the whole layer as one megakernel (static, dynamic, mixed) or as one grid launch
+per call (unfused: the grouped GEMM tiles no trigger releases skipped), on fresh random
 routings, against a PyTorch float64 reference within the bounds the tiles state."""
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ torch = pytest.importorskip("torch")
 moe_layer = _load_app("moe_layer")
 H, E, K, F, BT = 2048, 128, 8, 768, 16
 TOKENS = (1, 16, 128)
-STRATEGIES = ("static", "dynamic", "mixed")
+STRATEGIES = ("static", "dynamic", "mixed", "unfused")
 _compiled = {}
 
 

@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from etc_tvm import EtcError, GraphError
+from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
 from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
                                   StaticScheduleTransform, UnfusedTransform)
 from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule
@@ -15,6 +15,7 @@ from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from moe_graph import make_moe_graph
+from tiles import COLS, ROWS, scale_tile
 
 DIMS = {"M": 64, "K": 32, "N": 48}
 
@@ -106,10 +107,68 @@ def test_persistent_ctas_that_cannot_share_an_sm_are_refused():
             graphs.gemm_reduce_scatter.mod)
 
 
-def test_data_dependent_graphs_are_refused_by_name_where_unsupported():
-    moe = make_moe_graph(32, 8, 2, 16, 4, "tensor")
-    with pytest.raises(GraphError, match=r"trigger maps \(expert0: 'e=>exp_indptr\[e\]:"):
-        UnfusedTransform({"T": 8})(moe.mod)
+def test_unfused_skips_the_tasks_no_trigger_releases():
+    """The expert call launches its whole grid; each CTA scans expert_ready for an element
+    whose exp_indptr range holds its tile and runs the body only if it finds one. The other
+    calls, released by no trigger, run every task."""
+    mod = UnfusedTransform({"T": 7})(make_moe_graph(32, 8, 2, 16, 4, "tensor").mod)
+    relax.analysis.well_formed(mod)
+    calls = calls_of(mod["moe"])
+    assert [c.args[0].name_hint for c in calls] == [
+        "router0_grid", "grouping0_grid", "scatter0_grid", "expert0_grid", "combine0_grid"]
+    script = mod["expert0_grid"].script()
+    assert 'exp_indptr: T.Buffer((9,), "int32")' in script  # the call's argument the map reads
+    assert "bx = T.cta_id([12])" in script  # max_tiles(7, 8, 2, 4) CTAs, whether used or not
+    scan = script[script.index("skip: T.int32 = 1"):script.index("g: T.let[T.int32]")]
+    assert [line.strip() for line in scan.splitlines()] == [
+        "skip: T.int32 = 1",
+        "for e0 in range(8):",
+        "if exp_indptr[e0] <= bx % 12 and bx % 12 < exp_indptr[e0 + 1]:",
+        "skip = 0",
+        "if skip == 0:",
+        ""]
+    for name in ("router0_grid", "grouping0_grid", "scatter0_grid", "combine0_grid"):
+        assert "skip" not in mod[name].script()
+
+
+@graph_func
+def released_chain(x: Tensor(("M", COLS))):
+    """A chain (task i waits for task i-1) of which the trigger releases the first two tasks;
+    the others are skipped."""
+    m = x.shape[0]
+    ready, link = ETensor((1,), name="ready"), ETensor((m // ROWS,), name="link")
+    a = call_device(scale_tile, tile_num=(m // ROWS,), args=[x], out=Tensor((m, COLS), name="a"),
+                    out_edges={ready: "i->0"})
+    return call_device(scale_tile, tile_num=(m // ROWS,), args=[a],
+                       out=Tensor((m, COLS), name="b"),
+                       in_edges={ready: "r=>0:2", link: "i->i-1 if i > 0"},
+                       out_edges={link: "i->i"})
+
+
+@graph_func
+def self_released(x: Tensor(("M", COLS))):
+    """Task i released by link[i+1], which task i+1 notifies: a chain run backwards."""
+    m = x.shape[0]
+    link = ETensor((m // ROWS,), name="link")
+    return call_device(scale_tile, tile_num=(m // ROWS,), args=[x],
+                       out=Tensor((m, COLS), name="b"),
+                       in_edges={link: "e=>e-1:e if e > 0"}, out_edges={link: "i->i"})
+
+
+def test_unfused_chain_tasks_released_by_a_trigger_launch_one_at_a_time_and_may_skip():
+    mod = UnfusedTransform({"M": 16})(released_chain.mod)
+    calls = calls_of(mod["released_chain"])
+    assert [c.args[0].name_hint for c in calls] == ["a_grid"] + ["b_task"] * 4
+    script = mod["b_task"].script()
+    assert script.index("skip: T.int32 = 1") < script.index("skip = 0") \
+        < script.index("if skip == 0:")
+
+
+def test_unfused_refuses_a_trigger_among_one_calls_tasks():
+    with pytest.raises(GraphError, match=r"self_released: b waits on its own tasks through "
+                                         r"'e=>e-1:e if e > 0' on link, an order that run-time "
+                                         r"data decides"):
+        UnfusedTransform({"M": 16})(self_released.mod)
 
 
 @pytest.mark.parametrize("count_mode", ["tensor", "inferred"])

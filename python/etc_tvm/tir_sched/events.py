@@ -4,7 +4,8 @@ Every ETensor of a task graph gets a contiguous range of the ``counters`` array 
 followed by the run-time events: one completion counter per call whose completion something
 waits for, and one gate per ETensor armed at run time (``TaskGraph.gates``), counting the calls
 still to complete before it is armed. ``EventLayout`` gives the offsets and the initial values;
-``lower_edge`` turns an edge map into TIR.
+``lower_edge`` turns an edge map into TIR, and ``trigger_scan`` finds, from a task, the elements
+whose trigger map releases it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tvm import tirx
 
 from .. import edge_map as em
 from ..task_graph import TaskGraph
+from .inline import substitute
 
 ARM_BIAS = 1 << 29  # ETC_ARM_BIAS of src/etc_runtime.cuh
 
@@ -154,3 +156,34 @@ def lower_edge(edge_map: em.EdgeMap, coords: dict,
     guard = lowering.expr(edge_map.guard) if edge_map.guard is not None else None
     index = tuple(lowering.expr(i) for i in edge_map.indices)
     return LoweredEdge(tuple(lowering.loops), index, guard)
+
+
+def trigger_scan(edge_map: em.EdgeMap, shape, coords, tensors: Mapping[str, tirx.Buffer],
+                 hit) -> tirx.Stmt:
+    """``hit(element)`` for every element of the ETensor (of ``shape``) whose trigger map
+    ``edge_map`` releases the task at ``coords`` (TIR), the map reading ``tensors``. A task
+    that no element releases is skipped: the kernels run its body only after a hit.
+
+    The elements are looped over, row-major, and so are the map's slices and the ranges that
+    give no task coordinate; a range ``lo:hi`` that gives one is tested, not looped."""
+    elem = [tirx.Var(f"e{k}", "int32") for k in range(len(shape))]
+    lowered = lower_edge(edge_map, dict(zip(edge_map.coords, elem)), tensors)
+    loops, conds, vmap = [], [], {}
+    for var, lo, hi in lowered.loops:
+        dims = [k for k, i in enumerate(lowered.index) if i.same_as(var)]
+        if dims:
+            conds += [lo <= coords[dims[0]], coords[dims[0]] < hi]
+            vmap[var] = coords[dims[0]]
+        else:
+            loops.append((var, lo, hi))
+    conds += [substitute(i, vmap) == c for i, c in zip(lowered.index, coords)
+              if not any(i.same_as(v) for v in vmap)]
+    cond = conds[0]
+    for c in conds[1:]:
+        cond = tirx.And(cond, c)
+    body = LoweredEdge(tuple(loops), lowered.index, lowered.guard).nest(
+        tirx.IfThenElse(cond, hit(elem), None))
+    for var, n in reversed(list(zip(elem, shape))):
+        body = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", n),
+                        tirx.ForKind.SERIAL, body)
+    return body

@@ -2,6 +2,12 @@
 
 The "unfused" baseline runs each ``call_device`` so, in stream order; it is also how a tile is
 tested on its own. CTA ``b`` runs the task at ``unravel(b, tile_num)``.
+
+A call released by trigger maps launches its whole grid too: each CTA first scans the trigger
+ETensors for an element whose map releases its task (``events.trigger_scan``, the scan of the
+persistent kernels) and, finding none, runs no body: the task is skipped. There is nothing to
+wait for: stream order has completed the launches that wrote the tensors the maps read. Every
+thread scans (the maps read the same, unchanging data), so the CTA agrees without a barrier.
 """
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
+from .. import edge_map as em
 from ..device_func import DeviceFunc
+from .events import trigger_scan
 from .inline import ThreadScopes, i32, inline_task
 
 
@@ -26,12 +34,18 @@ def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
 
 
 def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tirx.Buffer],
-                      name: str, num_inputs: int | None = None) -> tirx.PrimFunc:
+                      name: str, num_inputs: int | None = None,
+                      triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = ()
+                      ) -> tirx.PrimFunc:
     """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers`` (inputs, then outputs).
 
     With ``num_inputs``, the kernel runs ONE task instead, the one whose row-major index is an
     int64 parameter ``task`` placed after the inputs: tasks that depend on tasks of the same
     call launch one at a time.
+
+    ``triggers``: each trigger map of the call and the shape of its ETensor; a task that no
+    element of them releases is skipped. The maps read ``fn``'s tensor parameters, which
+    ``buffers`` are.
     """
     scopes = ThreadScopes(fn.num_threads)
     num_tasks = int(np.prod(grid, dtype=np.int64))
@@ -47,8 +61,21 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
             Tb.device_entry()
             bx = IRBuilder.name("bx", Tb.cta_id([num_tasks if num_inputs is None else 1]))
             flat = bx if num_inputs is None else bx + tirx.Cast("int32", task)
-            body = inline_task(fn, unravel(flat, grid), buffers, scopes, arena=None)
+            coords = unravel(flat, grid)
+            body = inline_task(fn, coords, buffers, scopes, arena=None)
             for d in scopes.defs:
                 Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+            if triggers:
+                body = _unless_skipped(body, triggers, coords,
+                                       {p.name: b for p, b in zip(fn.buffer_params, buffers)})
             Tb.add_to_parent(body)
     return ib.get()
+
+
+def _unless_skipped(body: tirx.Stmt, triggers, coords, tensors) -> tirx.Stmt:
+    """``body`` if some element of ``triggers`` releases the task at ``coords``."""
+    skip = tirx.decl_buffer((1,), "int32", "skip", scope="local")
+    cleared = tirx.BufferStore(skip, i32(0), [i32(0)])
+    scans = [trigger_scan(m, shape, coords, tensors, lambda _: cleared) for m, shape in triggers]
+    return tirx.stmt_seq(tirx.AllocBuffer(skip), tirx.BufferStore(skip, i32(1), [i32(0)]),
+                         *scans, tirx.IfThenElse(skip[0] == 0, body, None))

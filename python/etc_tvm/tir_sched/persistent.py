@@ -31,9 +31,9 @@ from tvm.script.ir_builder import tirx as Tb
 
 from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
-from .events import EventLayout, LoweredEdge, edge_sites, lower_edge
+from .events import EventLayout, edge_sites, lower_edge, trigger_scan
 from .grid_kernel import unravel
-from .inline import ThreadScopes, i32, inline_task, shared_bytes, substitute
+from .inline import ThreadScopes, i32, inline_task, shared_bytes
 
 STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
@@ -355,30 +355,11 @@ class PersistentKernel:
 
     def _trigger_scan(self, call, edge, task, coords, wait) -> tirx.Stmt:
         """Find the elements whose trigger map releases this task: each clears ``skip`` and
-        is waited on. A range ``lo:hi`` that gives a task coordinate is tested, not looped."""
-        shape = self.layout.shapes[edge.etensor]
-        elem = [tirx.Var(f"e{k}", "int32") for k in range(len(shape))]
-        lowered = lower_edge(edge.map, dict(zip(edge.map.coords, elem)), self.params(call))
-        loops, conds, vmap = [], [], {}
-        for var, lo, hi in lowered.loops:
-            dims = [k for k, i in enumerate(lowered.index) if i.same_as(var)]
-            if dims:
-                conds += [lo <= coords[dims[0]], coords[dims[0]] < hi]
-                vmap[var] = coords[dims[0]]
-            else:
-                loops.append((var, lo, hi))
-        conds += [substitute(i, vmap) == c for i, c in zip(lowered.index, coords)
-                  if not any(i.same_as(v) for v in vmap)]
-        hit = tirx.stmt_seq(tirx.BufferStore(self.skip, i32(0), [i32(0)]),
-                            wait(self.layout.flat_index(edge.etensor, elem), task))
-        cond = conds[0]
-        for c in conds[1:]:
-            cond = tirx.And(cond, c)
-        body = LoweredEdge(tuple(loops), lowered.index, lowered.guard).nest(
-            tirx.IfThenElse(cond, hit, None))
-        for var, n in reversed(list(zip(elem, shape))):
-            body = tirx.For(var, i32(0), i32(n), tirx.ForKind.SERIAL, body)
-        return body
+        is waited on."""
+        return trigger_scan(edge.map, self.layout.shapes[edge.etensor], coords,
+                            self.params(call), lambda elem: tirx.stmt_seq(
+                                tirx.BufferStore(self.skip, i32(0), [i32(0)]),
+                                wait(self.layout.flat_index(edge.etensor, elem), task)))
 
     def _scans(self, call) -> bool:
         """Whether ``call``'s tasks find their releasing elements themselves (the static
