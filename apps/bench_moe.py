@@ -99,7 +99,8 @@ def hf_block(w_gate, w_up, w_down):
             p.copy_(want[name])
 
     def run(x):
-        out = block(x.view(1, *x.shape))
+        with torch.no_grad():
+            out = block(x.view(1, *x.shape))
         return (out[0] if isinstance(out, tuple) else out).view(x.shape)
 
     return run, params["gate.weight"]
