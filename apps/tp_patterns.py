@@ -1,6 +1,6 @@
 """The seed's two tensor-parallel patterns on several GPUs, one process per GPU.
 
-    torchrun --nproc-per-node 2 apps/tp_patterns.py
+    torchrun --nproc-per-node 2 apps/tp_patterns.py [--pattern gemm_rs|ag_gemm]
 
 Each rank builds its kernel of GEMM + Reduce-Scatter and of All-Gather + GEMM
 (tests/python/tp_graphs.py: small fp32 tiles), runs it on fresh random inputs, and checks its
@@ -79,16 +79,23 @@ def check(name, program, world, inputs, got, nccl, want, launches) -> float:
     return max(error, nccl_error)
 
 
+PATTERNS = {"gemm_rs": ("GEMM + Reduce-Scatter", gemm_rs),
+            "ag_gemm": ("All-Gather + GEMM", ag_gemm)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, default=64)
     parser.add_argument("--K", type=int, default=32)
     parser.add_argument("--N", type=int, default=64)
     parser.add_argument("--launches", type=int, default=20)
+    parser.add_argument("--pattern", choices=sorted(PATTERNS), nargs="+", default=sorted(PATTERNS),
+                        help="one per process for now: a second NVSHMEM module in a process "
+                        "fails nvshmemx_cumodule_init (status 7)")
     args = parser.parse_args()
     world, rank, size = join()
     rng = np.random.default_rng(2026)
-    for name, run in (("GEMM + Reduce-Scatter", gemm_rs), ("All-Gather + GEMM", ag_gemm)):
+    for name, run in (PATTERNS[p] for p in args.pattern):
         error = run(world, args.M, args.K, args.N, rng, args.launches)
         errors = [None] * size
         dist.all_gather_object(errors, error)

@@ -18,16 +18,20 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+PATTERNS = {"gemm_rs": "GEMM + Reduce-Scatter", "ag_gemm": "All-Gather + GEMM"}
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_patterns_against_nccl(world_size):
+def test_pattern_against_nccl(world_size, pattern):
     if gpu_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
     env = {**os.environ, "NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "python"),
                                           os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                           f"--nproc-per-node={world_size}", str(ROOT / "apps" / "tp_patterns.py")],
+                           f"--nproc-per-node={world_size}", str(ROOT / "apps" / "tp_patterns.py"),
+                           "--pattern", pattern],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    for name in ("GEMM + Reduce-Scatter", "All-Gather + GEMM"):
-        assert f"{name}: world size {world_size}" in done.stdout
+    assert f"{PATTERNS[pattern]}: world size {world_size}" in done.stdout
