@@ -132,6 +132,20 @@ def test_align_reference_builds_the_padded_csr(tokens, routing, rng):
         assert (counts[1::2] == 0).all()
 
 
+@pytest.mark.parametrize("tokens", (1, 2, 3, 16, 17, 100, 1024))
+@pytest.mark.parametrize("experts, top_k, tile_rows", [(128, 8, 16), (8, 2, 4), (16, 4, 64)])
+def test_max_tiles_holds_the_thinnest_routing(tokens, experts, top_k, tile_rows):
+    """Token t picks experts t*K .. t*K + K - 1 (mod E): the pairs spread as thinly as a
+    routing can, so every busy expert pads a partial tile. The bound holds, and is reached
+    while T*K <= E."""
+    topk = (np.arange(tokens)[:, None] * top_k + np.arange(top_k)) % experts
+    tiles = moe.max_tiles(tokens, experts, top_k, tile_rows)
+    used = moe.align_reference(topk, experts, tile_rows, tiles)[1][experts]
+    assert used <= tiles
+    if tokens * top_k <= experts:
+        assert used == tiles == tokens * top_k
+
+
 def test_interleaved_weights_split_back():
     gate, up = np.arange(2 * 3 * 32).reshape(2, 3, 32), -np.arange(2 * 3 * 32).reshape(2, 3, 32)
     both = moe.interleave_gate_up(gate, up)

@@ -13,9 +13,10 @@ expert tiles of BT rows::
 
 Expert e owns tiles ``exp_indptr[e] .. exp_indptr[e+1] - 1`` and rows from
 ``exp_indptr[e] * BT`` on, its pairs in (t, k) row-major order; the last tile of an expert is
-padded (``sorted_token`` -1). ``max_tiles = ceil(T*K / BT) + E`` bounds the tiles used; a grouped
-GEMM task of a tile past ``exp_indptr[E]`` (``tile_expert[g] == E``) does nothing, and in a
-megakernel no trigger releases it, so it is skipped.
+padded (``sorted_token`` -1). ``max_tiles = n + (T*K - n) // BT`` with ``n = min(E, T*K)``
+bounds the tiles used; a grouped GEMM task of a tile past ``exp_indptr[E]``
+(``tile_expert[g] == E``) does nothing, and in a megakernel no trigger releases it, so it is
+skipped.
 
 Choices, and why:
 
@@ -70,8 +71,13 @@ def ceil_div(a, b):
 
 
 def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
-    """Tiles of the grouped GEMMs: enough for every expert's partial last tile."""
-    return ceil_div(tokens * top_k, tile_rows) + experts
+    """Tiles of the grouped GEMMs, for any routing: at most ``n = min(E, T*K)`` experts have
+    pairs, one pair each fills one tile, and the other ``T*K - n`` pairs add a tile per BT,
+    so ``n + (T*K - n) // BT`` (8 tiles, not 129, for one token of Qwen3-30B-A3B). ``tokens``
+    may be symbolic."""
+    pairs = tokens * top_k
+    busy = min(experts, pairs) if isinstance(pairs, int) else tirx.min(pairs, experts)
+    return busy + (pairs - busy) // tile_rows
 
 
 # ----------------------------------------------------------------------------------- router
