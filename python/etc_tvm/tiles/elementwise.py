@@ -169,6 +169,17 @@ def _check_decode(kind: str, cols: int, threads: int) -> None:
                        f"warps, got cols={cols}, threads={threads}")
 
 
+@T.inline
+def _each_vector(j, rows, tx, cols, threads, body):
+    """``body(m, c)`` for each 8-wide bf16 vector ``[m, c:c+8]`` of rows ``0..rows-1`` and
+    columns ``j*cols .. (j+1)*cols - 1``, the vectors dealt to the threads in turn."""
+    vecs = T.meta_var(cols // BF16_VEC)
+    for t in T.serial((rows * vecs + threads - 1) // threads):
+        v = T.meta_var(t * threads + tx)
+        if v < rows * vecs:
+            body(v // vecs, j * cols + v % vecs * BF16_VEC)
+
+
 @functools.cache
 def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
     """The tile ``silu_mul_c<cols>_t<threads>``: ``Y = silu(gate) * up`` for ``H = [gate | up]``
@@ -177,7 +188,6 @@ def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
     Bound: the SiLU contract above times ``|up|``, then one bf16 rounding:
     ``|Y - y| <= 2**-8 |y| + 2**-20 (1 + |gate|) |up|`` (``silu_mul_error_bound``)."""
     _check_decode("silu_mul", cols, threads)
-    vecs = cols // BF16_VEC
     M, F2, F = (tirx.Var(d, "int32") for d in ("M", "F2", "F"))
 
     @T.prim_func
@@ -186,20 +196,20 @@ def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         tx = T.thread_id([threads])
         gate = T.alloc_local((BF16_VEC,), "bfloat16")
         up = T.alloc_local((BF16_VEC,), "bfloat16")
-        for t in T.serial((M * vecs + threads - 1) // threads):
-            v = T.meta_var(t * threads + tx)
-            if v < M * vecs:
-                m = T.meta_var(v // vecs)
-                c = T.meta_var(j * cols + v % vecs * BF16_VEC)
-                for e in T.vectorized(BF16_VEC):
-                    gate[e] = H[m, c + e]
-                for e in T.vectorized(BF16_VEC):
-                    up[e] = H[m, F2 // 2 + c + e]
-                for e in T.unroll(BF16_VEC):
-                    gate[e] = T.Cast("bfloat16", _silu(T.Cast("float32", gate[e]))
-                                     * T.Cast("float32", up[e]))
-                for e in T.vectorized(BF16_VEC):
-                    Y[m, c + e] = gate[e]
+
+        @T.inline
+        def vector(m, c):
+            for e in T.vectorized(BF16_VEC):
+                gate[e] = H[m, c + e]
+            for e in T.vectorized(BF16_VEC):
+                up[e] = H[m, F2 // 2 + c + e]
+            for e in T.unroll(BF16_VEC):
+                gate[e] = T.Cast("bfloat16", _silu(T.Cast("float32", gate[e]))
+                                 * T.Cast("float32", up[e]))
+            for e in T.vectorized(BF16_VEC):
+                Y[m, c + e] = gate[e]
+
+        _each_vector(j, M, tx, cols, threads, vector)
 
     tile = device_func(silu_mul.with_attr("global_symbol", f"silu_mul_c{cols}_t{threads}"))
 
@@ -231,7 +241,6 @@ def make_residual_add_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
     """The tile ``residual_add_c<cols>_t<threads>``: ``Y = A + B``, bf16 (M, N), added in fp32
     and rounded once: ``|Y - (A + B)| <= 2**-8 |A + B|`` (N a multiple of cols)."""
     _check_decode("residual_add", cols, threads)
-    vecs = cols // BF16_VEC
     M, N = tirx.Var("M", "int32"), tirx.Var("N", "int32")
 
     @T.prim_func
@@ -241,19 +250,19 @@ def make_residual_add_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         tx = T.thread_id([threads])
         a = T.alloc_local((BF16_VEC,), "bfloat16")
         b = T.alloc_local((BF16_VEC,), "bfloat16")
-        for t in T.serial((M * vecs + threads - 1) // threads):
-            v = T.meta_var(t * threads + tx)
-            if v < M * vecs:
-                m = T.meta_var(v // vecs)
-                c = T.meta_var(j * cols + v % vecs * BF16_VEC)
-                for e in T.vectorized(BF16_VEC):
-                    a[e] = A[m, c + e]
-                for e in T.vectorized(BF16_VEC):
-                    b[e] = B[m, c + e]
-                for e in T.unroll(BF16_VEC):
-                    a[e] = T.Cast("bfloat16", T.Cast("float32", a[e]) + T.Cast("float32", b[e]))
-                for e in T.vectorized(BF16_VEC):
-                    Y[m, c + e] = a[e]
+
+        @T.inline
+        def vector(m, c):
+            for e in T.vectorized(BF16_VEC):
+                a[e] = A[m, c + e]
+            for e in T.vectorized(BF16_VEC):
+                b[e] = B[m, c + e]
+            for e in T.unroll(BF16_VEC):
+                a[e] = T.Cast("bfloat16", T.Cast("float32", a[e]) + T.Cast("float32", b[e]))
+            for e in T.vectorized(BF16_VEC):
+                Y[m, c + e] = a[e]
+
+        _each_vector(j, M, tx, cols, threads, vector)
 
     tile = device_func(residual_add.with_attr("global_symbol",
                                               f"residual_add_c{cols}_t{threads}"))
