@@ -147,7 +147,7 @@ class Nvshmem:
         import tvm_ffi
 
         lib = cls.library()
-        _check(lib.etc_nvshmem_init(rank, world_size, unique_id), "nvshmemx_init_attr")
+        _check(lib.etc_nvshmem_init(rank, world_size, unique_id), "nvshmemx_hostlib_init_attr")
         pe, n_pes = lib.etc_nvshmem_my_pe(), lib.etc_nvshmem_n_pes()
         if (pe, n_pes) != (rank, world_size):
             raise EtcError(f"NVSHMEM made this process PE {pe} of {n_pes}, not rank {rank} of "
