@@ -1,6 +1,6 @@
 """The seed's two tensor-parallel patterns on several GPUs, one process per GPU.
 
-    torchrun --nproc-per-node 2 apps/tp_patterns.py [--pattern gemm_rs|ag_gemm]
+    torchrun --nproc-per-node 2 apps/tp_patterns.py [--pattern gemm_rs ag_gemm]
 
 Each rank builds its kernel of GEMM + Reduce-Scatter and of All-Gather + GEMM
 (tests/python/tp_graphs.py: small fp32 tiles), runs it on fresh random inputs, and checks its
@@ -89,9 +89,7 @@ def main() -> None:
     parser.add_argument("--K", type=int, default=32)
     parser.add_argument("--N", type=int, default=64)
     parser.add_argument("--launches", type=int, default=20)
-    parser.add_argument("--pattern", choices=sorted(PATTERNS), nargs="+", default=sorted(PATTERNS),
-                        help="one per process for now: a second NVSHMEM module in a process "
-                        "fails nvshmemx_cumodule_init (status 7)")
+    parser.add_argument("--pattern", choices=sorted(PATTERNS), nargs="+", default=sorted(PATTERNS))
     args = parser.parse_args()
     world, rank, size = join()
     rng = np.random.default_rng(2026)

@@ -10,7 +10,8 @@ own channel), compiles its rank's kernel with ``build_rank`` and calls it::
 
 The event counters and the symmetric tensors live on NVSHMEM's symmetric heap. Allocating
 there is collective (every rank the same sizes, in the same order): a program allocates its
-state at its first call, and every rank must call its program in the same order.
+state at its first call, and every rank must call its program in the same order. From then on
+the world holds the program: its module stays loaded while the process runs, as NVSHMEM needs.
 
 TVM 0.27's PyPI runtime is built without NVSHMEM, so this module brings what it lacks: the
 host calls (``src/etc_nvshmem_host.cu``, compiled on first use), the hook by which TVM's CUDA
@@ -111,6 +112,9 @@ class Nvshmem:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
+        # NVSHMEM keeps a pointer into every module it initialised and updates them all when
+        # it initialises the next: a module must not be unloaded while the process runs
+        self.programs = []
 
     @classmethod
     def library(cls) -> ctypes.CDLL:
@@ -143,7 +147,7 @@ class Nvshmem:
         import tvm_ffi
 
         lib = cls.library()
-        _check(lib.etc_nvshmem_init(rank, world_size, unique_id), "nvshmemx_init_attr")
+        _check(lib.etc_nvshmem_init(rank, world_size, unique_id), "nvshmemx_hostlib_init_attr")
         pe, n_pes = lib.etc_nvshmem_my_pe(), lib.etc_nvshmem_n_pes()
         if (pe, n_pes) != (rank, world_size):
             raise EtcError(f"NVSHMEM made this process PE {pe} of {n_pes}, not rank {rank} of "
@@ -224,6 +228,7 @@ class RankProgram:
         dev = tvm.cuda(_current_device())
         if self.state is None:
             self.state = self._allocate(world, dev)
+            world.programs.append(self)
         params = [self.graph.tensors[t] for t in self._own(lambda t: t.param is not None)]
         if len(inputs) != len(params):
             raise EtcError(f"{self.name} takes {len(params)} inputs "

@@ -44,10 +44,17 @@ def f64(a):
     return torch.from_numpy(a.astype(np.float64)).cuda()
 
 
-def layer_float64_torch(x, w_router, w_gate_up, w_down):
-    """The layer in float64 with PyTorch on the GPU (ties to the lower index: a stable sort)."""
-    xs, wr, wd = f64(x), f64(w_router), f64(w_down)
-    w_gate, w_up = (f64(w) for w in moe.split_gate_up(w_gate_up))
+@pytest.fixture(scope="module")
+def expert_weights_f64(expert_weights):
+    """(w_gate, w_up, w_down) in float64 on the GPU, converted once for the module."""
+    w_gate_up, w_down = expert_weights
+    return (*(f64(w) for w in moe.split_gate_up(w_gate_up)), f64(w_down))
+
+
+def layer_float64_torch(x, w_router, w_gate, w_up, wd):
+    """The layer in float64 with PyTorch on the GPU (ties to the lower index: a stable sort);
+    the expert weights already there in float64."""
+    xs, wr = f64(x), f64(w_router)
     logits = xs @ wr
     topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
     chosen = torch.gather(logits, 1, topk)
@@ -150,7 +157,7 @@ _layers = {}
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights):
+def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert_weights_f64):
     key = (strategy, tokens)
     if key not in _layers:
         _layers[key] = build(moe_layer.make_moe_layer(), {"T": tokens}, strategy=strategy)
@@ -158,6 +165,7 @@ def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights):
     for _ in range(3):  # fresh routings through one compiled kernel
         inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
         want, bound = moe_layer.moe_layer_reference(*inputs, K)
-        np.testing.assert_allclose(layer_float64_torch(*inputs), want, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(layer_float64_torch(*inputs[:2], *expert_weights_f64), want,
+                                   rtol=1e-9, atol=1e-9)
         got = run(*inputs)
         assert_within(got, want, bound)
