@@ -124,14 +124,15 @@ def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
     hf_run, hf_router = hf
     with torch.no_grad():
         hf_router.copy_(wrt.t())
-    runs, row = {}, {"tokens": tokens, "error": {}, "skipped": {}}
+    runs, row = {}, {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens),
+                     "error": {}, "skipped": {}}
     libraries = {}
     for label in OURS:
         strategy, replay = label.split("+")[0], label.endswith("+graph")
         try:
             if strategy not in libraries:
-                libraries[strategy] = build(moe_layer.make_moe_layer(), {"T": tokens},
-                                            strategy=strategy)
+                graph = moe_layer.make_moe_layer(tile_rows=row["tile_rows"])
+                libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy)
         except EtcError as err:  # a strategy that cannot run this graph says why
             row["skipped"][label] = str(err).splitlines()[0]
             continue
@@ -173,7 +174,7 @@ def main() -> None:
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
         print(f"{tokens:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
               f" {us['barrier'] / us['dynamic']:11.2f}x", flush=True)
-        print("        errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+        print(f"        {r['tile_rows']}-row expert tiles; errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
               flush=True)
     with open(args.json, "w") as f:

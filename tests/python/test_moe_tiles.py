@@ -391,6 +391,24 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     build_cubin(source, tmp_path, allow_spills=True)
 
 
+@pytest.mark.parametrize("strategy", ["static", "unfused"])
+def test_layer_with_64_row_tiles_compiles_for_sm90a(strategy, tmp_path):
+    """The tiles bench_moe picks from 257 tokens on (``tile_rows_for``)."""
+    assert moe_layer.tile_rows_for(256) == 16 and moe_layer.tile_rows_for(257) == 64
+    graph = make_moe_layer(tile_rows=64)
+    source = build(graph, {"T": 1024}, strategy=strategy, num_sms=132).cuda_source()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("tokens", (1, 20))
+def test_layer_with_64_row_tiles_matches_float64(tokens, rng):
+    graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=64)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(1)), want, bound)
+
+
 def test_unfused_layer_skips_the_grouped_gemm_tiles_past_the_used_ones():
     """Unfused, the layer is five grid launches; the two grouped GEMMs launch every tile of
     ``max_tiles`` and run the body only for a tile below ``exp_indptr[E]``: gate_up through
