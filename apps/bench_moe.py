@@ -174,7 +174,8 @@ def main() -> None:
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
         print(f"{tokens:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
               f" {us['barrier'] / us['dynamic']:11.2f}x", flush=True)
-        print(f"        {r['tile_rows']}-row expert tiles; errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+        errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+        print(f"        {r['tile_rows']}-row expert tiles; errors: {errors}"
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
               flush=True)
     with open(args.json, "w") as f:
