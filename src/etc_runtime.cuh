@@ -45,46 +45,30 @@ __device__ __forceinline__ unsigned long long etc_globaltimer_ns() {
   return t;
 }
 
+// Loads of a counter at the scope of the agents that change it: the GPU's CTAs (kGpu), or
+// other GPUs as well (kSys: counters a remote rank decrements).
+enum EtcScope { kGpu, kSys };
+
+template <EtcScope S = kGpu>
 __device__ __forceinline__ int etc_load_relaxed(const int* p) {
   int v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (S == kGpu) {
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
   return v;
 }
 
+template <EtcScope S = kGpu>
 __device__ __forceinline__ int etc_load_acquire(const int* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Returns 0 once *counter <= 0 (acquire), 1 if the grid is stopping (this or another waiter
-// timed out). Called by one thread.
-__device__ __noinline__ int etc_wait(const int* counter, int* status, int task, int element,
-                                     long long limit_ns) {
-  if (etc_load_acquire(counter) <= 0) return 0;
-  const unsigned long long start = etc_globaltimer_ns();
-  for (unsigned polls = 1;; ++polls) {
-    int seen = etc_load_relaxed(counter);
-    if (seen <= 0) {
-      etc_load_acquire(counter);
-      return 0;
-    }
-    if (polls % 64 != 0) continue;  // poll hot; look at the clock and the grid now and then
-    if (etc_load_relaxed(status) != 0) return 1;
-    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
-      if (atomicCAS(status, 0, -1) == 0) {
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        status[1] = task;
-        status[2] = element;
-        status[3] = seen;
-        status[4] = (int)smid;
-        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(1) : "memory");
-      }
-      return 1;
-    }
-    __nanosleep(20);
+  if (S == kGpu) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   }
+  return v;
 }
 
 // Claim the stop record (first caller only) and describe why the grid stops.
@@ -99,6 +83,35 @@ __device__ __noinline__ void etc_record_stop(int* status, int kind, int task, in
     status[4] = (int)smid;
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(kind) : "memory");
   }
+}
+
+// Returns 0 once *counter <= 0 (acquire at scope S), 1 if the grid is stopping (this or
+// another waiter timed out: the stop record, kind 1, names the task, the element and the
+// count it saw). Called by one thread.
+template <EtcScope S>
+__device__ __forceinline__ int etc_wait_at(const int* counter, int* status, int task,
+                                           int element, long long limit_ns) {
+  if (etc_load_acquire<S>(counter) <= 0) return 0;
+  const unsigned long long start = etc_globaltimer_ns();
+  for (unsigned polls = 1;; ++polls) {
+    const int seen = etc_load_relaxed<S>(counter);
+    if (seen <= 0) {
+      etc_load_acquire<S>(counter);
+      return 0;
+    }
+    if (polls % 64 != 0) continue;  // poll hot; look at the clock and the grid now and then
+    if (etc_load_relaxed(status) != 0) return 1;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      etc_record_stop(status, 1, task, element, seen);
+      return 1;
+    }
+    __nanosleep(20);
+  }
+}
+
+__device__ __noinline__ int etc_wait(const int* counter, int* status, int task, int element,
+                                     long long limit_ns) {
+  return etc_wait_at<kGpu>(counter, status, task, element, limit_ns);
 }
 
 // The next task of the ready ring, -1 once every slot a task will fill is claimed, -2 if the
