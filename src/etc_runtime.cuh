@@ -171,21 +171,31 @@ __device__ __forceinline__ void etc_count_down(int* pending, int task, int* held
   etc_push(head_tail, ring, task, capacity, status);
 }
 
+// Publish the run of tasks ``first`` .. ``first + count - 1``: one atomic claims their slots,
+// and one fence before the (strong, relaxed) stores makes each of them a release of what the
+// caller's CTA wrote. Called by one thread.
+__device__ __forceinline__ void etc_push_range(int* head_tail, int* ring, int first, int count,
+                                               int capacity, int* status) {
+  if (count <= 0) return;
+  const int base = atomicAdd(head_tail + 1, count);
+  __threadfence();
+  for (int k = 0; k < count; ++k) {
+    if (base + k >= capacity) {
+      etc_record_stop(status, 3, first + k, base + k, capacity);
+      return;
+    }
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
+                 : "memory");
+  }
+}
+
 // One task a whole call waits for was dispatched (or skipped): the last one pushes the call's
 // tasks ``first`` .. ``first + count - 1``, claiming their slots at once. Called by one thread.
 __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int count,
                                                     int* head_tail, int* ring, int capacity,
                                                     int* status) {
   if (atomicSub(pending, 1) != 1) return;
-  const int base = atomicAdd(head_tail + 1, count);
-  for (int k = 0; k < count; ++k) {
-    if (base + k >= capacity) {
-      etc_record_stop(status, 3, first + k, base + k, capacity);
-      return;
-    }
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
-                 : "memory");
-  }
+  etc_push_range(head_tail, ring, first, count, capacity, status);
 }
 
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring

@@ -4,6 +4,7 @@ mixed task orders, and the generated CUDA (each tile alone, the layer as one meg
 compiled for sm_90a."""
 import functools
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -389,6 +390,16 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_ring_pushes_each_released_run_of_tasks_at_once():
+    """The ``aligned`` element releases gate-up tasks ``(0 .. exp_indptr[E]) x (0 .. 24)``, an
+    ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids that
+    one ``etc_push_range`` claims."""
+    source = build(make_moe_layer(), {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("__global__"):]
+    assert re.search(r"etc_push_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
+    assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
 
 
 @pytest.mark.parametrize("strategy", ["static", "unfused"])

@@ -37,7 +37,7 @@ from tvm.script.ir_builder import tirx as Tb
 from ..errors import GraphError
 from ..schedule import DynamicPlan
 from ..task_graph import TaskGraph
-from .events import EventLayout, lower_edge
+from .events import EventLayout, LoweredEdge, lower_edge
 from .grid_kernel import unravel
 from .inline import i32
 from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
@@ -45,6 +45,11 @@ from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
 
 def pointer(buf: tirx.Buffer, at: int = 0):
     return buf.ptr_to([i32(at)])
+
+
+def _is(expr, value: int) -> bool:
+    """Whether ``expr`` is the constant ``value``."""
+    return isinstance(expr, tirx.IntImm) and expr.value == value
 
 
 def _ravel(index, grid) -> tirx.Expr:
@@ -182,11 +187,50 @@ class ReadyRing:
                     continue
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, elem)),
                                      self.kernel.params(call))
-                steps.append(lowered.nest(self.kernel.checked(
-                    call, e, i32(-1), lowered.index,
-                    lambda idx, call=call: self.push(i32(call.first_task) + _ravel(idx, call.grid)),
-                    shape=call.grid)))
+                steps.append(self._push_released(call, e, lowered))
         return tirx.stmt_seq(*steps)
+
+    def _push_released(self, call, edge, lowered) -> tirx.Stmt:
+        """Push the tasks of ``call`` that ``lowered`` (a trigger map at one element) gives.
+        Trailing task coordinates that the map's innermost slices cover whole, with the range
+        just before them, are one run of consecutive task ids: one ``etc_push_range`` claims
+        them, where one push each would cost an atomic each (the MoE layer's ``aligned``
+        element releases every gate-up task at once)."""
+        grid, index, loops = call.grid, list(lowered.index), list(lowered.loops)
+        d = len(index) - 1
+        while (d >= 0 and loops and loops[-1][0].same_as(index[d])
+               and _is(loops[-1][1], 0) and _is(loops[-1][2], grid[d])):
+            loops.pop()
+            d -= 1
+        if d >= 0 and loops and loops[-1][0].same_as(index[d]):
+            _, lo, hi = loops.pop()
+        elif d >= 0:
+            lo, hi = index[d], index[d] + i32(1)
+        popped = {v for v, _, _ in lowered.loops} - {v for v, _, _ in loops}
+        outer = [*index[:max(d, 0)], *([] if lowered.guard is None else [lowered.guard])]
+        if any(v in popped for x in outer for v in tirx.analysis.undefined_vars(x)):
+            return lowered.nest(self.kernel.checked(
+                call, edge, i32(-1), lowered.index,
+                lambda idx: self.push(i32(call.first_task) + _ravel(idx, grid)), shape=grid))
+        inner = 1
+        for n in grid[d + 1:]:
+            inner *= n
+        if d < 0:  # the whole grid
+            push = self._push_range(i32(call.first_task), i32(call.num_tasks))
+        else:
+            zeros = [i32(0)] * (len(index) - d - 1)
+            first, last = [*index[:d], lo, *zeros], [*index[:d], hi - i32(1), *zeros]
+            push = tirx.IfThenElse(lo < hi, self.kernel.checked(
+                call, edge, i32(-1), first, lambda idx: self.kernel.checked(
+                    call, edge, i32(-1), last, lambda _: self._push_range(
+                        i32(call.first_task) + _ravel(idx, grid), (hi - lo) * i32(inner)),
+                    shape=grid), shape=grid), None)
+        return LoweredEdge(tuple(loops), tuple(index), lowered.guard).nest(push)
+
+    def _push_range(self, first: tirx.Expr, count: tirx.Expr) -> tirx.Stmt:
+        return tirx.Evaluate(self._call("etc_push_range", pointer(self.head_tail),
+                                        pointer(self.ring), first, count,
+                                        i32(self.plan.capacity), pointer(self.kernel.status)))
 
     def resolve(self, call) -> tirx.Stmt:
         """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
