@@ -313,10 +313,11 @@ def test_edge_map_constants_bind_per_rank():
         m.evaluate((0, 0, 0))
 
 
-def test_gpu_lowering_refuses_world_size_above_1():
+def test_one_gpu_lowering_points_several_ranks_to_build_rank():
     from etc_tvm.relax_passes.instantiate import instantiate
 
     graph = gemm_reduce_scatter(2)
-    with pytest.raises(GraphError, match="world size 2 runs on the CPU reference executor "
-                                         "only"):
+    with pytest.raises(GraphError, match="world size 2 runs one kernel per rank, each in its "
+                                         "GPU's process: build it with "
+                                         "etc_tvm.distributed.build_rank"):
         instantiate(graph.mod, graph.name, {"M": 16, "K": 3, "N": 8})

@@ -45,12 +45,13 @@ def instantiate(mod: tvm.IRModule, name: str, dims: Mapping[str, int]):
 
 
 def single_rank(graph: TaskGraph) -> TaskGraph:
-    """``graph``, if one GPU runs it: the kernels of several ranks (NVSHMEM puts, remote
-    notifies) are not generated yet, only the CPU reference executor runs them."""
+    """``graph``, if one GPU runs it: a graph of several ranks compiles to one kernel per rank,
+    each in the process of its GPU (``etc_tvm.distributed.build_rank``)."""
     if graph.world_size != 1:
-        raise GraphError(f"{graph.name}: world size {graph.world_size} runs on the CPU "
-                         "reference executor only (execute_ranks); GPU kernels are generated "
-                         "for world size 1")
+        raise GraphError(f"{graph.name}: world size {graph.world_size} runs one kernel per rank, "
+                         "each in its GPU's process: build it with "
+                         "etc_tvm.distributed.build_rank (or run it on the CPU with "
+                         "execute_ranks)")
     return graph
 
 
