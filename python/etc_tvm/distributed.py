@@ -270,10 +270,11 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
                target=None) -> RankProgram:
     """Compile rank ``rank``'s static persistent kernel of ``graph`` (a graph function of
     world size above 1) for ``dims``: every rank's tasks list-scheduled together onto
-    ``num_sms`` queues a rank (default: this GPU's SMs), each rank's kernel running its own."""
+    ``num_sms`` queues a rank (default: this GPU's SMs, else 132, an H200's), each rank's
+    kernel running its own."""
     import tvm
 
-    from .build import default_target, graph_meta
+    from .build import default_target, graph_meta, has_gpu
     from .schedule import list_schedule
     from .task_graph import TaskGraph
     from .tir_sched.events import EventLayout
@@ -283,7 +284,8 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     if task_graph.world_size == 1:
         raise EtcError(f"{graph.name} runs on one rank: build it with etc_tvm.build")
     task_graph.validate()
-    num_sms = num_sms or tvm.cuda(_current_device()).multi_processor_count
+    num_sms = num_sms or (tvm.cuda(_current_device()).multi_processor_count if has_gpu()
+                          else 132)
     schedule = list_schedule(task_graph, num_sms).for_rank(task_graph, rank)
     layout = EventLayout.of(task_graph)
     name = f"{graph.name}_rank{rank}"
