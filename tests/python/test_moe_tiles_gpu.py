@@ -8,7 +8,7 @@ import pytest
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 
-from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs
+from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs, routed
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
@@ -84,23 +84,10 @@ def test_router_tile(tokens, rng):
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
 
 
-def routing_ids(rng, tokens, routing):
-    """topk (T, K): random; expert HOT first for every token; only even experts."""
-    hot = moe_layer.HOT
-    if routing == "random":
-        ids = [rng.choice(E, K, replace=False) for _ in range(tokens)]
-    elif routing == "one_expert":
-        ids = [[hot, *rng.choice(np.delete(np.arange(E), hot), K - 1, replace=False)]
-               for _ in range(tokens)]
-    else:
-        ids = [rng.choice(np.arange(0, E, 2), K, replace=False) for _ in range(tokens)]
-    return np.asarray(ids, np.int32).reshape(tokens, K)
-
-
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS + (4096,))
 def test_align_tile(tokens, routing, rng):
-    topk = routing_ids(rng, tokens, routing)
+    topk = routed(rng, tokens, routing, E, K)
     tiles = moe.max_tiles(tokens, E, K, BT)
     got = compiled("align", tokens)(topk)
     for g, w in zip(got, moe.align_reference(topk, E, BT, tiles)[:2]):
@@ -117,7 +104,7 @@ def test_align_tile(tokens, routing, rng):
 def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
     x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)
     w_gate_up, w_down = expert_weights
-    topk = routing_ids(rng, tokens, "random")
+    topk = routed(rng, tokens, "random", E, K)
     tiles = moe.max_tiles(tokens, E, K, BT)
     _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
     h = compiled("gate_up", tokens)(x, w_gate_up, sorted_token, tile_expert, indptr)
