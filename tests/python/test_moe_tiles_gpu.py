@@ -51,24 +51,6 @@ def expert_weights_f64(expert_weights):
     return (*(f64(w) for w in moe.split_gate_up(w_gate_up)), f64(w_down))
 
 
-def layer_float64_torch(x, w_router, w_gate, w_up, wd):
-    """The layer in float64 with PyTorch on the GPU (ties to the lower index: a stable sort);
-    the expert weights already there in float64."""
-    xs, wr = f64(x), f64(w_router)
-    logits = xs @ wr
-    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
-    chosen = torch.gather(logits, 1, topk)
-    w = torch.softmax(chosen, dim=1)  # renormalised over the K chosen
-    out = torch.zeros_like(xs)
-    for k in range(K):
-        e = topk[:, k]
-        gate = torch.einsum("th,thf->tf", xs, w_gate[e])
-        up = torch.einsum("th,thf->tf", xs, w_up[e])
-        hidden = torch.nn.functional.silu(gate) * up
-        out += w[:, k:k + 1] * torch.einsum("tf,tfh->th", hidden, wd[e])
-    return out.cpu().numpy()
-
-
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_router_tile(tokens, rng):
     for _ in range(100):  # redraw until no token has a near tie at its K-th place
@@ -152,7 +134,8 @@ def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert
     for _ in range(3):  # fresh routings through one compiled kernel
         inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
         want, bound = moe_layer.moe_layer_reference(*inputs, K)
-        np.testing.assert_allclose(layer_float64_torch(*inputs[:2], *expert_weights_f64), want,
-                                   rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(
+            moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64,
+                                          K), want, rtol=1e-9, atol=1e-9)
         got = run(*inputs)
         assert_within(got, want, bound)
