@@ -44,21 +44,6 @@ def on_gpu(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a).cuda()
 
 
-def float64_layer(x, w_router, w_gate, w_up, w_down) -> np.ndarray:
-    """The layer in float64 (ties to the lower expert index: a stable sort)."""
-    x, w_router = x.double(), w_router.double()
-    logits = x @ w_router
-    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
-    topw = torch.softmax(torch.gather(logits, 1, topk), dim=1)
-    out = torch.zeros_like(x)
-    for e in topk.unique().tolist():
-        token, slot = (topk == e).nonzero(as_tuple=True)
-        rows = x[token]
-        h = torch.nn.functional.silu(rows @ w_gate[e].double()) * (rows @ w_up[e].double())
-        out.index_add_(0, token, topw[token, slot, None] * (h @ w_down[e].double()))
-    return out.cpu().numpy()
-
-
 def torch_loop_layer(x, w_router, w_gate, w_up, w_down):
     """PyTorch eager, bf16 matmuls: one gate/up/down triple per expert with tokens."""
     logits = (x @ w_router).float()
@@ -120,7 +105,7 @@ def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(a, dev) for a in inputs]
     xt, wrt = on_gpu(x), on_gpu(w_router)
-    want = float64_layer(xt, wrt, *weights["torch"])
+    want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
     hf_run, hf_router = hf
     with torch.no_grad():
         hf_router.copy_(wrt.t())

@@ -17,6 +17,8 @@ Prints one table and writes JSON (``--json``).
 """
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -25,62 +27,19 @@ import tvm
 
 from etc_tvm import ETensor, Tensor, build, call_device, graph_func
 from etc_tvm.runtime import cuda_graph
-from etc_tvm.tiles import (gemm, gemv, make_residual_add_tile, make_rmsnorm_tile,
-                           make_silu_mul_tile, wgmma_gemm)
+from etc_tvm.tiles import gemm, gemv, wgmma_gemm
 from timing import time_interleaved
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
+                           rmsnorm_only, silu_mul_only, split_gemv_graph)
+
 BF16 = ml_dtypes.bfloat16
-BN = 128
-EPS = 1e-6
 L2_BYTES = 60 << 20
 SMS = 132
 MMA_BN = 64
 GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "stages": 3, "threads": 256,
              "out_dtype": "bfloat16"}
-
-
-def gemv_graph(split_k: int):
-    if split_k == 1:
-        tile = gemv.make_gemv_tile(BN)
-
-        @graph_func
-        def gemv_only(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
-            return call_device(tile, tile_num=(W.shape[1] // BN,), args=[X, W],
-                               out=Tensor((X.shape[0], W.shape[1]), "bfloat16"))
-
-        return gemv_only
-    partial = gemv.make_gemv_tile(BN, split_k=split_k)
-    total = gemv.make_gemv_sum_tile(split_k, cols=BN)
-
-    @graph_func
-    def split_gemv(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
-        M, N = X.shape[0], W.shape[1]
-        done = ETensor((N // BN,), name="slices_done")
-        P = call_device(partial, tile_num=(N // BN, split_k), args=[X, W],
-                        out=Tensor((split_k, M, N)), out_edges={done: "js->j"})
-        return call_device(total, tile_num=(N // BN,), args=[P], out=Tensor((M, N), "bfloat16"),
-                           in_edges={done: "j->j"})
-
-    return split_gemv
-
-
-@graph_func
-def rmsnorm_only(X: Tensor(("M", "H"), "bfloat16"), w: Tensor(("H",), "bfloat16")):
-    return call_device(make_rmsnorm_tile(EPS), tile_num=(X.shape[0],), args=[X, w],
-                       out=Tensor(X.shape, "bfloat16"))
-
-
-@graph_func
-def silu_mul_only(H: Tensor(("M", "F2"), "bfloat16")):
-    M, F = H.shape[0], H.shape[1] // 2
-    return call_device(make_silu_mul_tile(BN), tile_num=(F // BN,), args=[H],
-                       out=Tensor((M, F), "bfloat16"))
-
-
-@graph_func
-def residual_add_only(A: Tensor(("M", "N"), "bfloat16"), B: Tensor(("M", "N"), "bfloat16")):
-    return call_device(make_residual_add_tile(BN), tile_num=(A.shape[1] // BN,), args=[A, B],
-                       out=Tensor(A.shape, "bfloat16"))
 
 
 def mma_graph(split_k: int):
@@ -135,7 +94,8 @@ def cases(rows, hidden_sizes, vocab):
             F = {2048: 5632, 4096: 11008}.get(H, 4 * H)
             for K, N in [(H, H), (H, 2 * F), (F, H), (H, vocab)]:
                 s = split_for(K, N)
-                yield ("gemv", f"M={M} {K}x{N} k{s}", gemv_graph(s), {"M": M, "K": K, "N": N},
+                graph = gemv_graph() if s == 1 else split_gemv_graph(s)
+                yield ("gemv", f"M={M} {K}x{N} k{s}", graph, {"M": M, "K": K, "N": N},
                        [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N), "TB/s")
                 if M == 16:
                     s = mma_split_for(K, N)

@@ -95,6 +95,25 @@ def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
     return 16 if tokens * top_k <= 16 * experts else 64
 
 
+def layer_float64_torch(x, w_router, w_gate, w_up, w_down, top_k: int) -> np.ndarray:
+    """The layer in float64 with PyTorch, on the device of its (torch) inputs: ties to the
+    lower expert index (a stable sort), one expert's rows at a time. ``w_gate`` and ``w_up``
+    (E, H, F) are ``moe.split_gate_up`` of the layer's interleaved weights."""
+    import torch
+
+    x, w_router = x.double(), w_router.double()
+    logits = x @ w_router
+    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :top_k]
+    topw = torch.softmax(torch.gather(logits, 1, topk), dim=1)  # renormalised over the K
+    out = torch.zeros_like(x)
+    for e in topk.unique().tolist():
+        token, slot = (topk == e).nonzero(as_tuple=True)
+        rows = x[token]
+        h = torch.nn.functional.silu(rows @ w_gate[e].double()) * (rows @ w_up[e].double())
+        out.index_add_(0, token, topw[token, slot, None] * (h @ w_down[e].double()))
+    return out.cpu().numpy()
+
+
 def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int):
     """(out, bound): the layer in float64 from the same bf16 inputs, and the bound on
     ``|out_device - out|`` the tiles' contracts compose to, given the device picks the same

@@ -62,9 +62,15 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
 def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool) -> GraphMeta:
     """What the host reports a stopped kernel of ``graph`` for ``dims`` with."""
     task_graph = TaskGraph.build(graph, dims)
-    layout = EventLayout.of(task_graph)
-    return GraphMeta(graph.name, [task_graph.task_name(t) for t in range(task_graph.num_tasks)],
-                     layout.names(task_graph), options.timeout_s, has_status=has_status,
+    return task_graph_meta(task_graph, EventLayout.of(task_graph), options, has_status)
+
+
+def task_graph_meta(task_graph: TaskGraph, layout: EventLayout, options: KernelOptions,
+                    has_status: bool) -> GraphMeta:
+    """``graph_meta`` of a task graph already built, with its event layout."""
+    names = [task_graph.task_name(t) for t in range(task_graph.num_tasks)]
+    return GraphMeta(task_graph.name, names, layout.names(task_graph), options.timeout_s,
+                     has_status=has_status,
                      edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)],
                      profiled=has_status and options.profile)
 

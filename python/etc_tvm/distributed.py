@@ -274,7 +274,7 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     kernel running its own."""
     import tvm
 
-    from .build import default_target, graph_meta, has_gpu
+    from .build import default_target, has_gpu, task_graph_meta
     from .schedule import list_schedule
     from .task_graph import TaskGraph
     from .tir_sched.events import EventLayout
@@ -297,4 +297,4 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     indptr, tasks = schedule.csr(task_graph)
     tasks = np.pad(tasks, (0, max(1, task_graph.num_tasks) - len(tasks)))  # the kernel's shape
     return RankProgram(task_graph, executable, name, rank, (indptr, tasks, layout.initial),
-                       graph_meta(graph, dims, options, has_status=True))
+                       task_graph_meta(task_graph, layout, options, has_status=True))

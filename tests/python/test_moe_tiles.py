@@ -90,17 +90,17 @@ def test_router_breaks_ties_by_lower_index():
     np.testing.assert_array_equal(topk[:, 3], [0] * 3)  # the lowest of the zero logits
 
 
-def routed(rng, tokens, routing):
+def routed(rng, tokens, routing, experts=E, top_k=K):
     """topk (T, K) int32 of a routing: random; every token on expert HOT first; odd experts
     idle."""
     if routing == "random":
-        ids = [rng.choice(E, K, replace=False) for _ in range(tokens)]
+        ids = [rng.choice(experts, top_k, replace=False) for _ in range(tokens)]
     elif routing == "one_expert":
-        ids = [[HOT, *rng.choice(np.delete(np.arange(E), HOT), K - 1, replace=False)]
+        ids = [[HOT, *rng.choice(np.delete(np.arange(experts), HOT), top_k - 1, replace=False)]
                for _ in range(tokens)]
     else:
-        ids = [rng.choice(np.arange(0, E, 2), K, replace=False) for _ in range(tokens)]
-    return np.asarray(ids, np.int32).reshape(tokens, K)
+        ids = [rng.choice(np.arange(0, experts, 2), top_k, replace=False) for _ in range(tokens)]
+    return np.asarray(ids, np.int32).reshape(tokens, top_k)
 
 
 def aligned(topk, tiles):

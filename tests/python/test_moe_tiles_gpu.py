@@ -8,7 +8,7 @@ import pytest
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 
-from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs
+from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs, routed
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
@@ -51,24 +51,6 @@ def expert_weights_f64(expert_weights):
     return (*(f64(w) for w in moe.split_gate_up(w_gate_up)), f64(w_down))
 
 
-def layer_float64_torch(x, w_router, w_gate, w_up, wd):
-    """The layer in float64 with PyTorch on the GPU (ties to the lower index: a stable sort);
-    the expert weights already there in float64."""
-    xs, wr = f64(x), f64(w_router)
-    logits = xs @ wr
-    topk = torch.sort(-logits, dim=1, stable=True).indices[:, :K]
-    chosen = torch.gather(logits, 1, topk)
-    w = torch.softmax(chosen, dim=1)  # renormalised over the K chosen
-    out = torch.zeros_like(xs)
-    for k in range(K):
-        e = topk[:, k]
-        gate = torch.einsum("th,thf->tf", xs, w_gate[e])
-        up = torch.einsum("th,thf->tf", xs, w_up[e])
-        hidden = torch.nn.functional.silu(gate) * up
-        out += w[:, k:k + 1] * torch.einsum("tf,tfh->th", hidden, wd[e])
-    return out.cpu().numpy()
-
-
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_router_tile(tokens, rng):
     for _ in range(100):  # redraw until no token has a near tie at its K-th place
@@ -84,23 +66,10 @@ def test_router_tile(tokens, rng):
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
 
 
-def routing_ids(rng, tokens, routing):
-    """topk (T, K): random; expert HOT first for every token; only even experts."""
-    hot = moe_layer.HOT
-    if routing == "random":
-        ids = [rng.choice(E, K, replace=False) for _ in range(tokens)]
-    elif routing == "one_expert":
-        ids = [[hot, *rng.choice(np.delete(np.arange(E), hot), K - 1, replace=False)]
-               for _ in range(tokens)]
-    else:
-        ids = [rng.choice(np.arange(0, E, 2), K, replace=False) for _ in range(tokens)]
-    return np.asarray(ids, np.int32).reshape(tokens, K)
-
-
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS + (4096,))
 def test_align_tile(tokens, routing, rng):
-    topk = routing_ids(rng, tokens, routing)
+    topk = routed(rng, tokens, routing, E, K)
     tiles = moe.max_tiles(tokens, E, K, BT)
     got = compiled("align", tokens)(topk)
     for g, w in zip(got, moe.align_reference(topk, E, BT, tiles)[:2]):
@@ -117,7 +86,7 @@ def test_align_tile(tokens, routing, rng):
 def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
     x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)
     w_gate_up, w_down = expert_weights
-    topk = routing_ids(rng, tokens, "random")
+    topk = routed(rng, tokens, "random", E, K)
     tiles = moe.max_tiles(tokens, E, K, BT)
     _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
     h = compiled("gate_up", tokens)(x, w_gate_up, sorted_token, tile_expert, indptr)
@@ -165,7 +134,8 @@ def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert
     for _ in range(3):  # fresh routings through one compiled kernel
         inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
         want, bound = moe_layer.moe_layer_reference(*inputs, K)
-        np.testing.assert_allclose(layer_float64_torch(*inputs[:2], *expert_weights_f64), want,
-                                   rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(
+            moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64,
+                                          K), want, rtol=1e-9, atol=1e-9)
         got = run(*inputs)
         assert_within(got, want, bound)

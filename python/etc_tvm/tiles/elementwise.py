@@ -170,14 +170,25 @@ def _check_decode(kind: str, cols: int, threads: int) -> None:
 
 
 @T.inline
-def _each_vector(j, rows, tx, cols, threads, body):
-    """``body(m, c)`` for each 8-wide bf16 vector ``[m, c:c+8]`` of rows ``0..rows-1`` and
-    columns ``j*cols .. (j+1)*cols - 1``, the vectors dealt to the threads in turn."""
+def _combine_vectors(j, rows, tx, cols, threads, X, x0, Z, z0, Y, x, z, combine):
+    """``Y[m, c + e] = bf16(combine(X[m, x0 + c + e], Z[m, z0 + c + e]))`` in fp32, over the
+    8-wide vectors ``[m, c:c+8]`` of rows ``0..rows-1`` and the columns of block ``j``, dealt
+    to the threads in turn; ``x`` and ``z`` hold a thread's two input vectors."""
     vecs = T.meta_var(cols // BF16_VEC)
     for t in T.serial((rows * vecs + threads - 1) // threads):
         v = T.meta_var(t * threads + tx)
         if v < rows * vecs:
-            body(v // vecs, j * cols + v % vecs * BF16_VEC)
+            m = T.meta_var(v // vecs)
+            c = T.meta_var(j * cols + v % vecs * BF16_VEC)
+            for e in T.vectorized(BF16_VEC):
+                x[e] = X[m, x0 + c + e]
+            for e in T.vectorized(BF16_VEC):
+                z[e] = Z[m, z0 + c + e]
+            for e in T.unroll(BF16_VEC):
+                x[e] = T.Cast("bfloat16", combine(T.Cast("float32", x[e]),
+                                                  T.Cast("float32", z[e])))
+            for e in T.vectorized(BF16_VEC):
+                Y[m, c + e] = x[e]
 
 
 @functools.cache
@@ -196,20 +207,8 @@ def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         tx = T.thread_id([threads])
         gate = T.alloc_local((BF16_VEC,), "bfloat16")
         up = T.alloc_local((BF16_VEC,), "bfloat16")
-
-        @T.inline
-        def vector(m, c):
-            for e in T.vectorized(BF16_VEC):
-                gate[e] = H[m, c + e]
-            for e in T.vectorized(BF16_VEC):
-                up[e] = H[m, F2 // 2 + c + e]
-            for e in T.unroll(BF16_VEC):
-                gate[e] = T.Cast("bfloat16", _silu(T.Cast("float32", gate[e]))
-                                 * T.Cast("float32", up[e]))
-            for e in T.vectorized(BF16_VEC):
-                Y[m, c + e] = gate[e]
-
-        _each_vector(j, M, tx, cols, threads, vector)
+        _combine_vectors(j, M, tx, cols, threads, H, 0, H, F2 // 2, Y, gate, up,
+                         lambda g, u: _silu(g) * u)
 
     tile = device_func(silu_mul.with_attr("global_symbol", f"silu_mul_c{cols}_t{threads}"))
 
@@ -250,19 +249,7 @@ def make_residual_add_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         tx = T.thread_id([threads])
         a = T.alloc_local((BF16_VEC,), "bfloat16")
         b = T.alloc_local((BF16_VEC,), "bfloat16")
-
-        @T.inline
-        def vector(m, c):
-            for e in T.vectorized(BF16_VEC):
-                a[e] = A[m, c + e]
-            for e in T.vectorized(BF16_VEC):
-                b[e] = B[m, c + e]
-            for e in T.unroll(BF16_VEC):
-                a[e] = T.Cast("bfloat16", T.Cast("float32", a[e]) + T.Cast("float32", b[e]))
-            for e in T.vectorized(BF16_VEC):
-                Y[m, c + e] = a[e]
-
-        _each_vector(j, M, tx, cols, threads, vector)
+        _combine_vectors(j, M, tx, cols, threads, A, 0, B, 0, Y, a, b, lambda p, q: p + q)
 
     tile = device_func(residual_add.with_attr("global_symbol",
                                               f"residual_add_c{cols}_t{threads}"))
