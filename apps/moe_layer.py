@@ -23,7 +23,7 @@ import functools
 import numpy as np
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
-from etc_tvm.tiles import moe
+from etc_tvm.tiles import gemm, moe
 from etc_tvm.tiles.moe import ceil_div, max_tiles
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
@@ -32,18 +32,21 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 @functools.cache
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
-                   bn: int = 64, bk: int = 64, combine_cols: int = 512, threads: int = 128):
+                   bn: int = 64, bk: int = 64, stages: int | None = None,
+                   combine_cols: int = 512, threads: int = 128):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
-    (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16."""
+    (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16. ``stages``: the
+    grouped GEMMs' cp.async ring, by default the deepest that fits (``gemm.deepest_stages``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
+    stages = stages or gemm.deepest_stages(BT, bn, bk)
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
     router = moe.make_router_tile(H, E, K, block_tokens, threads)
     align = moe.make_align_tile(E, K, BT, threads)
-    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads)
-    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads)
+    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages)
+    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages)
     combine = moe.make_combine_tile(H, K, combine_cols, threads)
     nb1, nb2, nc = 2 * F // bn, H // bn, H // combine_cols
     per_block = combine_cols // bn  # down column blocks per combine column block

@@ -260,17 +260,32 @@ __device__ __noinline__ int etc_idle(uint64_t* since, int* status, int task,
   return 0;
 }
 
-// A trigger releases ``task`` (kind 6 if it already did).
-__device__ __forceinline__ void etc_mark_released(int* marks, int task, int* status) {
-  if (atomicAdd(marks + task, 1) != 0) etc_record_stop(status, 6, task, task, 0);
+// Release marks are bits, 32 tasks a word: a trigger that releases a run of tasks sets them
+// with one atomic per word, and the skip pass reads a word per 32 tasks.
+
+// Mark tasks ``first`` .. ``first + count - 1`` released (kind 6 if a task already was).
+// Thread ``lane`` of ``lanes`` takes every lanes-th word of the run.
+__device__ __forceinline__ void etc_mark_range(int* marks, int first, int count, int lane,
+                                               int lanes, int* status) {
+  if (count <= 0) return;
+  const int last = first + count - 1;
+  for (int w = (first >> 5) + lane; w <= (last >> 5); w += lanes) {
+    const int lo = max(first, w << 5) & 31, hi = min(last, (w << 5) + 31) & 31;
+    const unsigned mask = (0xffffffffu >> (31 - hi)) & (0xffffffffu << lo);
+    const unsigned twice = atomicOr(reinterpret_cast<unsigned*>(marks) + w, mask) & mask;
+    if (twice) {
+      const int task = (w << 5) + __ffs(twice) - 1;
+      etc_record_stop(status, 6, task, task, 0);
+    }
+  }
 }
 
 // One more (a shared-memory tally of one CTA's threads).
 __device__ __forceinline__ void etc_count(int* tally) { atomicAdd(tally, 1); }
 
-// Whether a trigger released ``task``.
-__device__ __forceinline__ int etc_released(const int* marks, int task) {
-  return etc_load_relaxed(marks + task) != 0;
+// The release marks of tasks 32 * word .. 32 * word + 31, one bit each.
+__device__ __forceinline__ int etc_release_word(const int* marks, int word) {
+  return etc_load_relaxed(marks + word);
 }
 
 // A decrement (release, then acquire) that says whether it completed the element: the caller
