@@ -1,6 +1,7 @@
 """Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference.
 
-    router (ceil(T/TB))  --routed "b->0"-->  align (1)
+    router (ceil(T/TB) x E/EB)  --logits_ready "bj->b"-->  topk (ceil(T/TB))
+        --routed "b->0"-->  align (1)
         --aligned, trigger "a=>0:exp_indptr[E], 0:NB1"-->  gate_up (tiles x NB1)
         --h_ready "gn->g", trigger "g=>g:g+1, 0:NB2 if g < exp_indptr[E]"-->  down (tiles x NB2)
         --y_ready "gn->g, n//R", data-dependent "tc->pair_tile[t,:], c"-->  combine (T x NC)
@@ -32,6 +33,7 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 @functools.cache
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
+                   experts_per_task: int = 16,
                    bn: int = 64, bk: int = 64, stages: int | None = None,
                    combine_cols: int = 512, threads: int = 128):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
@@ -43,7 +45,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
-    router = moe.make_router_tile(H, E, K, block_tokens, threads)
+    router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads)
+    topk_tile = moe.make_topk_tile(E, K, block_tokens, threads)
     align = moe.make_align_tile(E, K, BT, threads)
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages)
     down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages)
@@ -57,12 +60,16 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                   w_down: Tensor((E, F, H), "bfloat16")):
         tokens = x.shape[0]
         tiles = max_tiles(tokens, E, K, BT)
+        blocks = ceil_div(tokens, block_tokens)
+        logits_ready = ETensor((blocks,), name="logits_ready")
+        logits = call_device(router, tile_num=(blocks, E // experts_per_task),
+                             args=[x, w_router], out=Tensor((tokens, E), "float32", name="logits"),
+                             out_edges={logits_ready: "bj->b"})
         routed = ETensor((1,), name="routed")
-        topk, topw = call_device(router, tile_num=(ceil_div(tokens, block_tokens),),
-                                 args=[x, w_router],
+        topk, topw = call_device(topk_tile, tile_num=(blocks,), args=[logits],
                                  out=[Tensor((tokens, K), "int32", name="topk"),
                                       Tensor((tokens, K), "float32", name="topw")],
-                                 out_edges={routed: "b->0"})
+                                 in_edges={logits_ready: "b->b"}, out_edges={routed: "b->0"})
         aligned = ETensor((1,), name="aligned")
         _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
             align, tile_num=(1,), args=[topk],

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from etc_tvm import Tensor, call_device, graph_func
+from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -66,12 +66,21 @@ def gaussian_routing_inputs(rng, tokens):
 
 
 # ------------------------------------------------------------------ references vs float64
+def route_with_tiles(x, w, experts_per_task=8):
+    """topk, topw of the router and top-k tiles' references, on poisoned outputs."""
+    tokens, blocks = x.shape[0], moe.ceil_div(x.shape[0], 8)
+    logits = poisoned((tokens, E), "float32")
+    run_tasks(moe.make_router_tile(H, E, 8, experts_per_task), (blocks, E // experts_per_task),
+              x, w, logits)
+    topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
+    run_tasks(moe.make_topk_tile(E, K), (blocks,), logits, topk, topw)
+    return topk, topw
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_router_reference_is_within_its_bound(tokens, rng):
     x, w = gaussian_routing_inputs(rng, tokens)
-    tile = moe.make_router_tile(H, E, K)
-    topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
-    run_tasks(tile, (moe.ceil_div(tokens, 8),), x, w, topk, topw)
+    topk, topw = route_with_tiles(x, w)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
@@ -84,8 +93,7 @@ def test_router_breaks_ties_by_lower_index():
     w = np.zeros((H, E))
     w[:, [2, 5]] = 1 / H
     w[:, 9] = 0.5 / H
-    topk, topw = np.zeros((3, K), np.int32), np.zeros((3, K), np.float32)
-    run_tasks(moe.make_router_tile(H, E, K), (1,), x, w.astype(BF16), topk, topw)
+    topk, topw = route_with_tiles(x, w.astype(BF16))
     np.testing.assert_array_equal(topk[:, :3], [[2, 5, 9]] * 3)
     np.testing.assert_array_equal(topk[:, 3], [0] * 3)  # the lowest of the zero logits
 
@@ -306,7 +314,7 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
     """Each tile alone as a graph function (strategy "unfused"), as the GPU tests run them:
     name -> (graph, the arguments' roles)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
-    router = moe.make_router_tile(Hd, Ex, Kk)
+    router, topk_tile = moe.make_router_tile(Hd, Ex), moe.make_topk_tile(Ex, Kk)
     align = moe.make_align_tile(Ex, Kk, BT)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex)
     down = moe.make_down_tile(Fi, Hd, Ex)
@@ -317,8 +325,13 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
     @graph_func
     def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
         n = x.shape[0]
-        return call_device(router, tile_num=(moe.ceil_div(n, 8),), args=[x, w],
-                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")])
+        blocks = moe.ceil_div(n, 8)
+        ready = ETensor((blocks,), name="logits_ready")
+        logits = call_device(router, tile_num=(blocks, Ex // 16), args=[x, w],
+                             out=Tensor((n, Ex), "float32"), out_edges={ready: "bj->b"})
+        return call_device(topk_tile, tile_num=(blocks,), args=[logits],
+                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
+                           in_edges={ready: "b->b"})
 
     @graph_func
     def align_only(topk: Tensor(("T", Kk), "int32")):
