@@ -98,9 +98,9 @@ def relative_error(got, want) -> float:
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            options: KernelOptions = DEFAULT_OPTIONS) -> dict:
-    """One row: us per call of each of ``ours`` and of the baselines at ``tokens``, and the
-    errors."""
+            options: KernelOptions = DEFAULT_OPTIONS, bn: int = 64) -> dict:
+    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide) and
+    of the baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -119,7 +119,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         strategy, replay = label.split("+")[0], label.endswith("+graph")
         try:
             if strategy not in libraries:
-                graph = moe_layer.make_moe_layer(tile_rows=row["tile_rows"])
+                graph = moe_layer.make_moe_layer(tile_rows=row["tile_rows"], bn=bn)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -150,6 +150,7 @@ def main() -> None:
                         help="our variants to run (the baselines always run)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM of the megakernels")
+    parser.add_argument("--bn", type=int, default=64, help="grouped GEMM task columns")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -162,7 +163,7 @@ def main() -> None:
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options)
+        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
