@@ -98,9 +98,9 @@ def relative_error(got, want) -> float:
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            options: KernelOptions = DEFAULT_OPTIONS, bn: int = 64) -> dict:
-    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide) and
-    of the baselines at ``tokens``, and the errors."""
+            options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None) -> dict:
+    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide, by
+    default the layer's choice) and of the baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -150,7 +150,8 @@ def main() -> None:
                         help="our variants to run (the baselines always run)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM of the megakernels")
-    parser.add_argument("--bn", type=int, default=64, help="grouped GEMM task columns")
+    parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
+                        "layer's choice for the tile rows)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
