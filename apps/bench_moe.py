@@ -28,6 +28,7 @@ import torch
 import moe_layer
 from etc_tvm import build
 from etc_tvm.errors import EtcError
+from etc_tvm.tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from etc_tvm.runtime import cuda_graph
 from etc_tvm.tiles import moe
 from timing import checked_run, time_interleaved
@@ -96,8 +97,10 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
-def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
-    """One row: us per call of every variant at ``tokens``, and the errors."""
+def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
+            options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None) -> dict:
+    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide, by
+    default the layer's choice) and of the baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -109,14 +112,16 @@ def measure(tokens: int, weights, hf, rng, reps: int) -> dict:
     hf_run, hf_router = hf
     with torch.no_grad():
         hf_router.copy_(wrt.t())
-    runs, row = {}, {"tokens": tokens, "error": {}, "skipped": {}}
+    runs, row = {}, {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens),
+                     "error": {}, "skipped": {}}
     libraries = {}
-    for label in OURS:
+    for label in ours:
         strategy, replay = label.split("+")[0], label.endswith("+graph")
         try:
             if strategy not in libraries:
-                libraries[strategy] = build(moe_layer.make_moe_layer(), {"T": tokens},
-                                            strategy=strategy)
+                graph = moe_layer.make_moe_layer(tile_rows=row["tile_rows"], bn=bn)
+                libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
+                                             options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
             row["skipped"][label] = str(err).splitlines()[0]
             continue
@@ -141,24 +146,33 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", default="bench_moe.json")
+    parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
+                        help="our variants to run (the baselines always run)")
+    parser.add_argument("--ctas-per-sm", type=int, default=1,
+                        help="persistent CTAs per SM of the megakernels")
+    parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
+                        "layer's choice for the tile rows)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
     w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
     hf = hf_block(*weights["torch"])
-    labels = OURS + THEIRS
+    labels = args.ours + THEIRS
+    options = KernelOptions(ctas_per_sm=args.ctas_per_sm)
     print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps)
+        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
-        print(f"{tokens:>6} {cells} {us['HF+graph'] / us['dynamic']:12.2f}x"
-              f" {us['barrier'] / us['dynamic']:11.2f}x", flush=True)
-        print("        errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+        ratios = [f"{us[a] / us[b]:12.2f}x" if a in us and b in us else f"{'n/a':>13}"
+                  for a, b in (("HF+graph", "dynamic"), ("barrier", "dynamic"))]
+        print(f"{tokens:>6} {cells} {' '.join(ratios)}", flush=True)
+        errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
+        print(f"        {r['tile_rows']}-row expert tiles; errors: {errors}"
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
               flush=True)
     with open(args.json, "w") as f:

@@ -10,7 +10,9 @@ previous one.
 
 Bandwidth is the bytes the operation must move (weights, activations in, results out) over
 the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
-every SM two tasks; the GEMM is the wgmma tile (128 x 256 x 64, three stages, bf16 out).
+every SM two tasks; at M = 16 the "mma16" rows run the same product on tensor cores (the gemm
+tile with 16-row blocks, split-K, the same sum tile). The GEMM is the wgmma tile (128 x 256 x
+64, three stages, bf16 out).
 Prints one table and writes JSON (``--json``).
 """
 import argparse
@@ -23,9 +25,9 @@ import numpy as np
 import torch
 import tvm
 
-from etc_tvm import Tensor, build, call_device, graph_func
+from etc_tvm import ETensor, Tensor, build, call_device, graph_func
 from etc_tvm.runtime import cuda_graph
-from etc_tvm.tiles import gemv, wgmma_gemm
+from etc_tvm.tiles import gemm, gemv, wgmma_gemm
 from timing import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
@@ -35,8 +37,46 @@ from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
 SMS = 132
+MMA_BN = 64
 GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "stages": 3, "threads": 256,
              "out_dtype": "bfloat16"}
+
+
+def mma_graph(split_k: int):
+    """The tensor-core alternative for 16 rows: the gemm tile (16 x 64 x 64 on mma.sync, a
+    4-deep cp.async ring) over K slices, and the GEMV's ordered sum tile."""
+    if split_k == 1:
+        tile = gemm.make_gemm_tile(bm=16, bn=MMA_BN, bk=64, threads=128, stages=4,
+                                   out_dtype="bfloat16")
+
+        @graph_func
+        def mma_only(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
+            M, N = X.shape[0], W.shape[1]
+            return call_device(tile, tile_num=(M // 16, N // MMA_BN), args=[X, W],
+                               out=Tensor((M, N), "bfloat16"))
+
+        return mma_only
+    partial = gemm.make_gemm_tile(bm=16, bn=MMA_BN, bk=64, threads=128, stages=4,
+                                  split_k=split_k)
+    total = gemv.make_gemv_sum_tile(split_k, cols=BN)
+
+    @graph_func
+    def mma_gemv(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
+        M, N = X.shape[0], W.shape[1]
+        done = ETensor((N // BN,), name="slices_done")
+        P = call_device(partial, tile_num=(M // 16, N // MMA_BN, split_k), args=[X, W],
+                        out=Tensor((split_k, M, N)),
+                        out_edges={done: f"ijs->j // {BN // MMA_BN}"})
+        return call_device(total, tile_num=(N // BN,), args=[P], out=Tensor((M, N), "bfloat16"),
+                           in_edges={done: "j->j"})
+
+    return mma_gemv
+
+
+def mma_split_for(K: int, N: int) -> int:
+    """The smallest split-K giving every SM two tasks (or 8), with whole 64-row K steps."""
+    fits = [s for s in (1, 2, 4, 8) if K % (s * 64) == 0]
+    return next((s for s in fits if N // MMA_BN * s >= 2 * SMS), fits[-1])
 
 
 def split_for(K: int, N: int) -> int:
@@ -57,6 +97,11 @@ def cases(rows, hidden_sizes, vocab):
                 graph = gemv_graph() if s == 1 else split_gemv_graph(s)
                 yield ("gemv", f"M={M} {K}x{N} k{s}", graph, {"M": M, "K": K, "N": N},
                        [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N), "TB/s")
+                if M == 16:
+                    s = mma_split_for(K, N)
+                    yield ("mma16", f"M={M} {K}x{N} k{s}", mma_graph(s),
+                           {"M": M, "K": K, "N": N}, [(M, K), (K, N)], torch.matmul,
+                           2 * (K * N + M * K + M * N), "TB/s")
             yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H}, [(M, H), (H,)],
                    lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
                    2 * (2 * M * H + H), "TB/s")

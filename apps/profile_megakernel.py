@@ -1,5 +1,6 @@
-"""Where the time of a megakernel goes, task by task: the graphs of apps/bench_overhead.py
-built to profile (``KernelOptions(profile=True)``) under several strategies.
+"""Where the time of a megakernel goes, task by task: the graphs of apps/bench_overhead.py and
+the MoE layer of apps/moe_layer.py built to profile (``KernelOptions(profile=True)``) under
+several strategies.
 
 For each graph and strategy: the per-call table of ``Timeline.summary`` (median wait and body
 per task, busy time), the makespan and the median hand-off between consecutive tasks of an
@@ -12,6 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+import moe_layer
 from bench_overhead import chain, make_mlp, make_split_k_mlp
 from etc_tvm import build
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -24,6 +26,10 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=256, help="links of the chain")
     parser.add_argument("--rows", type=int, default=128, help="MLP rows (a multiple of 16)")
     parser.add_argument("--strategies", nargs="+", default=["static", "dynamic", "barrier"])
+    parser.add_argument("--graphs", nargs="+", default=["chain", "mlp", "mlp-split-k"],
+                        choices=["chain", "mlp", "mlp-split-k", "moe"])
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 1024],
+                        help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
     parser.add_argument("--out", default="timelines")
     args = parser.parse_args()
     out = Path(args.out)
@@ -32,12 +38,21 @@ def main() -> None:
     bf16 = ml_dtypes.bfloat16
     x = rng.standard_normal((args.rows, 2048)).astype(bf16)
     w1, w2 = ((rng.standard_normal((2048, 2048)) / 2048**0.5).astype(bf16) for _ in range(2))
-    cases = {
-        f"chain{args.chain}": (chain, {"N": args.chain},
-                               [rng.standard_normal((args.chain, WIDTH)).astype("float32")]),
-        f"mlp{args.rows}": (make_mlp(16, 2048, 2048), {"M": args.rows}, [x, w1, w2]),
-        f"mlp{args.rows}-split-k": (make_split_k_mlp(2048, 2048), {"M": args.rows}, [x, w1, w2]),
-    }
+    cases = {}
+    if "chain" in args.graphs:
+        cases[f"chain{args.chain}"] = (chain, {"N": args.chain},
+                                       [rng.standard_normal((args.chain, WIDTH)).astype("float32")])
+    if "mlp" in args.graphs:
+        cases[f"mlp{args.rows}"] = (make_mlp(16, 2048, 2048), {"M": args.rows}, [x, w1, w2])
+    if "mlp-split-k" in args.graphs:
+        cases[f"mlp{args.rows}-split-k"] = (make_split_k_mlp(2048, 2048), {"M": args.rows},
+                                            [x, w1, w2])
+    if "moe" in args.graphs:
+        experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
+        for tokens in args.moe_tokens:
+            graph = moe_layer.make_moe_layer(tile_rows=moe_layer.tile_rows_for(tokens))
+            cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
+                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *experts])
     for name, (graph, dims, inputs) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy, options=KernelOptions(profile=True))

@@ -45,46 +45,30 @@ __device__ __forceinline__ unsigned long long etc_globaltimer_ns() {
   return t;
 }
 
+// Loads of a counter at the scope of the agents that change it: the GPU's CTAs (kGpu), or
+// other GPUs as well (kSys: counters a remote rank decrements).
+enum EtcScope { kGpu, kSys };
+
+template <EtcScope S = kGpu>
 __device__ __forceinline__ int etc_load_relaxed(const int* p) {
   int v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (S == kGpu) {
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
   return v;
 }
 
+template <EtcScope S = kGpu>
 __device__ __forceinline__ int etc_load_acquire(const int* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Returns 0 once *counter <= 0 (acquire), 1 if the grid is stopping (this or another waiter
-// timed out). Called by one thread.
-__device__ __noinline__ int etc_wait(const int* counter, int* status, int task, int element,
-                                     long long limit_ns) {
-  if (etc_load_acquire(counter) <= 0) return 0;
-  const unsigned long long start = etc_globaltimer_ns();
-  for (unsigned polls = 1;; ++polls) {
-    int seen = etc_load_relaxed(counter);
-    if (seen <= 0) {
-      etc_load_acquire(counter);
-      return 0;
-    }
-    if (polls % 64 != 0) continue;  // poll hot; look at the clock and the grid now and then
-    if (etc_load_relaxed(status) != 0) return 1;
-    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
-      if (atomicCAS(status, 0, -1) == 0) {
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        status[1] = task;
-        status[2] = element;
-        status[3] = seen;
-        status[4] = (int)smid;
-        asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(1) : "memory");
-      }
-      return 1;
-    }
-    __nanosleep(20);
+  if (S == kGpu) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   }
+  return v;
 }
 
 // Claim the stop record (first caller only) and describe why the grid stops.
@@ -99,6 +83,35 @@ __device__ __noinline__ void etc_record_stop(int* status, int kind, int task, in
     status[4] = (int)smid;
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(kind) : "memory");
   }
+}
+
+// Returns 0 once *counter <= 0 (acquire at scope S), 1 if the grid is stopping (this or
+// another waiter timed out: the stop record, kind 1, names the task, the element and the
+// count it saw). Called by one thread.
+template <EtcScope S>
+__device__ __forceinline__ int etc_wait_at(const int* counter, int* status, int task,
+                                           int element, long long limit_ns) {
+  if (etc_load_acquire<S>(counter) <= 0) return 0;
+  const unsigned long long start = etc_globaltimer_ns();
+  for (unsigned polls = 1;; ++polls) {
+    const int seen = etc_load_relaxed<S>(counter);
+    if (seen <= 0) {
+      etc_load_acquire<S>(counter);
+      return 0;
+    }
+    if (polls % 64 != 0) continue;  // poll hot; look at the clock and the grid now and then
+    if (etc_load_relaxed(status) != 0) return 1;
+    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
+      etc_record_stop(status, 1, task, element, seen);
+      return 1;
+    }
+    __nanosleep(20);
+  }
+}
+
+__device__ __noinline__ int etc_wait(const int* counter, int* status, int task, int element,
+                                     long long limit_ns) {
+  return etc_wait_at<kGpu>(counter, status, task, element, limit_ns);
 }
 
 // The next task of the ready ring, -1 once every slot a task will fill is claimed, -2 if the
@@ -158,21 +171,31 @@ __device__ __forceinline__ void etc_count_down(int* pending, int task, int* held
   etc_push(head_tail, ring, task, capacity, status);
 }
 
+// Publish the run of tasks ``first`` .. ``first + count - 1``: one atomic claims their slots,
+// and one fence before the (strong, relaxed) stores makes each of them a release of what the
+// caller's CTA wrote. Called by one thread.
+__device__ __forceinline__ void etc_push_range(int* head_tail, int* ring, int first, int count,
+                                               int capacity, int* status) {
+  if (count <= 0) return;
+  const int base = atomicAdd(head_tail + 1, count);
+  __threadfence();
+  for (int k = 0; k < count; ++k) {
+    if (base + k >= capacity) {
+      etc_record_stop(status, 3, first + k, base + k, capacity);
+      return;
+    }
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
+                 : "memory");
+  }
+}
+
 // One task a whole call waits for was dispatched (or skipped): the last one pushes the call's
 // tasks ``first`` .. ``first + count - 1``, claiming their slots at once. Called by one thread.
 __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int count,
                                                     int* head_tail, int* ring, int capacity,
                                                     int* status) {
   if (atomicSub(pending, 1) != 1) return;
-  const int base = atomicAdd(head_tail + 1, count);
-  for (int k = 0; k < count; ++k) {
-    if (base + k >= capacity) {
-      etc_record_stop(status, 3, first + k, base + k, capacity);
-      return;
-    }
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
-                 : "memory");
-  }
+  etc_push_range(head_tail, ring, first, count, capacity, status);
 }
 
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring
@@ -237,17 +260,32 @@ __device__ __noinline__ int etc_idle(uint64_t* since, int* status, int task,
   return 0;
 }
 
-// A trigger releases ``task`` (kind 6 if it already did).
-__device__ __forceinline__ void etc_mark_released(int* marks, int task, int* status) {
-  if (atomicAdd(marks + task, 1) != 0) etc_record_stop(status, 6, task, task, 0);
+// Release marks are bits, 32 tasks a word: a trigger that releases a run of tasks sets them
+// with one atomic per word, and the skip pass reads a word per 32 tasks.
+
+// Mark tasks ``first`` .. ``first + count - 1`` released (kind 6 if a task already was).
+// Thread ``lane`` of ``lanes`` takes every lanes-th word of the run.
+__device__ __forceinline__ void etc_mark_range(int* marks, int first, int count, int lane,
+                                               int lanes, int* status) {
+  if (count <= 0) return;
+  const int last = first + count - 1;
+  for (int w = (first >> 5) + lane; w <= (last >> 5); w += lanes) {
+    const int lo = max(first, w << 5) & 31, hi = min(last, (w << 5) + 31) & 31;
+    const unsigned mask = (0xffffffffu >> (31 - hi)) & (0xffffffffu << lo);
+    const unsigned twice = atomicOr(reinterpret_cast<unsigned*>(marks) + w, mask) & mask;
+    if (twice) {
+      const int task = (w << 5) + __ffs(twice) - 1;
+      etc_record_stop(status, 6, task, task, 0);
+    }
+  }
 }
 
 // One more (a shared-memory tally of one CTA's threads).
 __device__ __forceinline__ void etc_count(int* tally) { atomicAdd(tally, 1); }
 
-// Whether a trigger released ``task``.
-__device__ __forceinline__ int etc_released(const int* marks, int task) {
-  return etc_load_relaxed(marks + task) != 0;
+// The release marks of tasks 32 * word .. 32 * word + 31, one bit each.
+__device__ __forceinline__ int etc_release_word(const int* marks, int word) {
+  return etc_load_relaxed(marks + word);
 }
 
 // A decrement (release, then acquire) that says whether it completed the element: the caller

@@ -16,38 +16,11 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-__device__ __forceinline__ int etc_load_relaxed_sys(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ int etc_load_acquire_sys(const int* p) {
-  int v;
-  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// etc_wait on a counter that other GPUs decrement: the same bound and stop record, with
-// system-scope loads. Called by one thread.
+// etc_wait on a counter that other GPUs decrement: system-scope loads, the same bound and
+// stop record. Called by one thread.
 __device__ __noinline__ int etc_wait_sys(const int* counter, int* status, int task, int element,
                                          long long limit_ns) {
-  if (etc_load_acquire_sys(counter) <= 0) return 0;
-  const unsigned long long start = etc_globaltimer_ns();
-  for (unsigned polls = 1;; ++polls) {
-    const int seen = etc_load_relaxed_sys(counter);
-    if (seen <= 0) {
-      etc_load_acquire_sys(counter);
-      return 0;
-    }
-    if (polls % 64 != 0) continue;
-    if (etc_load_relaxed(status) != 0) return 1;
-    if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
-      etc_record_stop(status, 1, task, element, seen);
-      return 1;
-    }
-    __nanosleep(20);
-  }
+  return etc_wait_at<kSys>(counter, status, task, element, limit_ns);
 }
 
 // ``ptr`` (symmetric) in rank ``pe``'s copy, for plain loads and stores over NVLink: a task

@@ -222,26 +222,37 @@ class RankProgram:
         watchdog check."""
         import tvm
 
+        dev = tvm.cuda(_current_device())
+        outputs = self.launch(world, *(tvm.runtime.tensor(np.ascontiguousarray(x), dev)
+                                       for x in inputs))
+        self.check()
+        results = [out.numpy() for out in outputs]
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def launch(self, world: Nvshmem, *inputs) -> list:
+        """Launch on this rank's ``inputs`` (device tensors) and return its output tensors
+        without waiting: a timing loop launches many times, then calls ``check`` once."""
+        import tvm
+
         if world.rank != self.rank or world.world_size != self.graph.world_size:
             raise EtcError(f"{self.name} is rank {self.rank} of {self.graph.world_size}; this "
                            f"process is rank {world.rank} of {world.world_size}")
-        dev = tvm.cuda(_current_device())
         if self.state is None:
-            self.state = self._allocate(world, dev)
+            self.state = self._allocate(world, tvm.cuda(_current_device()))
             world.programs.append(self)
         params = [self.graph.tensors[t] for t in self._own(lambda t: t.param is not None)]
         if len(inputs) != len(params):
             raise EtcError(f"{self.name} takes {len(params)} inputs "
                            f"({', '.join(p.name for p in params)}), got {len(inputs)}")
-        args = [tvm.runtime.tensor(np.ascontiguousarray(x), dev) for x in inputs]
         counters, status, outputs = self.state["counters"], self.state["status"], \
             self.state["outputs"]
-        self.executable[self.name](*args, *self.state["arrays"], counters, status, *outputs)
-        self.meta.check(status.numpy())
+        self.executable[self.name](*inputs, *self.state["arrays"], counters, status, *outputs)
         produced = self._own(lambda t: t.producer is not None)
-        results = [outputs[produced.index(t)].numpy()
-                   for t in self.graph.rank_outputs(self.rank)]
-        return results[0] if len(results) == 1 else tuple(results)
+        return [outputs[produced.index(t)] for t in self.graph.rank_outputs(self.rank)]
+
+    def check(self) -> None:
+        """Raise the watchdog's error if the last launch stopped (waits for it)."""
+        self.meta.check(self.state["status"].numpy())
 
     def _own(self, which) -> list[int]:
         return [t.index for t in self.graph.tensors if t.rank == self.rank and which(t)]

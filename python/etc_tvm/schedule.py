@@ -237,10 +237,11 @@ class DynamicPlan:
 
     def state_sizes(self) -> dict[str, int]:
         """The ring kernel's working state, fresh every launch (``ReadyRing.outputs``):
-        pending counts (tasks, then late calls), one ring slot and one release mark per task,
-        and head, tail and the expected task count."""
+        pending counts (tasks, then late calls), one ring slot and one release mark bit per
+        task, and head, tail and the expected task count."""
         n = max(1, self.capacity)
-        return {"pending": n + len(self.late_calls), "ring": n, "head_tail": 3, "marks": n}
+        return {"pending": n + len(self.late_calls), "ring": n, "head_tail": 3,
+                "marks": -(-n // 32)}
 
     def initial_pending(self) -> np.ndarray:
         return np.concatenate([self.pending, [lc.pending for lc in self.late_calls]]) \

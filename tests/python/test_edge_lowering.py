@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
@@ -37,6 +38,11 @@ TRIGGERS = [  # text, event shape, task grid, tensors: name -> (shape, largest v
     ("a=>0:ptr[4], 0:3", (1,), (9, 3), {"ptr": ((5,), 8)}),  # the MoE layer's two triggers
     ("g=>g:g+1, 0:3 if g < ptr[4]", (9,), (9, 3), {"ptr": ((5,), 8)}),
     ("ij=>i:i+1, ptr[j]:ptr[j+1]", (2, 4), (2, 9), {"ptr": ((5,), 8)}),
+    # element coordinates solved from the task (no loop over them)
+    ("e=>e+1", (3,), (5,), {}),
+    ("e=>2*e", (3,), (7,), {}),
+    ("e=>e*3:e*3+2", (3,), (9,), {}),
+    ("ij=>j:j+1, i:i+1", (2, 2), (3, 2), {}),
 ]
 
 
@@ -129,6 +135,24 @@ def test_trigger_scan_finds_the_elements_that_release_each_task(text, shape, gri
     want = [(task, elem) for task, elems in released.items() for elem in elems]
     assert want and len(released) > len({task for task, _ in want})
     assert run_trigger_scan(emap, shape, grid, arrays) == want
+
+
+@pytest.mark.parametrize("text, shape, loops", [
+    ("g=>g:g+1, 0:3 if g < ptr[4]", (640,), 0),  # the MoE layer's down GEMM: one element
+    ("ij=>i:i+1, ptr[j]:ptr[j+1]", (2, 4), 1),  # i solved, j looped
+    ("e=>e*2:e*2+3", (3,), 1),  # overlapping ranges: several elements may release a task
+    ("e=>ptr[e]:ptr[e+1]", (4,), 1),
+])
+def test_trigger_scan_solves_the_coordinates_a_task_determines(text, shape, loops):
+    task_rank = len(text.split("=>")[1].split(" if ")[0].split(","))
+    emap = edge_map.parse(text, kind="in", task_rank=task_rank, event_rank=len(shape),
+                          tensors={"ptr": 1})
+    coords = [tirx.Var(f"t{k}", "int32") for k in range(task_rank)]
+    scan = trigger_scan(emap, shape, coords, {"ptr": tirx.decl_buffer((5,), "int32", "ptr")},
+                        lambda elem: tirx.Evaluate(tirx.IntImm("int32", 0)))
+    found = []
+    tvm_ffi.structural_walk(scan, [(tirx.For, found.append)])
+    assert len(found) == loops
 
 
 @pytest.mark.parametrize("text, kind, grid, rank, shapes", CASES, ids=[c[0] for c in CASES])

@@ -4,6 +4,7 @@ mixed task orders, and the generated CUDA (each tile alone, the layer as one meg
 compiled for sm_90a."""
 import functools
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from etc_tvm import Tensor, call_device, graph_func
+from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -65,12 +66,21 @@ def gaussian_routing_inputs(rng, tokens):
 
 
 # ------------------------------------------------------------------ references vs float64
+def route_with_tiles(x, w, experts_per_task=8):
+    """topk, topw of the router and top-k tiles' references, on poisoned outputs."""
+    tokens, blocks = x.shape[0], moe.ceil_div(x.shape[0], 8)
+    logits = poisoned((tokens, E), "float32")
+    run_tasks(moe.make_router_tile(H, E, 8, experts_per_task), (blocks, E // experts_per_task),
+              x, w, logits)
+    topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
+    run_tasks(moe.make_topk_tile(E, K), (blocks,), logits, topk, topw)
+    return topk, topw
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_router_reference_is_within_its_bound(tokens, rng):
     x, w = gaussian_routing_inputs(rng, tokens)
-    tile = moe.make_router_tile(H, E, K)
-    topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
-    run_tasks(tile, (moe.ceil_div(tokens, 8),), x, w, topk, topw)
+    topk, topw = route_with_tiles(x, w)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
@@ -83,8 +93,7 @@ def test_router_breaks_ties_by_lower_index():
     w = np.zeros((H, E))
     w[:, [2, 5]] = 1 / H
     w[:, 9] = 0.5 / H
-    topk, topw = np.zeros((3, K), np.int32), np.zeros((3, K), np.float32)
-    run_tasks(moe.make_router_tile(H, E, K), (1,), x, w.astype(BF16), topk, topw)
+    topk, topw = route_with_tiles(x, w.astype(BF16))
     np.testing.assert_array_equal(topk[:, :3], [[2, 5, 9]] * 3)
     np.testing.assert_array_equal(topk[:, 3], [0] * 3)  # the lowest of the zero logits
 
@@ -130,6 +139,20 @@ def test_align_reference_builds_the_padded_csr(tokens, routing, rng):
         assert counts[HOT] == tokens
     if routing == "idle_experts":
         assert (counts[1::2] == 0).all()
+
+
+@pytest.mark.parametrize("tokens", (1, 2, 3, 16, 17, 100, 1024))
+@pytest.mark.parametrize("experts, top_k, tile_rows", [(128, 8, 16), (8, 2, 4), (16, 4, 64)])
+def test_max_tiles_holds_the_thinnest_routing(tokens, experts, top_k, tile_rows):
+    """Token t picks experts t*K .. t*K + K - 1 (mod E): the pairs spread as thinly as a
+    routing can, so every busy expert pads a partial tile. The bound holds, and is reached
+    while T*K <= E."""
+    topk = (np.arange(tokens)[:, None] * top_k + np.arange(top_k)) % experts
+    tiles = moe.max_tiles(tokens, experts, top_k, tile_rows)
+    used = moe.align_reference(topk, experts, tile_rows, tiles)[1][experts]
+    assert used <= tiles
+    if tokens * top_k <= experts:
+        assert used == tiles == tokens * top_k
 
 
 def test_interleaved_weights_split_back():
@@ -291,7 +314,7 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
     """Each tile alone as a graph function (strategy "unfused"), as the GPU tests run them:
     name -> (graph, the arguments' roles)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
-    router = moe.make_router_tile(Hd, Ex, Kk)
+    router, topk_tile = moe.make_router_tile(Hd, Ex), moe.make_topk_tile(Ex, Kk)
     align = moe.make_align_tile(Ex, Kk, BT)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex)
     down = moe.make_down_tile(Fi, Hd, Ex)
@@ -302,8 +325,13 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
     @graph_func
     def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
         n = x.shape[0]
-        return call_device(router, tile_num=(moe.ceil_div(n, 8),), args=[x, w],
-                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")])
+        blocks = moe.ceil_div(n, 8)
+        ready = ETensor((blocks,), name="logits_ready")
+        logits = call_device(router, tile_num=(blocks, Ex // 16), args=[x, w],
+                             out=Tensor((n, Ex), "float32"), out_edges={ready: "bj->b"})
+        return call_device(topk_tile, tile_num=(blocks,), args=[logits],
+                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
+                           in_edges={ready: "b->b"})
 
     @graph_func
     def align_only(topk: Tensor(("T", Kk), "int32")):
@@ -375,6 +403,34 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_ring_pushes_each_released_run_of_tasks_at_once():
+    """The ``aligned`` element releases gate-up tasks ``(0 .. exp_indptr[E]) x (0 .. 24)``, an
+    ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids that
+    one ``etc_push_range`` claims."""
+    source = build(make_moe_layer(), {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("__global__"):]
+    assert re.search(r"etc_push_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
+    assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
+
+
+@pytest.mark.parametrize("strategy", ["static", "unfused"])
+def test_layer_with_64_row_tiles_compiles_for_sm90a(strategy, tmp_path):
+    """The tiles bench_moe picks from 257 tokens on (``tile_rows_for``)."""
+    assert moe_layer.tile_rows_for(256) == 16 and moe_layer.tile_rows_for(257) == 64
+    graph = make_moe_layer(tile_rows=64)
+    source = build(graph, {"T": 1024}, strategy=strategy, num_sms=132).cuda_source()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("tokens", (1, 20))
+def test_layer_with_64_row_tiles_matches_float64(tokens, rng):
+    graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=128)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(1)), want, bound)
 
 
 def test_unfused_layer_skips_the_grouped_gemm_tiles_past_the_used_ones():

@@ -20,10 +20,14 @@ that ask for the same configuration share one device function:
 - ``attention``: decode attention (32 query heads on 4 KV heads, head dim 128, bf16) over a
   contiguous KV cache: ``make_kv_append_tile()``, ``make_decode_split_tile(chunk)`` (one chunk
   of one sequence and KV head, flash-decoding partials) and ``make_decode_merge_tile()``.
-- ``moe``: the MoE layer's router (top-K, renormalised weights), align (the padded CSR of
+- ``moe``: the MoE layer's router logits and top-K (renormalised weights), align (the padded CSR of
   expert tiles), grouped gate-up (SiLU-mul fused) and down GEMMs on ``gemm.MmaTile``, and the
   weighted combine; ``apps/moe_layer.py`` wires them into one graph.
 - ``rope``: ``make_qk_norm_rope_tile``: Qwen3's per-head q/k RMSNorm and neox rotary.
+- ``tp``: tensor-parallel tiles for graphs of several ranks, on ``wgmma_gemm.WgmmaTile``:
+  ``make_gemm_scatter_tile`` and ``make_partial_sum_tile`` (GEMM + Reduce-Scatter),
+  ``make_gather_rows_tile`` and ``make_ring_gemm_tile`` (All-Gather + GEMM);
+  ``apps/tp_layers.py`` wires them into the two halves of a tensor-parallel MLP.
 
 A megakernel runs every task with one thread count, so tiles used together must agree on it:
 every family defaults to 128 threads (4 warps), and the default tile shapes line up (64-row

@@ -60,6 +60,16 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
 
 
+def deepest_stages(bm: int, bn: int, bk: int, most: int = 8) -> int:
+    """The deepest cp.async ring, up to ``most``, that fits ``SMEM_LIMIT``: a tile that streams
+    weights through few rows is bound by the loads it keeps in flight, ``stages - 1`` slices
+    (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice)."""
+    fits = [s for s in range(2, most + 1) if shared_bytes(bm, bn, bk, s) <= SMEM_LIMIT]
+    if not fits:
+        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: not even 2 stages fit {SMEM_LIMIT} bytes")
+    return fits[-1]
+
+
 @T.meta_class
 class MmaTile:
     """One ``bm x bn`` fp32 accumulator tile on ``mma.sync.m16n8k16``, fed through a

@@ -3,8 +3,9 @@
 The layer, for T tokens (symbolic), hidden H, E experts, top-K, expert intermediate F, and
 expert tiles of BT rows::
 
-    router   task b (TB tokens)  logits = x @ w_router (fp32); top-K experts per token, their
-                                 softmax weights renormalised to sum to 1
+    router   task (b, j)         logits[TB tokens, EB experts] = x @ w_router (fp32)
+    topk     task b (TB tokens)  top-K experts per token, their softmax weights renormalised
+                                 to sum to 1
     align    task 0 (one CTA)    per-expert counts, the CSR of expert tiles exp_indptr [E+1],
                                  each (t, k) pair's row (pair_row) and tile, each row's token
     gate_up  task (g, n)         h[rows of g, cols n] = silu(x[tok] @ Wg[e]) * (x[tok] @ Wu[e])
@@ -13,15 +14,19 @@ expert tiles of BT rows::
 
 Expert e owns tiles ``exp_indptr[e] .. exp_indptr[e+1] - 1`` and rows from
 ``exp_indptr[e] * BT`` on, its pairs in (t, k) row-major order; the last tile of an expert is
-padded (``sorted_token`` -1). ``max_tiles = ceil(T*K / BT) + E`` bounds the tiles used; a grouped
-GEMM task of a tile past ``exp_indptr[E]`` (``tile_expert[g] == E``) does nothing, and in a
-megakernel no trigger releases it, so it is skipped.
+padded (``sorted_token`` -1). ``max_tiles = n + (T*K - n) // BT`` with ``n = min(E, T*K)``
+bounds the tiles used; a grouped GEMM task of a tile past ``exp_indptr[E]``
+(``tile_expert[g] == E``) does nothing, and in a megakernel no trigger releases it, so it is
+skipped.
 
 Choices, and why:
 
 - Router tasks take TB tokens: a token does only 2 FLOP per router weight, so the 512 KB
-  ``w_router`` read dominates; a block of tokens reads it once. Thread (group of 8 experts,
-  slice of H) reads 16 bytes of a weight row per step; the slices are summed in shared memory.
+  ``w_router`` read dominates; a block of tokens reads it once, staged in shared memory. The
+  experts are split over tasks (EB = 16: 8 tasks, 64 KB each), so that one token's routing
+  is not one SM's 512 KB read and 2 M FMAs (38 us on the H200); top-K is a task of its own.
+  Thread (group of 8 experts, contiguous slice of H) issues 16-byte loads of ``unroll``
+  weight rows before it uses them; the slices are summed in shared memory.
   Top-K runs one warp per token: K rounds of warp max, then warp min of the lanes' indices that
   reach it, so ties go to the lower expert index, as ``np.argsort(kind="stable")`` does.
   The softmax over all E cancels under renormalisation: ``w_k = exp(l_k - l_1) / sum_j
@@ -70,67 +75,116 @@ def ceil_div(a, b):
 
 
 def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
-    """Tiles of the grouped GEMMs: enough for every expert's partial last tile."""
-    return ceil_div(tokens * top_k, tile_rows) + experts
+    """Tiles of the grouped GEMMs, for any routing: at most ``n = min(E, T*K)`` experts have
+    pairs, one pair each fills one tile, and the other ``T*K - n`` pairs add a tile per BT,
+    so ``n + (T*K - n) // BT`` (8 tiles, not 129, for one token of Qwen3-30B-A3B). ``tokens``
+    may be symbolic."""
+    pairs = tokens * top_k
+    busy = min(experts, pairs) if isinstance(pairs, int) else tirx.min(pairs, experts)
+    return busy + (pairs - busy) // tile_rows
 
 
 # ----------------------------------------------------------------------------------- router
 @functools.cache
-def make_router_tile(hidden: int, experts: int, top_k: int, block_tokens: int = 8,
-                     threads: int = 128) -> DeviceFunc:
-    """The tile ``router_<H>x<E>_top<K>_b<TB>``: task b routes tokens b*TB .. b*TB + TB - 1
-    (those below T), writing topk (T, K) int32 and topw (T, K) fp32."""
-    H, E, K, TB = hidden, experts, top_k, block_tokens
-    groups = E // VEC
-    if E % VEC or threads % groups or threads % WARP:
-        raise EtcError(f"router tile: {E} experts must be groups of {VEC} that divide "
-                       f"{threads} threads")
+def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
+                     experts_per_task: int = 16, threads: int = 128,
+                     unroll: int = 16) -> DeviceFunc:
+    """The tile ``router_<H>x<E>_b<TB>_e<EB>``: task (b, j) writes the fp32 logits of tokens
+    b*TB .. b*TB + TB - 1 (those below T) for experts j*EB .. j*EB + EB - 1 into logits (T, E).
+    A thread keeps ``unroll`` 16-byte weight loads in flight."""
+    H, E, TB, EB = hidden, experts, block_tokens, experts_per_task
+    groups = EB // VEC
+    if EB % VEC or E % EB or threads % groups or threads % WARP:
+        raise EtcError(f"router tile: {EB} experts a task must be groups of {VEC} that divide "
+                       f"{threads} threads and the {E} experts")
     slices = threads // groups
-    if H % slices or not 1 <= K <= E:
-        raise EtcError(f"router tile: hidden {H} must split into {slices} slices and "
-                       f"1 <= top_k {K} <= {E}")
-    warps, per_lane = threads // WARP, ceil_div(E, WARP)
+    span = H // slices
+    U = min(unroll, span)  # weight rows a thread loads before it uses them
+    if H % VEC or H % slices or span % U:
+        raise EtcError(f"router tile: hidden {H} must be a multiple of {VEC} and split into "
+                       f"{slices} slices of whole {U}-row steps")
+    xvec = math.gcd(U, VEC)
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
-    def router(b: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-               w_router: T.Buffer((H, E), "bfloat16"), topk: T.Buffer((ntok, K), "int32"),
-               topw: T.Buffer((ntok, K), "float32")):
+    def router(b: T.int32, j0: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+               w_router: T.Buffer((H, E), "bfloat16"), logits: T.Buffer((ntok, E), "float32")):
         T.device_entry()
         tx = T.thread_id([threads])
-        warp = T.warp_id([warps])
-        lane = T.lane_id([WARP])
-        part = T.alloc_shared((slices, TB, E), "float32")
-        logits = T.alloc_shared((TB, E), "float32")
+        xs = T.alloc_shared((TB, H), "bfloat16")
+        part = T.alloc_shared((slices, TB, EB), "float32")
         acc = T.alloc_local((TB, VEC), "float32")
-        wv = T.alloc_local((VEC,), "bfloat16")
+        wv = T.alloc_local((U, VEC), "bfloat16")
+        xv = T.alloc_local((U,), "bfloat16")
         eg = T.meta_var(tx % groups)
-        hs = T.meta_var(tx // groups)
+        hs = T.meta_var(tx // groups)  # thread rows hs*span .. (hs+1)*span - 1 of w_router
+        for q in T.serial(ceil_div(TB * H // VEC, threads)):
+            v = T.meta_var(q * threads + tx)
+            if v < TB * H // VEC:
+                # rows past T copy the last token; their logits are never stored
+                for j in T.vectorized(VEC):
+                    xs[v // (H // VEC), v % (H // VEC) * VEC + j] = x[
+                        T.min(b * TB + v // (H // VEC), ntok - 1), v % (H // VEC) * VEC + j]
         for t in T.unroll(TB):
             for j in T.unroll(VEC):
                 acc[t, j] = T.float32(0)
-        for hh in T.serial(H // slices):
-            for j in T.vectorized(VEC):
-                wv[j] = w_router[hh * slices + hs, eg * VEC + j]
+        T.cuda.cta_sync()
+        for ho in T.serial(span // U):
+            k0 = T.meta_var(hs * span + ho * U)
+            for u in T.unroll(U):
+                for j in T.vectorized(VEC):
+                    wv[u, j] = w_router[k0 + u, j0 * EB + eg * VEC + j]
             for t in T.unroll(TB):
-                # rows past T read the last token; their logits are never used
-                xv = T.meta_var(T.Cast("float32", x[T.min(b * TB + t, ntok - 1),
-                                                    hh * slices + hs]))
-                for j in T.unroll(VEC):
-                    acc[t, j] = acc[t, j] + xv * T.Cast("float32", wv[j])
+                for uo in T.unroll(U // xvec):
+                    for j in T.vectorized(xvec):
+                        xv[uo * xvec + j] = xs[t, k0 + uo * xvec + j]
+                for u in T.unroll(U):
+                    for j in T.unroll(VEC):
+                        acc[t, j] = acc[t, j] + T.Cast("float32", xv[u]) * T.Cast(
+                            "float32", wv[u, j])
         for t in T.unroll(TB):
             for j in T.unroll(VEC):
                 part[hs, t, eg * VEC + j] = acc[t, j]
         T.cuda.cta_sync()
-        for q in T.serial(ceil_div(TB * E, threads)):
+        for q in T.serial(ceil_div(TB * EB, threads)):
             v = T.meta_var(q * threads + tx)
-            if v < TB * E:
+            if v < TB * EB and b * TB + v // EB < ntok:
                 total = T.local_scalar("float32")
                 total = T.float32(0)
                 for s in T.serial(slices):
-                    total = total + part[s, v // E, v % E]
-                logits[v // E, v % E] = total
-        T.cuda.cta_sync()
+                    total = total + part[s, v // EB, v % EB]
+                logits[b * TB + v // EB, j0 * EB + v % EB] = total
+
+    name = f"router_{H}x{E}_b{TB}_e{EB}_u{U}_t{threads}"
+    tile = device_func(router.with_attr("global_symbol", name), cost=span // 64 + 1)
+
+    @tile.set_reference
+    def _(b, j0, x, w_router, logits):
+        rows, cols = slice(b * TB, min((b + 1) * TB, x.shape[0])), slice(j0 * EB, (j0 + 1) * EB)
+        logits[rows, cols] = x[rows].astype(np.float32) @ w_router[:, cols].astype(np.float32)
+
+    return tile
+
+
+@functools.cache
+def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
+                   threads: int = 128) -> DeviceFunc:
+    """The tile ``topk_<E>_top<K>_b<TB>``: task b picks the top-K experts of tokens
+    b*TB .. b*TB + TB - 1 (those below T) from logits (T, E), writing topk (T, K) int32 and
+    their renormalised softmax weights topw (T, K) fp32."""
+    E, K, TB = experts, top_k, block_tokens
+    if threads % WARP or not 1 <= K <= E:
+        raise EtcError(f"top-k tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
+    warps, per_lane = threads // WARP, ceil_div(E, WARP)
+    ntok = tirx.Var("T", "int32")
+
+    @T.prim_func
+    def topk_of(b: T.int32, logits: T.Buffer((ntok, E), "float32"),
+                topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32")):
+        T.device_entry()
+        T.thread_id([threads])
+        warp = T.warp_id([warps])
+        lane = T.lane_id([WARP])
         vals = T.alloc_local((per_lane,), "float32")
         weight = T.alloc_local((K,), "float32")
         for tt in T.serial(ceil_div(TB, warps)):
@@ -139,7 +193,7 @@ def make_router_tile(hidden: int, experts: int, top_k: int, block_tokens: int = 
                 for v in T.unroll(per_lane):
                     vals[v] = T.float32(FLT_LOWEST)
                     if lane + v * WARP < E:
-                        vals[v] = logits[t, lane + v * WARP]
+                        vals[v] = logits[b * TB + t, lane + v * WARP]
                 best = T.local_scalar("float32")
                 mine = T.local_scalar("float32")
                 arg = T.local_scalar("int32")
@@ -172,14 +226,13 @@ def make_router_tile(hidden: int, experts: int, top_k: int, block_tokens: int = 
                     for k in T.unroll(K):
                         topw[b * TB + t, k] = weight[k] / lsum
 
-    name = f"router_{H}x{E}_top{K}_b{TB}_t{threads}"
-    tile = device_func(router.with_attr("global_symbol", name), cost=H // slices // 64 + 1)
+    name = f"topk_{E}_top{K}_b{TB}_t{threads}"
+    tile = device_func(topk_of.with_attr("global_symbol", name), cost=1)
 
     @tile.set_reference
-    def _(b, x, w_router, topk, topw):
-        rows = slice(b * TB, min((b + 1) * TB, x.shape[0]))
-        logits = x[rows].astype(np.float32) @ w_router.astype(np.float32)
-        ids, weights = top_k_of(logits, K)
+    def _(b, logits, topk, topw):
+        rows = slice(b * TB, min((b + 1) * TB, logits.shape[0]))
+        ids, weights = top_k_of(logits[rows], K)
         topk[rows], topw[rows] = ids, weights.astype(np.float32)
 
     return tile

@@ -90,7 +90,7 @@ WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
 
-__all__ = ["error_bound", "make_wgmma_gemm_tile", "shared_bytes"]
+__all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes"]
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
@@ -98,7 +98,8 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * bk + bk * bn) * 2 + ATOM_BYTES
 
 
-def _check(bm: int, bn: int, bk: int, stages: int, threads: int, out_dtype: str) -> None:
+def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
+                   out_dtype: str = "float32") -> None:
     """Reject the shapes the layout, the instruction and the register file cannot take."""
     name = f"wgmma gemm tile {bm}x{bn}x{bk}"
     if out_dtype not in OUT_DTYPES:
@@ -200,6 +201,71 @@ class SwizzledRing:
         return desc[1] + T.Cast("uint64", slot * (self.b_stage // 16) + kk * 16 * ROW_BYTES // 16)
 
 
+@T.meta_class
+class WgmmaTile:
+    """One ``bm x bn`` fp32 accumulator tile on ``wgmma``, fed through a ``SwizzledRing``: the
+    main loop and epilogue of every wgmma-shaped tile. ``run`` computes
+    ``A[row0:+bm, 0:num_k*bk] @ B[0:num_k*bk, col0:+bn]`` (views of other tensors may stand
+    for A and B); ``store`` writes the tile to ``C[row0:+bm, col0:+bn]``. The geometry is
+    checked by ``check_geometry`` before a tile is built."""
+
+    def __init__(self, bm, bn, bk, stages, threads, tx, warp, lane):
+        self.bm, self.bn, self.bk, self.stages = bm, bn, bk, stages
+        self.tx, self.warp, self.lane = tx, warp, lane
+        self.wg_rows = bm // (threads // WARPGROUP)  # rows per warpgroup
+        self.mt = self.wg_rows // 64  # m64 blocks per warpgroup
+        self.regs = bn // 2  # accumulators per m64 block and thread
+        self.prefetch = stages - 2
+        self.wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{bn}k16").f32.bf16.bf16
+        self.ring = SwizzledRing(bm, bn, bk, stages, threads)
+        self.acc = T.alloc_local((self.mt, self.regs), "float32")
+        self.desc = T.alloc_local((2,), "uint64")
+
+    @T.inline
+    def run(self, A, B, row0, col0, num_k):
+        ring, acc, desc, stages, prefetch = T.meta_var(
+            (self.ring, self.acc, self.desc, self.stages, self.prefetch))
+        ring.init()
+        ring.encode(desc, self.warp // 4 * self.wg_rows)
+        for m in T.unroll(self.mt):
+            for e in T.unroll(self.regs):
+                acc[m, e] = T.float32(0)
+        for p in T.unroll(prefetch):
+            if p < num_k:
+                ring.load_stage(p, A, B, row0, col0, p * self.bk, self.tx)
+            T.ptx.cp.async_.commit_group()
+        for ko in T.serial(num_k):
+            T.ptx.cp.async_.wait_group(prefetch - 1)
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            T.cuda.cta_sync()
+            T.ptx.wgmma.fence.sync.aligned()
+            for kk in T.unroll(self.bk // 16):
+                for m in T.unroll(self.mt):
+                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                               ring.a_desc(desc, ko % stages, kk, m),
+                               ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            if ko + prefetch < num_k:
+                ring.load_stage((ko + prefetch) % stages, A, B, row0, col0,
+                                (ko + prefetch) * self.bk, self.tx)
+            T.ptx.cp.async_.commit_group()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
+
+    @T.inline
+    def store(self, C, row0, col0):
+        # Accumulator 4b + 2h + v of an m64 block: row 16*(warp%4) + lane//4 + 8h, column
+        # 8b + 2*(lane%4) + v (the mma.m16n8 C fragment, one per n8 block, per warp).
+        for m in T.unroll(self.mt):
+            for b in T.unroll(self.bn // 8):
+                for h in T.unroll(2):
+                    for v in T.vectorized(2):
+                        C[row0 + self.warp // 4 * self.wg_rows + m * 64 + self.warp % 4 * 16
+                          + self.lane // 4 + h * 8, col0 + b * 8 + self.lane % 4 * 2 + v] = \
+                            T.Cast(C.dtype, self.acc[m, b * 4 + h * 2 + v])
+
+
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
                          threads: int = 256, out_dtype: str = "float32") -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
@@ -218,13 +284,7 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
 @functools.cache
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
                out_dtype: str) -> DeviceFunc:
-    _check(bm, bn, bk, stages, threads, out_dtype)
-    groups = threads // WARPGROUP
-    wg_rows = bm // groups  # rows per warpgroup
-    mt = wg_rows // 64  # m64 blocks per warpgroup
-    regs = bn // 2  # accumulators per m64 block and thread
-    prefetch = stages - 2
-    wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{bn}k16").f32.bf16.bf16
+    check_geometry(bm, bn, bk, stages, threads, out_dtype)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
 
     @T.prim_func
@@ -234,46 +294,9 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         tx = T.thread_id([threads])
         warp = T.warp_id([threads // 32])
         lane = T.lane_id([32])
-        ring = SwizzledRing(bm, bn, bk, stages, threads)
-        acc = T.alloc_local((mt, regs), "float32")
-        desc = T.alloc_local((2,), "uint64")
-        num_k = T.meta_var(K // bk)
-        ring.init()
-        ring.encode(desc, warp // 4 * wg_rows)
-        for m in T.unroll(mt):
-            for e in T.unroll(regs):
-                acc[m, e] = T.float32(0)
-        for p in T.unroll(prefetch):
-            if p < num_k:
-                ring.load_stage(p, A, B, i * bm, j * bn, p * bk, tx)
-            T.ptx.cp.async_.commit_group()
-        for ko in T.serial(num_k):
-            T.ptx.cp.async_.wait_group(prefetch - 1)
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            T.cuda.cta_sync()
-            T.ptx.wgmma.fence.sync.aligned()
-            for kk in T.unroll(bk // 16):
-                for m in T.unroll(mt):
-                    wgmma(*[acc[m, e] for e in range(regs)],
-                          ring.a_desc(desc, ko % stages, kk, m), ring.b_desc(desc, ko % stages, kk),
-                          True, 1, 1, 0, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
-            if ko + prefetch < num_k:
-                ring.load_stage((ko + prefetch) % stages, A, B, i * bm, j * bn,
-                                (ko + prefetch) * bk, tx)
-            T.ptx.cp.async_.commit_group()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
-        # Accumulator 4b + 2h + v of an m64 block: row 16*(warp%4) + lane//4 + 8h, column
-        # 8b + 2*(lane%4) + v (the mma.m16n8 C fragment, one per n8 block, per warp).
-        for m in T.unroll(mt):
-            for b in T.unroll(bn // 8):
-                for h in T.unroll(2):
-                    for v in T.vectorized(2):
-                        C[i * bm + warp // 4 * wg_rows + m * 64 + warp % 4 * 16 + lane // 4
-                          + h * 8, j * bn + b * 8 + lane % 4 * 2 + v] = \
-                            T.Cast(out_dtype, acc[m, b * 4 + h * 2 + v])
+        tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
+        tile.run(A, B, i * bm, j * bn, K // bk)
+        tile.store(C, i * bm, j * bn)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"

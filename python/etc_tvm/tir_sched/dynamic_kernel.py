@@ -37,7 +37,7 @@ from tvm.script.ir_builder import tirx as Tb
 from ..errors import GraphError
 from ..schedule import DynamicPlan
 from ..task_graph import TaskGraph
-from .events import EventLayout, lower_edge
+from .events import EventLayout, LoweredEdge, lower_edge
 from .grid_kernel import unravel
 from .inline import i32
 from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
@@ -45,6 +45,11 @@ from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
 
 def pointer(buf: tirx.Buffer, at: int = 0):
     return buf.ptr_to([i32(at)])
+
+
+def _is(expr, value: int) -> bool:
+    """Whether ``expr`` is the constant ``value``."""
+    return isinstance(expr, tirx.IntImm) and expr.value == value
 
 
 def _ravel(index, grid) -> tirx.Expr:
@@ -182,16 +187,63 @@ class ReadyRing:
                     continue
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, elem)),
                                      self.kernel.params(call))
-                steps.append(lowered.nest(self.kernel.checked(
-                    call, e, i32(-1), lowered.index,
-                    lambda idx, call=call: self.push(i32(call.first_task) + _ravel(idx, call.grid)),
-                    shape=call.grid)))
+                steps.append(self._push_released(call, e, lowered))
         return tirx.stmt_seq(*steps)
+
+    def _push_released(self, call, edge, lowered) -> tirx.Stmt:
+        """Push the tasks of ``call`` that ``lowered`` (a trigger map at one element) gives:
+        a run of consecutive tasks claims its slots with one atomic (the MoE layer's
+        ``aligned`` element releases every gate-up task at once)."""
+        return self._released_runs(call, edge, lowered, lambda first, count: (
+            self.push(first) if _is(count, 1) else self._push_range(first, count)))
+
+    def _released_runs(self, call, edge, lowered, action) -> tirx.Stmt:
+        """``action(first, count)`` for the runs of consecutive task ids of ``call`` that
+        ``lowered`` (a trigger map at one element) gives, first and last bounds-checked.
+        Trailing task coordinates that the map's innermost slices cover whole, with the range
+        just before them, make one run; a map of another form gives runs of one task."""
+        grid, index, loops = call.grid, list(lowered.index), list(lowered.loops)
+        d = len(index) - 1
+        while (d >= 0 and loops and loops[-1][0].same_as(index[d])
+               and _is(loops[-1][1], 0) and _is(loops[-1][2], grid[d])):
+            loops.pop()
+            d -= 1
+        if d >= 0 and loops and loops[-1][0].same_as(index[d]):
+            _, lo, hi = loops.pop()
+        elif d >= 0:
+            lo, hi = index[d], index[d] + i32(1)
+        popped = {v for v, _, _ in lowered.loops} - {v for v, _, _ in loops}
+        outer = [*index[:max(d, 0)], *([] if lowered.guard is None else [lowered.guard])]
+        if any(v in popped for x in outer for v in tirx.analysis.undefined_vars(x)):
+            return lowered.nest(self.kernel.checked(
+                call, edge, i32(-1), lowered.index,
+                lambda idx: action(i32(call.first_task) + _ravel(idx, grid), i32(1)),
+                shape=grid))
+        inner = 1
+        for n in grid[d + 1:]:
+            inner *= n
+        if d < 0:  # the whole grid
+            run = action(i32(call.first_task), i32(call.num_tasks))
+        else:
+            zeros = [i32(0)] * (len(index) - d - 1)
+            first, last = [*index[:d], lo, *zeros], [*index[:d], hi - i32(1), *zeros]
+            run = tirx.IfThenElse(lo < hi, self.kernel.checked(
+                call, edge, i32(-1), first, lambda idx: self.kernel.checked(
+                    call, edge, i32(-1), last, lambda _: action(
+                        i32(call.first_task) + _ravel(idx, grid), (hi - lo) * i32(inner)),
+                    shape=grid), shape=grid), None)
+        return LoweredEdge(tuple(loops), tuple(index), lowered.guard).nest(run)
+
+    def _push_range(self, first: tirx.Expr, count: tirx.Expr) -> tirx.Stmt:
+        return tirx.Evaluate(self._call("etc_push_range", pointer(self.head_tail),
+                                        pointer(self.ring), first, count,
+                                        i32(self.plan.capacity), pointer(self.kernel.status)))
 
     def resolve(self, call) -> tirx.Stmt:
         """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
         element will release (twice is an error), then dispatch the unmarked ones as skipped,
-        and lower ``expected`` by their number."""
+        and lower ``expected`` by their number. Marks are bits set a word of 32 tasks at a
+        time: the threads share the elements, or, for a trigger of one element, its words."""
         kernel, (edge,) = self.kernel, call.triggers
         shape = kernel.layout.shapes[edge.etensor]
         size = 1
@@ -199,37 +251,50 @@ class ReadyRing:
             size *= n
         elem = [tirx.Var(f"e{k}_resolve", "int32") for k in range(len(shape))]
         lowered = lower_edge(edge.map, dict(zip(edge.map.coords, elem)), kernel.params(call))
-        mark = lowered.nest(kernel.checked(
-            call, edge, i32(-1), lowered.index,
-            lambda idx: tirx.Evaluate(self._call(
-                "etc_mark_released", pointer(self.marks),
-                i32(call.first_task) + _ravel(idx, call.grid), pointer(kernel.status))),
-            shape=call.grid))
+        tx, threads = kernel.tx, i32(kernel.scopes.num_threads)
+        lane, lanes = (tx, threads) if size == 1 else (i32(0), i32(1))
+
+        def mark_run(first, count):
+            return tirx.Evaluate(self._call("etc_mark_range", pointer(self.marks), first, count,
+                                            lane, lanes, pointer(kernel.status)))
+
+        mark = self._released_runs(call, edge, lowered, mark_run)
         coords = [tirx.Var(f"{c}_skip", "int32") for c in call.fn.coord_params]
-        task = tirx.Var("skipped_task", "int32")
+        task, bits = tirx.Var("skipped_task", "int32"), tirx.Var("released", "int32")
+        first_word = call.first_task // 32
+        words = (call.first_task + call.num_tasks - 1) // 32 - first_word + 1
 
-        def skip(j):
+        def skip_word(w):
+            j = tirx.Var("bit", "int32")
+            unmarked = tirx.And(
+                tirx.And(i32(call.first_task) <= task,
+                         task < i32(call.first_task + call.num_tasks)),
+                tirx.bitwise_and(tirx.shift_right(bits, j), i32(1)) == i32(0))
             return tirx.stmt_seq(
-                tirx.Bind(task, i32(call.first_task) + j),
-                tirx.IfThenElse(self._call("etc_released", pointer(self.marks), task,
-                                           return_type="int32") == 0, tirx.stmt_seq(
-                    *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, call.grid))],
-                    self.dispatched_as_skipped(call, task, coords),
-                    tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)])))),
-                    None))
+                tirx.Bind(bits, self._call("etc_release_word", pointer(self.marks),
+                                           i32(first_word) + w, return_type="int32")),
+                tirx.For(j, i32(0), i32(32), tirx.ForKind.SERIAL, tirx.stmt_seq(
+                    tirx.Bind(task, (i32(first_word) + w) * i32(32) + j),
+                    tirx.IfThenElse(unmarked, tirx.stmt_seq(
+                        *[tirx.Bind(v, x) for v, x in zip(
+                            coords, unravel(task - i32(call.first_task), call.grid))],
+                        self.dispatched_as_skipped(call, task, coords),
+                        tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)])))),
+                        None))))
 
-        tx = kernel.tx
+        marks = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(elem, unravel(i32(0), shape))],
+                              mark) if size == 1 else kernel.strided(
+            size, lambda i: tirx.stmt_seq(
+                *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark))
         return tirx.stmt_seq(
             tirx.IfThenElse(tx == 0, tirx.BufferStore(self.skipped, i32(0), [i32(0)]), None),
-            kernel.strided(size, lambda i: tirx.stmt_seq(
-                *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark)),
+            marks,
             tirx.Evaluate(Tb.cuda.thread_fence()),
             tirx.Evaluate(Tb.cuda.cta_sync()),
-            kernel.strided(call.num_tasks, skip),
+            kernel.strided(words, skip_word),
             tirx.Evaluate(Tb.cuda.cta_sync()),
             tirx.IfThenElse(tx == 0, tirx.Evaluate(self._call(
                 "etc_add", pointer(self.head_tail, 2), i32(0) - self.skipped[0])), None))
-
 
     def dispatched_as_skipped(self, call, task, coords) -> tirx.Stmt:
         """What a skipped task does instead of entering the ring: its static notifies (fan-ins

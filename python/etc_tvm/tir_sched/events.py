@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
+import tvm
 from tvm import tirx
 
 from .. import edge_map as em
@@ -164,26 +165,67 @@ def trigger_scan(edge_map: em.EdgeMap, shape, coords, tensors: Mapping[str, tirx
     ``edge_map`` releases the task at ``coords`` (TIR), the map reading ``tensors``. A task
     that no element releases is skipped: the kernels run its body only after a hit.
 
-    The elements are looped over, row-major, and so are the map's slices and the ranges that
-    give no task coordinate; a range ``lo:hi`` that gives one is tested, not looped."""
+    An element coordinate that the map turns into a task coordinate affinely and one to one
+    (``g=>g:g+1``, ``i=>2*i:2*i+2``) is solved for from the task, not looped: a task of the
+    MoE layer's down GEMM finds its one element instead of testing every tile's. The other
+    coordinates are looped, row-major, and so are the map's slices and the ranges that give
+    no task coordinate; a range ``lo:hi`` that gives one is tested, not looped."""
     elem = [tirx.Var(f"e{k}", "int32") for k in range(len(shape))]
     lowered = lower_edge(edge_map, dict(zip(edge_map.coords, elem)), tensors)
-    loops, conds, vmap = [], [], {}
+    loops, conds, vmap, given = [], [], {}, []
     for var, lo, hi in lowered.loops:
         dims = [k for k, i in enumerate(lowered.index) if i.same_as(var)]
         if dims:
             conds += [lo <= coords[dims[0]], coords[dims[0]] < hi]
             vmap[var] = coords[dims[0]]
+            given.append((lo, hi - lo, coords[dims[0]]))
         else:
             loops.append((var, lo, hi))
-    conds += [substitute(i, vmap) == c for i, c in zip(lowered.index, coords)
-              if not any(i.same_as(v) for v in vmap)]
+    for i, c in zip(lowered.index, coords):
+        if not any(i.same_as(v) for v in vmap):
+            conds.append(substitute(i, vmap) == c)
+            given.append((substitute(i, vmap), tirx.IntImm("int32", 1), c))
     cond = conds[0]
     for c in conds[1:]:
         cond = tirx.And(cond, c)
+    solved = _solve_elements(elem, given, [v for v, _, _ in lowered.loops])
     body = LoweredEdge(tuple(loops), lowered.index, lowered.guard).nest(
         tirx.IfThenElse(cond, hit(elem), None))
     for var, n in reversed(list(zip(elem, shape))):
-        body = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", n),
-                        tirx.ForKind.SERIAL, body)
-    return body
+        if var not in solved:
+            body = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", n),
+                            tirx.ForKind.SERIAL, body)
+    if not solved:
+        return body
+    inside = None
+    for var, n in zip(elem, shape):
+        if var in solved:
+            ok = tirx.And(tirx.IntImm("int32", 0) <= var, var < tirx.IntImm("int32", n))
+            inside = ok if inside is None else tirx.And(inside, ok)
+    return tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in solved.items()],
+                         tirx.IfThenElse(inside, body, None))
+
+
+def _solve_elements(elem, given, map_vars) -> dict:
+    """Element coordinates determined by a task: from ``(lo, width, c)``, a task coordinate
+    ``c`` in ``[lo, lo + width)`` with ``lo = a * e + b`` (``b`` free of elements and of the
+    map's own variables) and ``0 < width <= a``, the only candidate is ``e = (c - b) // a``;
+    the scan's conditions still check it."""
+    analyzer = tvm.sym.Analyzer()
+    bound = {*elem, *map_vars}
+    solved = {}
+    for lo, width, c in given:
+        width = analyzer.simplify(width)
+        if not isinstance(width, tirx.IntImm) or width.value <= 0:
+            continue
+        for e in elem:
+            if e in solved:
+                continue
+            linear = tvm.sym.detect_linear_equation(lo, [e])
+            if len(linear) != 2 or not isinstance(linear[0], tirx.IntImm):
+                continue
+            a, b = linear[0].value, linear[1]
+            if a < width.value or any(v in bound for v in tirx.analysis.undefined_vars(b)):
+                continue
+            solved[e] = analyzer.simplify(tirx.floordiv(c - b, tirx.IntImm("int32", a)))
+    return solved

@@ -1,0 +1,81 @@
+"""The tensor-parallel MLP layers on the wgmma tiles (apps/tp_layers.py): every rank's result on
+the CPU reference executor against float64 within the tiles' bounds, for several world sizes
+and task orders; and each rank's kernel built for sm_90a with NVSHMEM (no GPU)."""
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from etc_tvm import distributed
+from etc_tvm.errors import EtcError
+from etc_tvm.executor import RandomOrder, ReadyQueueOrder, execute_ranks
+from etc_tvm.tiles import gemm, tp
+
+from test_moe_tiles import _load_app
+from test_tiles import assert_within
+
+tp_layers = _load_app("tp_layers")
+BF16 = ml_dtypes.bfloat16
+TILE = 128
+ORDERS = [ReadyQueueOrder(), RandomOrder(0), RandomOrder(1)]
+
+
+def draw(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("order", ORDERS, ids=repr)
+def test_gemm_reduce_scatter_rows_match_float64(W, order, rng):
+    M, K, N = W * TILE, 64, 2 * TILE  # K: this rank's slice
+    A, B = draw(rng, (M, K * W)), draw(rng, (K * W, N), 1 / np.sqrt(K * W))
+    slices = [(A[:, r * K:(r + 1) * K], B[r * K:(r + 1) * K]) for r in range(W)]
+    exact = A.astype(np.float64) @ B.astype(np.float64)
+    bound = tp.rs_error_bound(*zip(*slices))
+    rows = M // W
+    for r, D in enumerate(execute_ranks(tp_layers.gemm_rs_layer(W), [list(s) for s in slices],
+                                        order=order)):
+        assert D.shape == (rows, N) and D.dtype == BF16
+        assert_within(D, exact[r * rows:(r + 1) * rows], bound[r * rows:(r + 1) * rows])
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("order", ORDERS, ids=repr)
+def test_all_gather_gemm_columns_match_float64(W, order, rng):
+    M, K, N = TILE, 128, W * TILE  # M: this rank's rows
+    A, B = draw(rng, (M * W, K)), draw(rng, (K, N), 1 / np.sqrt(K))
+    cols = N // W
+    inputs = [[A[r * M:(r + 1) * M], np.ascontiguousarray(B[:, r * cols:(r + 1) * cols])]
+              for r in range(W)]
+    for r, C in enumerate(execute_ranks(tp_layers.ag_gemm_layer(W), inputs, order=order)):
+        b = inputs[r][1]
+        assert C.shape == (M * W, cols)
+        assert_within(C, A.astype(np.float64) @ b.astype(np.float64),
+                      gemm.error_bound(A, b, "bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def nvshmem_home():
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    try:
+        return distributed.nvshmem_home()
+    except EtcError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("layer, dims, peer", [
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr"),
+    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr")])
+def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, nvshmem_home):
+    program = distributed.build_rank(getattr(tp_layers, layer)(2), dims, 1, num_sms=4)
+    kernel = program.executable.mod.imports[0].inspect_source("cuda")
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in kernel
+    assert peer in kernel
+    assert "etc_rank" not in kernel and "etc_world_size" not in kernel
+
+
+def test_partial_sum_tile_rejects_vectors_that_do_not_divide():
+    with pytest.raises(EtcError, match="8-element vectors must divide among 128 threads"):
+        tp.make_partial_sum_tile(8, 8)
