@@ -1,15 +1,30 @@
 import etc_tvm  # noqa: F401  (first: prepares CUDA builds before anything imports tvm)
 
+import shutil
 import zlib
 
 import numpy as np
 import pytest
+
+from etc_tvm import distributed
+from etc_tvm.errors import EtcError
 
 
 @pytest.fixture
 def rng(request):
     """A NumPy generator seeded per test, so that failures reproduce."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def nvshmem_home():
+    """NVSHMEM's install, for the tests that build kernels of several ranks (nvcc too)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    try:
+        return distributed.nvshmem_home()
+    except EtcError as err:
+        pytest.skip(str(err))
 
 
 def _has_gpu() -> bool:

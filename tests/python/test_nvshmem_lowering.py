@@ -2,7 +2,6 @@
 notifies the owner of a sharded element through NVSHMEM and waits on its own shard; TVM builds
 it the NVSHMEM way (relocatable code linked with libnvshmem_device.a) for sm_90a. Kernels of
 one rank carry no NVSHMEM."""
-import shutil
 
 import pytest
 
@@ -17,16 +16,6 @@ from etc_tvm.tir_sched.static_kernel import build_static_kernel
 from tp_graphs import all_gather_gemm, gemm_reduce_scatter
 
 DIMS = {"M": 16, "K": 8, "N": 8}
-
-
-@pytest.fixture(scope="module")
-def nvshmem_home():
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    try:
-        return distributed.nvshmem_home()
-    except EtcError as err:
-        pytest.skip(str(err))
 
 
 def rank_kernels(world_size: int):

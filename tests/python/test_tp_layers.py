@@ -1,7 +1,6 @@
 """The tensor-parallel MLP layers on the wgmma tiles (apps/tp_layers.py): every rank's result on
 the CPU reference executor against float64 within the tiles' bounds, for several world sizes
 and task orders; and each rank's kernel built for sm_90a with NVSHMEM (no GPU)."""
-import shutil
 
 import ml_dtypes
 import numpy as np
@@ -53,16 +52,6 @@ def test_all_gather_gemm_columns_match_float64(W, order, rng):
         assert C.shape == (M * W, cols)
         assert_within(C, A.astype(np.float64) @ b.astype(np.float64),
                       gemm.error_bound(A, b, "bfloat16"))
-
-
-@pytest.fixture(scope="module")
-def nvshmem_home():
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    try:
-        return distributed.nvshmem_home()
-    except EtcError as err:
-        pytest.skip(str(err))
 
 
 @pytest.mark.parametrize("layer, dims, peer", [
