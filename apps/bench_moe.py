@@ -98,9 +98,11 @@ def relative_error(got, want) -> float:
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None) -> dict:
+            options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None,
+            engine: str = "mma") -> dict:
     """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide, by
-    default the layer's choice) and of the baselines at ``tokens``, and the errors."""
+    default the layer's choice, on ``engine`` where the tiles have 64 rows) and of the
+    baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -119,7 +121,9 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         strategy, replay = label.split("+")[0], label.endswith("+graph")
         try:
             if strategy not in libraries:
-                graph = moe_layer.make_moe_layer(tile_rows=row["tile_rows"], bn=bn)
+                graph = moe_layer.make_moe_layer(
+                    tile_rows=row["tile_rows"], bn=bn,
+                    engine=engine if row["tile_rows"] % 64 == 0 else "mma")
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -152,6 +156,8 @@ def main() -> None:
                         help="persistent CTAs per SM of the megakernels")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
+    parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
+                        help="the grouped GEMMs' MMA where their tiles have 64 rows")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -164,7 +170,8 @@ def main() -> None:
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn)
+        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn,
+                    args.engine)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
-from etc_tvm.tiles import gemm, moe
+from etc_tvm.tiles import gemm, moe, wgmma_gemm
 from etc_tvm.tiles.moe import ceil_div, max_tiles
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
@@ -35,7 +35,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
                    experts_per_task: int = 16,
                    bn: int | None = None, bk: int = 64, stages: int | None = None,
-                   combine_cols: int = 512, threads: int = 128):
+                   engine: str = "mma", combine_cols: int = 512, threads: int = 128):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -43,18 +43,20 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``stages``: their cp.async ring,
-    by default the deepest that fits (``gemm.deepest_stages``)."""
+    by default the deepest that fits (``gemm.deepest_stages``). ``engine``: "mma"
+    (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row multiples)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or (64 if BT <= 16 else 128)
-    stages = stages or gemm.deepest_stages(BT, bn, bk)
+    stages = stages or gemm.deepest_stages(
+        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if engine == "wgmma" else None)
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads)
     topk_tile = moe.make_topk_tile(E, K, block_tokens, threads)
     align = moe.make_align_tile(E, K, BT, threads)
-    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages)
-    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages)
+    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages, engine)
+    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages, engine)
     combine = moe.make_combine_tile(H, K, combine_cols, threads)
     nb1, nb2, nc = 2 * F // bn, H // bn, H // combine_cols
     per_block = combine_cols // bn  # down column blocks per combine column block

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from etc_tvm import ETensor, Tensor, call_device, graph_func
+from etc_tvm import ETensor, EtcError, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -403,6 +403,30 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
+    """64-row expert tiles on warpgroup MMA: the gathered rows and the fused SiLU epilogue."""
+    graph = make_moe_layer(tile_rows=64, engine="wgmma")
+    source = build(graph, {"T": 512}, strategy=strategy, num_sms=132).cuda_source()
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in source
+    build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("tokens", (1, 20))
+def test_wgmma_layer_matches_float64(tokens, rng):
+    graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=128, engine="wgmma")
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(2)), want, bound)
+
+
+def test_grouped_gemm_engine_is_checked():
+    with pytest.raises(EtcError, match="engine must be one of"):
+        moe.make_down_tile(F, H, E, engine="tensor")
+    with pytest.raises(EtcError, match="bm must be a multiple of 64"):
+        moe.make_down_tile(F, H, E, tile_rows=16, stages=3, engine="wgmma")
 
 
 def test_ring_pushes_each_released_run_of_tasks_at_once():

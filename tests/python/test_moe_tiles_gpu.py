@@ -130,12 +130,23 @@ def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert
     key = (strategy, tokens)
     if key not in _layers:
         _layers[key] = build(moe_layer.make_moe_layer(), {"T": tokens}, strategy=strategy)
-    run = _layers[key]
     for _ in range(3):  # fresh routings through one compiled kernel
-        inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
-        want, bound = moe_layer.moe_layer_reference(*inputs, K)
-        np.testing.assert_allclose(
-            moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64,
-                                          K), want, rtol=1e-9, atol=1e-9)
-        got = run(*inputs)
-        assert_within(got, want, bound)
+        check_layer(_layers[key], tokens, routing, rng, expert_weights, expert_weights_f64)
+
+
+def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64):
+    """One fresh routing through ``run`` against the float64 layer, within the tiles' bound."""
+    inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
+    want, bound = moe_layer.moe_layer_reference(*inputs, K)
+    np.testing.assert_allclose(
+        moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64, K),
+        want, rtol=1e-9, atol=1e-9)
+    assert_within(run(*inputs), want, bound)
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_wgmma_layer_megakernel(strategy, rng, expert_weights, expert_weights_f64):
+    """64-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them."""
+    graph = moe_layer.make_moe_layer(tile_rows=64, engine="wgmma")
+    check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
+                expert_weights, expert_weights_f64)

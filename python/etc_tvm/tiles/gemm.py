@@ -60,11 +60,14 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
 
 
-def deepest_stages(bm: int, bn: int, bk: int, most: int = 8) -> int:
+def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None) -> int:
     """The deepest cp.async ring, up to ``most``, that fits ``SMEM_LIMIT``: a tile that streams
     weights through few rows is bound by the loads it keeps in flight, ``stages - 1`` slices
-    (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice)."""
-    fits = [s for s in range(2, most + 1) if shared_bytes(bm, bn, bk, s) <= SMEM_LIMIT]
+    (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice). ``footprint``:
+    the tile's bytes for ``(bm, bn, bk, stages)``, this module's ``shared_bytes`` by default
+    (``wgmma_gemm.shared_bytes`` for a WgmmaTile)."""
+    footprint = footprint or shared_bytes
+    fits = [s for s in range(2, most + 1) if footprint(bm, bn, bk, s) <= SMEM_LIMIT]
     if not fits:
         raise EtcError(f"gemm tile {bm}x{bn}x{bk}: not even 2 stages fit {SMEM_LIMIT} bytes")
     return fits[-1]
@@ -78,8 +81,8 @@ class MmaTile:
     The caller says where operand elements live (``a_src(r, k)``: the address of row r of the
     tile, column k of A; ``b_src(k, c)``: row k, tile column c of B), so gathered rows
     (grouped GEMMs) and per-expert weights reuse the same main loop. After ``run`` thread
-    ``lane`` of warp ``warp`` holds ``acc[m, n, 2h + v]`` = tile element
-    ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``acc`` directly.
+    ``lane`` of warp ``warp`` holds ``frag(m, n, 2h + v)`` = tile element
+    ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``frag``.
     The geometry is checked by ``check_geometry`` before a tile is built.
     """
 
@@ -102,6 +105,9 @@ class MmaTile:
     def col(self, n, v):
         """The tile column of accumulator block n, element v (columns 2t, 2t + 1, t = lane % 4)."""
         return self.warp % self.wn * self.tn + n * 8 + self.lane % 4 * 2 + v
+
+    def frag(self, m, n, e):
+        return self.acc[m, n, e]
 
     @T.inline
     def load_stage(self, a_src, b_src, k_step):

@@ -62,7 +62,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
-from .gemm import MmaTile, check_geometry
+from . import gemm, wgmma_gemm
 
 WARP = 32
 VEC = 8  # bf16 per 16-byte load
@@ -437,15 +437,35 @@ def _np_silu(v):
         return v / (1 + np.exp(-v))
 
 
+ENGINES = ("mma", "wgmma")
+
+
+def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
+    """The grouped GEMMs' accumulator tile: a constructor ``(tx, warp, lane) -> tile`` of
+    ``gemm.MmaTile`` ("mma": mma.sync, any 16-row multiple) or ``wgmma_gemm.WgmmaTile``
+    ("wgmma": 64-row multiples per warpgroup), after checking the geometry; and a name
+    suffix."""
+    if engine == "mma":
+        gemm.check_geometry(bm, bn, bk, threads, stages)
+        return lambda tx, warp, lane: gemm.MmaTile(bm, bn, bk, threads, stages, tx, warp,
+                                                   lane), ""
+    if engine == "wgmma":
+        wgmma_gemm.check_geometry(bm, bn, bk, stages, threads)
+        return lambda tx, warp, lane: wgmma_gemm.WgmmaTile(bm, bn, bk, stages, threads, tx,
+                                                           warp, lane), "_wgmma"
+    raise EtcError(f"grouped GEMM: engine must be one of {ENGINES}, got {engine!r}")
+
+
 @functools.cache
 def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
                       bn: int = 64, bk: int = 64, threads: int = 128,
-                      stages: int = 2) -> DeviceFunc:
+                      stages: int = 2, engine: str = "mma") -> DeviceFunc:
     """The tile ``gate_up_<H>x<F>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes h columns
     n*bn/2 .. (n+1)*bn/2 of tile g's rows from x rows gathered by sorted_token and the
-    interleaved (E, H, 2F) weights; ``exp_indptr`` is read by the in-edge's trigger only."""
+    interleaved (E, H, 2F) weights; ``exp_indptr`` is read by the in-edge's trigger only.
+    ``engine``: "mma" or "wgmma" (``_engine``)."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
-    check_geometry(BT, bn, bk, threads, stages)
+    new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
         raise EtcError(f"gate_up tile: H={H} must be a multiple of bk={bk}, 2F={2 * F} of "
                        f"bn={bn}, and bn of {2 * INTERLEAVE}")
@@ -463,7 +483,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
         e = T.local_scalar("int32")
         e = tile_expert[g]
         if e < E:  # CTA-uniform
-            mma = MmaTile(BT, bn, bk, threads, stages, tx, warp, lane)
+            mma = new_tile(tx, warp, lane)
             # padding rows (token -1) load token 0's row; their h rows are never read
             mma.run(lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
                     lambda k, c: w_gate_up.ptr_to([e, k, n * bn + c]), H // bk)
@@ -475,10 +495,10 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                             h[g * BT + mma.row(m, hh),
                               n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
                               + col % INTERLEAVE] = T.Cast(
-                                  "bfloat16", _silu(mma.acc[m, 2 * q, 2 * hh + v])
-                                  * mma.acc[m, 2 * q + 1, 2 * hh + v])
+                                  "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
+                                  * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
-    name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}"
+    name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}"
     tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk)
 
     @tile.set_reference
@@ -498,11 +518,12 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 
 @functools.cache
 def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
-                   bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2) -> DeviceFunc:
+                   bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2,
+                   engine: str = "mma") -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
-    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32."""
+    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32 (``engine`` as gate_up's)."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
-    check_geometry(BT, bn, bk, threads, stages)
+    new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     if F % bk or H % bn:
         raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
     rows, tiles = tirx.Var("rows", "int32"), tirx.Var("tiles", "int32")
@@ -518,12 +539,12 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         e = T.local_scalar("int32")
         e = tile_expert[g]
         if e < E:
-            mma = MmaTile(BT, bn, bk, threads, stages, tx, warp, lane)
+            mma = new_tile(tx, warp, lane)
             mma.run(lambda r, k: h.ptr_to([g * BT + r, k]),
                     lambda k, c: w_down.ptr_to([e, k, n * bn + c]), F // bk)
             mma.store(y, g * BT, n * bn)
 
-    name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}"
+    name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}"
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
 
     @tile.set_reference

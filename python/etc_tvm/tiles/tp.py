@@ -57,7 +57,8 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         lane = T.lane_id([32])
         mine = T.decl_buffer((Q, N), "bfloat16", data=P.data, elem_offset=RANK * Q * N)
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(A, B, i * bm, j * bn, K // bk)
+        tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
+                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
@@ -172,9 +173,9 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         warp = T.warp_id([threads // 32])
         lane = T.lane_id([32])
         source = T.meta_var((RANK + s) % WORLD_SIZE)
-        rows = T.decl_buffer((M, K), "bfloat16", data=G.data, elem_offset=source * M * K)
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(rows, B, i * bm, j * bn, K // bk)
+        tile.run(lambda r, k: G.ptr_to([source, i * bm + r, k]),
+                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),

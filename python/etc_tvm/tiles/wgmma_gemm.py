@@ -161,9 +161,9 @@ class SwizzledRing:
         return self.smem.ptr_to([self.base + byte // 2])
 
     @T.inline
-    def load_stage(self, slot, A, B, row0, col0, k0, tx):
-        # Issue (never wait for) the 16-byte copies of A[row0:+bm, k0:+bk] and
-        # B[k0:+bk, col0:+bn] into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
+    def load_stage(self, slot, a_src, b_src, k0, tx):
+        # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
+        # B rows k0:+bk into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
         a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
@@ -171,14 +171,14 @@ class SwizzledRing:
             T.ptx.cp.async_.cg.shared.global_(
                 self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES) + row * ROW_BYTES
                         + (cc % 8 ^ row % 8) * 16),
-                A.ptr_to([row0 + row, k0 + cc * CHUNK]), 16)
+                a_src(row, k0 + cc * CHUNK), 16)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // b_cols, c % b_cols))
             T.ptx.cp.async_.cg.shared.global_(
                 self.at(self.b_ring + slot * self.b_stage + cc // 8 * (self.bk * ROW_BYTES)
                         + row * ROW_BYTES + (cc % 8 ^ row % 8) * 16),
-                B.ptr_to([k0 + row, col0 + cc * CHUNK]), 16)
+                b_src(k0 + row, cc * CHUNK), 16)
 
     @T.inline
     def encode(self, desc, a_row):
@@ -204,10 +204,14 @@ class SwizzledRing:
 @T.meta_class
 class WgmmaTile:
     """One ``bm x bn`` fp32 accumulator tile on ``wgmma``, fed through a ``SwizzledRing``: the
-    main loop and epilogue of every wgmma-shaped tile. ``run`` computes
-    ``A[row0:+bm, 0:num_k*bk] @ B[0:num_k*bk, col0:+bn]`` (views of other tensors may stand
-    for A and B); ``store`` writes the tile to ``C[row0:+bm, col0:+bn]``. The geometry is
-    checked by ``check_geometry`` before a tile is built."""
+    main loop and epilogue of every wgmma-shaped tile, with ``gemm.MmaTile``'s interface.
+
+    The caller says where operand elements live (``a_src(r, k)``: the address of row r of the
+    tile, column k of A; ``b_src(k, c)``: row k, tile column c of B), so gathered rows and
+    per-expert or per-rank operands reuse the same loop. After ``run``, ``frag(m, n, e)``
+    holds tile element ``(row(m, e // 2), col(n, e % 2))`` of this thread (m: the warpgroup's
+    m64 blocks, n: the n8 blocks, as the mma.m16n8 C fragment); ``store`` writes the tile out,
+    other epilogues read ``frag``. The geometry is checked by ``check_geometry`` first."""
 
     def __init__(self, bm, bn, bk, stages, threads, tx, warp, lane):
         self.bm, self.bn, self.bk, self.stages = bm, bn, bk, stages
@@ -215,14 +219,27 @@ class WgmmaTile:
         self.wg_rows = bm // (threads // WARPGROUP)  # rows per warpgroup
         self.mt = self.wg_rows // 64  # m64 blocks per warpgroup
         self.regs = bn // 2  # accumulators per m64 block and thread
+        self.mi, self.ni = self.mt, bn // 8
         self.prefetch = stages - 2
         self.wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{bn}k16").f32.bf16.bf16
         self.ring = SwizzledRing(bm, bn, bk, stages, threads)
         self.acc = T.alloc_local((self.mt, self.regs), "float32")
         self.desc = T.alloc_local((2,), "uint64")
 
+    def row(self, m, h):
+        """The tile row of m64 block m, half h: 16 rows a warp, g = lane // 4 and g + 8."""
+        return self.warp // 4 * self.wg_rows + m * 64 + self.warp % 4 * 16 + self.lane // 4 \
+            + h * 8
+
+    def col(self, n, v):
+        """The tile column of n8 block n, element v (columns 2t, 2t + 1, t = lane % 4)."""
+        return n * 8 + self.lane % 4 * 2 + v
+
+    def frag(self, m, n, e):
+        return self.acc[m, n * 4 + e]
+
     @T.inline
-    def run(self, A, B, row0, col0, num_k):
+    def run(self, a_src, b_src, num_k):
         ring, acc, desc, stages, prefetch = T.meta_var(
             (self.ring, self.acc, self.desc, self.stages, self.prefetch))
         ring.init()
@@ -232,7 +249,7 @@ class WgmmaTile:
                 acc[m, e] = T.float32(0)
         for p in T.unroll(prefetch):
             if p < num_k:
-                ring.load_stage(p, A, B, row0, col0, p * self.bk, self.tx)
+                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)
@@ -247,7 +264,7 @@ class WgmmaTile:
                                ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
             T.ptx.wgmma.commit_group.sync.aligned()
             if ko + prefetch < num_k:
-                ring.load_stage((ko + prefetch) % stages, A, B, row0, col0,
+                ring.load_stage((ko + prefetch) % stages, a_src, b_src,
                                 (ko + prefetch) * self.bk, self.tx)
             T.ptx.cp.async_.commit_group()
         T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -255,15 +272,14 @@ class WgmmaTile:
 
     @T.inline
     def store(self, C, row0, col0):
-        # Accumulator 4b + 2h + v of an m64 block: row 16*(warp%4) + lane//4 + 8h, column
-        # 8b + 2*(lane%4) + v (the mma.m16n8 C fragment, one per n8 block, per warp).
-        for m in T.unroll(self.mt):
-            for b in T.unroll(self.bn // 8):
+        # C[row0 + tile row, col0 + tile col] = acc, cast to C's dtype: pairs of adjacent
+        # columns per thread.
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
                 for h in T.unroll(2):
                     for v in T.vectorized(2):
-                        C[row0 + self.warp // 4 * self.wg_rows + m * 64 + self.warp % 4 * 16
-                          + self.lane // 4 + h * 8, col0 + b * 8 + self.lane % 4 * 2 + v] = \
-                            T.Cast(C.dtype, self.acc[m, b * 4 + h * 2 + v])
+                        C[row0 + self.row(m, h), col0 + self.col(n, v)] = \
+                            T.Cast(C.dtype, self.frag(m, n, h * 2 + v))
 
 
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
@@ -295,7 +311,8 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         warp = T.warp_id([threads // 32])
         lane = T.lane_id([32])
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(A, B, i * bm, j * bn, K // bk)
+        tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
+                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(C, i * bm, j * bn)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
