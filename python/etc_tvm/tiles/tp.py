@@ -90,14 +90,17 @@ def make_partial_sum_tile(rows: int = 128, cols: int = 128, threads: int = 128) 
         T.device_entry()
         tx = T.thread_id([threads])
         acc = T.alloc_local((VEC,), "float32")
+        part = T.alloc_local((VEC,), "bfloat16")
         for q in T.unroll(per_thread):
             v = T.meta_var(q * threads + tx)
             row, col = T.meta_var((i * rows + v // row_vecs, j * cols + v % row_vecs * VEC))
             for e in T.unroll(VEC):
                 acc[e] = T.float32(0)
             for r in T.serial(R):
+                for e in T.vectorized(VEC):
+                    part[e] = P[r, row, col + e]
                 for e in T.unroll(VEC):
-                    acc[e] = acc[e] + T.Cast("float32", P[r, row, col + e])
+                    acc[e] = acc[e] + T.Cast("float32", part[e])
             for e in T.vectorized(VEC):
                 D[row, col + e] = T.Cast("bfloat16", acc[e])
 
