@@ -1,12 +1,14 @@
 """Tiles against PyTorch: achieved bandwidth at decode shapes, FLOP rate at prefill shapes.
 
-Each tile runs as a one-call graph ("unfused": one grid launch), PyTorch runs the same
-operation (``torch.matmul`` for the GEMV and the GEMM, ``rms_norm``, ``silu * up`` and ``+``
-for the others), both on the same inputs in the same run. Each side is replayed from a CUDA
-graph of one call per input copy, so the times are the kernels' own (no host call path, no
-launch gaps), medians of CUDA events with the two sides taking turns. Inputs rotate through
-enough copies to exceed the 60 MiB L2 twice, so no call finds its operands in L2 from the
-previous one.
+Each tile runs as a one-call graph ("unfused": one grid launch; decode attention is its three
+tiles, append -> split -> merge, and the MoE router its logits and top-K tiles), PyTorch runs
+the same operation (``torch.matmul`` for the GEMV and the GEMM, ``rms_norm``, ``silu * up``
+and ``+``, ``scaled_dot_product_attention`` after the cache append, per-head ``rms_norm`` and
+the neox rotation, fp32 logits and ``topk``), both on the same inputs in the same run. Each
+side is replayed from a CUDA graph of one call per input copy, so the times are the kernels'
+own (no host call path, no launch gaps), medians of CUDA events with the two sides taking
+turns. Inputs rotate through enough copies to exceed the 60 MiB L2 twice, so no call finds
+its operands in L2 from the previous one.
 
 Bandwidth is the bytes the operation must move (weights, activations in, results out) over
 the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
@@ -27,12 +29,14 @@ import tvm
 
 from etc_tvm import ETensor, Tensor, build, call_device, graph_func
 from etc_tvm.runtime import cuda_graph
-from etc_tvm.tiles import gemm, gemv, wgmma_gemm
+from etc_tvm.tiles import attention, gemm, gemv, wgmma_gemm
 from timing import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+from attention_graph import decode_attention_graph  # noqa: E402
 from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
                            rmsnorm_only, silu_mul_only, split_gemv_graph)
+from moe_tile_graphs import one_call_graphs  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
@@ -87,8 +91,15 @@ def split_for(K: int, N: int) -> int:
     return max(s for s in (1, 2, 4, 8) if K % (s * gemv.k_step(BN)) == 0)
 
 
+def gaussian(*shapes):
+    """Inputs of ``shapes``: bf16, standard normal over the square root of the first dim."""
+    return lambda rng: [(rng.standard_normal(s, dtype=np.float32)
+                         / np.float32(np.sqrt(s[0] if len(s) == 2 else 1))).astype(BF16)
+                        for s in shapes]
+
+
 def cases(rows, hidden_sizes, vocab):
-    """(tile, label, graph, dims, input shapes, torch op, bytes moved, "TB/s")."""
+    """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s")."""
     for M in rows:
         for H in hidden_sizes:
             F = {2048: 5632, 4096: 11008}.get(H, 4 * H)
@@ -96,21 +107,82 @@ def cases(rows, hidden_sizes, vocab):
                 s = split_for(K, N)
                 graph = gemv_graph() if s == 1 else split_gemv_graph(s)
                 yield ("gemv", f"M={M} {K}x{N} k{s}", graph, {"M": M, "K": K, "N": N},
-                       [(M, K), (K, N)], torch.matmul, 2 * (K * N + M * K + M * N), "TB/s")
+                       gaussian((M, K), (K, N)), torch.matmul, 2 * (K * N + M * K + M * N),
+                       "TB/s")
                 if M == 16:
                     s = mma_split_for(K, N)
                     yield ("mma16", f"M={M} {K}x{N} k{s}", mma_graph(s),
-                           {"M": M, "K": K, "N": N}, [(M, K), (K, N)], torch.matmul,
+                           {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
                            2 * (K * N + M * K + M * N), "TB/s")
-            yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H}, [(M, H), (H,)],
+            yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H},
+                   gaussian((M, H), (H,)),
                    lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
                    2 * (2 * M * H + H), "TB/s")
             yield ("silu_mul", f"M={M} F={F}", silu_mul_only, {"M": M, "F2": 2 * F},
-                   [(M, 2 * F)],
+                   gaussian((M, 2 * F)),
                    lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2])
                    * h[:, h.shape[1] // 2:], 2 * 3 * M * F, "TB/s")
             yield ("residual_add", f"M={M} N={H}", residual_add_only, {"M": M, "N": H},
-                   [(M, H), (M, H)], torch.add, 2 * 3 * M * H, "TB/s")
+                   gaussian((M, H), (M, H)), torch.add, 2 * 3 * M * H, "TB/s")
+
+
+def torch_decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens):
+    """The append, then attention over the whole cache: every sequence has the cache's
+    length, its last row the new token."""
+    n = K_cache.shape[2] - 1
+    K_cache[:, :, n], V_cache[:, :, n] = k_new, v_new
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], K_cache, V_cache, enable_gqa=True)[:, :, 0]
+
+
+def torch_qk_norm_rope(q, k, q_weight, k_weight, positions, eps=1e-6, theta=1e6):
+    """Per-head RMSNorm, then the neox rotation, angles in float64 as the tile's."""
+    D = q_weight.shape[0]
+    inv_freq = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=q.device) / D)
+    angle = positions.double()[:, None, None] * inv_freq
+    cos, sin = angle.cos().float(), angle.sin().float()
+
+    def one(x, w):
+        xn = torch.nn.functional.rms_norm(x.view(x.shape[0], -1, D).float(), (D,), w.float(),
+                                          eps)
+        x1, x2 = xn[..., :D // 2], xn[..., D // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1) \
+            .to(torch.bfloat16).view(x.shape)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def torch_route(x, w_router, top_k=8):
+    """fp32 logits, the top K, their softmax (renormalised over the K)."""
+    values, ids = torch.topk(x.float() @ w_router.float(), top_k, dim=1)
+    return ids.int(), torch.softmax(values, dim=1)
+
+
+def decode_cases(rows, batches, contexts):
+    """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
+    attention (batches x contexts: the K and V rows it reads), the q/k RMSNorm + RoPE and the
+    MoE router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
+    Hq, Hk, D = attention.Q_HEADS, attention.KV_HEADS, attention.HEAD_DIM
+    graph = decode_attention_graph()
+    for B in batches:
+        for L in contexts:
+            def inputs(rng, B=B, L=L):
+                def normal(*shape):
+                    return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
+                return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
+                        normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
+            yield ("attention", f"B={B} L={L}", graph, {"B": B, "L": L}, inputs,
+                   torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
+    moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
+    for M in rows:
+        def rope_inputs(rng, M=M):
+            q, k, qw, kw = gaussian((M, Hq * D), (M, Hk * D), (D,), (D,))(rng)
+            return [q, k, qw, kw, rng.integers(0, 100_000, M, dtype=np.int32)]
+        yield ("qk_norm_rope", f"M={M}", moe_graphs["qk_norm_rope"], {"T": M}, rope_inputs,
+               torch_qk_norm_rope, 2 * (2 * M * (Hq + Hk) * D + 2 * D), "TB/s")
+        yield ("router", f"M={M} 2048x128 top8", moe_graphs["router"], {"T": M},
+               gaussian((M, 2048), (2048, 128)), torch_route,
+               2 * (2048 * 128 + M * 2048) + 8 * M * 8, "TB/s")
 
 
 def gemm_cases(shapes):
@@ -124,28 +196,38 @@ def gemm_cases(shapes):
                            args=[A, B], out=Tensor((M, N), "bfloat16"))
 
     for M, K, N in shapes:
-        yield ("gemm", f"{M}x{K}x{N}", gemm_only, {"M": M, "K": K, "N": N}, [(M, K), (K, N)],
-               torch.matmul, 2 * M * K * N, "TFLOP/s")
+        yield ("gemm", f"{M}x{K}x{N}", gemm_only, {"M": M, "K": K, "N": N},
+               gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
 
 
-def measure(label, graph, dims, shapes, torch_op, rng, reps):
+def to_torch(x: np.ndarray):
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(x).cuda()
+
+
+def flat(out) -> np.ndarray:
+    """One float64 vector of an output or a tuple of outputs (NumPy or PyTorch)."""
+    parts = out if isinstance(out, tuple) else (out,)
+    return np.concatenate([(p.float().cpu().numpy() if isinstance(p, torch.Tensor) else p)
+                           .astype(np.float64).ravel() for p in parts])
+
+
+def measure(label, graph, dims, inputs, torch_op, rng, reps):
     """Median us of one call of the tile and of PyTorch, after a check of the tile against
     PyTorch.
 
     Each side is captured into a CUDA graph of one call per input copy, so that neither the
     host's call path nor the launch gaps count: the numbers are the kernels' own."""
     dev = tvm.cuda(0)
-    per_set = sum(int(np.prod(s)) * 2 for s in shapes)
-    copies = max(1, -(-2 * L2_BYTES // per_set))
-    host = [[(rng.standard_normal(s, dtype=np.float32)
-              / np.float32(np.sqrt(s[0] if len(s) == 2 else 1))).astype(BF16)
-             for s in shapes] for _ in range(copies)]
-    on_tvm = [[tvm.runtime.tensor(x, dev) for x in inputs] for inputs in host]
-    on_torch = [[torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) for x in inputs]
-                for inputs in host]
+    host = [inputs(rng)]
+    copies = max(1, -(-2 * L2_BYTES // sum(x.nbytes for x in host[0])))
+    host += [inputs(rng) for _ in range(copies - 1)]
+    on_tvm = [[tvm.runtime.tensor(x, dev) for x in arrays] for arrays in host]
+    on_torch = [[to_torch(x) for x in arrays] for arrays in host]
     compiled = build(graph, dims, strategy="unfused")
-    got = compiled(*host[0]).astype(np.float64)
-    want = torch_op(*on_torch[0]).float().cpu().numpy().astype(np.float64)
+    got = flat(compiled(*host[0]))
+    want = flat(torch_op(*on_torch[0]))
     error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
     assert error < 2e-2, f"{label}: relative error {error:.2e} against PyTorch"
     etc, _ = cuda_graph(lambda: [compiled.run(*inputs) for inputs in on_tvm])
@@ -159,6 +241,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 3, 16])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32],
+                        help="sequences of the decode attention rows")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
+                        help="cached tokens a sequence of the decode attention rows")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
     parser.add_argument("--reps", type=int, default=100)
@@ -170,7 +256,8 @@ def main() -> None:
     print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc rate':>9} "
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
     for tile, label, graph, dims, shapes, op, amount, unit in (
-            *cases(args.rows, args.hidden, args.vocab), *gemm_cases(gemms)):
+            *cases(args.rows, args.hidden, args.vocab),
+            *decode_cases(args.rows, args.batches, args.contexts), *gemm_cases(gemms)):
         t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
         row = {"tile": tile, "shape": label, "unit": unit, "etc_us": t["etc"],
                "torch_us": t["torch"], "etc_rate": amount / t["etc"] / 1e6,

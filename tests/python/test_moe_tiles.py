@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from etc_tvm import ETensor, EtcError, Tensor, call_device, graph_func
+from etc_tvm import EtcError
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -22,6 +22,7 @@ from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
 
 from cubin import build_cubin
+from moe_tile_graphs import one_call_dims, one_call_graphs
 from test_tiles import assert_within, poisoned
 
 
@@ -310,84 +311,6 @@ def test_layer_graph_is_valid_for_qwen3_sizes():
 
 
 # ------------------------------------------------------------------ CUDA for sm_90a
-def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
-    """Each tile alone as a graph function (strategy "unfused"), as the GPU tests run them:
-    name -> (graph, the arguments' roles)."""
-    Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
-    router, topk_tile = moe.make_router_tile(Hd, Ex), moe.make_topk_tile(Ex, Kk)
-    align = moe.make_align_tile(Ex, Kk, BT)
-    gate_up = moe.make_gate_up_tile(Hd, Fi, Ex)
-    down = moe.make_down_tile(Fi, Hd, Ex)
-    combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
-    qk = rope.make_qk_norm_rope_tile(*qwen_heads)
-    Hq, Hk = qwen_heads
-
-    @graph_func
-    def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
-        n = x.shape[0]
-        blocks = moe.ceil_div(n, 8)
-        ready = ETensor((blocks,), name="logits_ready")
-        logits = call_device(router, tile_num=(blocks, Ex // 16), args=[x, w],
-                             out=Tensor((n, Ex), "float32"), out_edges={ready: "bj->b"})
-        return call_device(topk_tile, tile_num=(blocks,), args=[logits],
-                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
-                           in_edges={ready: "b->b"})
-
-    @graph_func
-    def align_only(topk: Tensor(("T", Kk), "int32")):
-        n = topk.shape[0]
-        tiles = moe.max_tiles(n, Ex, Kk, BT)
-        return call_device(align, tile_num=(1,), args=[topk],
-                           out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
-                                Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
-                                Tensor((tiles * BT,), "int32"), Tensor((tiles,), "int32")])
-
-    @graph_func
-    def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
-                     sorted_token: Tensor(("R",), "int32"), tile_expert: Tensor(("G",), "int32"),
-                     exp_indptr: Tensor((Ex + 1,), "int32")):
-        g = tile_expert.shape[0]
-        return call_device(gate_up, tile_num=(g, 2 * Fi // 64),
-                           args=[x, w, sorted_token, tile_expert, exp_indptr],
-                           out=Tensor((sorted_token.shape[0], Fi), "bfloat16"))
-
-    @graph_func
-    def down_only(h: Tensor(("R", Fi), "bfloat16"), w: Tensor((Ex, Fi, Hd), "bfloat16"),
-                  tile_expert: Tensor(("G",), "int32"), exp_indptr: Tensor((Ex + 1,), "int32")):
-        g = tile_expert.shape[0]
-        return call_device(down, tile_num=(g, Hd // 64), args=[h, w, tile_expert, exp_indptr],
-                           out=Tensor((h.shape[0], Hd), "float32"))
-
-    @graph_func
-    def combine_only(topw: Tensor(("T", Kk), "float32"), pair_row: Tensor(("T", Kk), "int32"),
-                     pair_tile: Tensor(("T", Kk), "int32"), y: Tensor(("R", Hd), "float32")):
-        n = topw.shape[0]
-        return call_device(combine, tile_num=(n, Hd // min(512, Hd)),
-                           args=[topw, pair_row, pair_tile, y],
-                           out=Tensor((n, Hd), "bfloat16"))
-
-    @graph_func
-    def qk_norm_rope_only(q: Tensor(("T", Hq * 128), "bfloat16"),
-                          k: Tensor(("T", Hk * 128), "bfloat16"),
-                          qw: Tensor((128,), "bfloat16"), kw: Tensor((128,), "bfloat16"),
-                          positions: Tensor(("T",), "int32")):
-        n = q.shape[0]
-        return call_device(qk, tile_num=(n,), args=[q, k, qw, kw, positions],
-                           out=[Tensor((n, Hq * 128), "bfloat16"),
-                                Tensor((n, Hk * 128), "bfloat16")])
-
-    return {"router": router_only, "align": align_only, "gate_up": gate_up_only,
-            "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
-
-
-def one_call_dims(name, tokens, experts=128, top_k=8):
-    tiles = moe.max_tiles(tokens, experts, top_k, BT)
-    return {"router": {"T": tokens}, "align": {"T": tokens}, "qk_norm_rope": {"T": tokens},
-            "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
-            "down": {"R": tiles * BT, "G": tiles},
-            "combine": {"T": tokens, "R": tiles * BT}}[name]
-
-
 @pytest.mark.parametrize("name", ["router", "align", "gate_up", "down", "combine",
                                   "qk_norm_rope"])
 def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):

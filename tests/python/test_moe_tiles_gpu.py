@@ -8,7 +8,8 @@ import pytest
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 
-from test_moe_tiles import BF16, _load_app, one_call_dims, one_call_graphs, routed
+from moe_tile_graphs import one_call_dims, one_call_graphs
+from test_moe_tiles import BF16, _load_app, routed
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
