@@ -73,6 +73,18 @@ def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None) -> 
     return fits[-1]
 
 
+@T.inline
+def store_fragments(tile, C, row0, col0):
+    # C[row0 + tile row, col0 + tile col] = the accumulators of ``tile`` (an MmaTile or a
+    # WgmmaTile: the same fragment interface), cast to C's dtype: pairs of adjacent columns.
+    for m in T.unroll(tile.mi):
+        for n in T.unroll(tile.ni):
+            for h in T.unroll(2):
+                for v in T.vectorized(2):
+                    C[row0 + tile.row(m, h), col0 + tile.col(n, v)] = \
+                        T.Cast(C.dtype, tile.frag(m, n, h * 2 + v))
+
+
 @T.meta_class
 class MmaTile:
     """One ``bm x bn`` fp32 accumulator tile on ``mma.sync.m16n8k16``, fed through a
@@ -175,14 +187,7 @@ class MmaTile:
 
     @T.inline
     def store(self, C, row0, col0):
-        # C[row0 + tile row, col0 + tile col] = acc, cast to C's dtype: pairs of adjacent
-        # columns per thread.
-        for m in T.unroll(self.mi):
-            for n in T.unroll(self.ni):
-                for h in T.unroll(2):
-                    for v in T.vectorized(2):
-                        C[row0 + self.row(m, h), col0 + self.col(n, v)] = \
-                            T.Cast(C.dtype, self.acc[m, n, h * 2 + v])
+        store_fragments(self, C, row0, col0)
 
 
 def check_geometry(bm: int, bn: int, bk: int, threads: int, stages: int) -> None:

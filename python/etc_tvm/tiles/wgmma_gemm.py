@@ -79,7 +79,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
-from .gemm import OUT_DTYPES, error_bound
+from .gemm import OUT_DTYPES, error_bound, store_fragments
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -272,14 +272,7 @@ class WgmmaTile:
 
     @T.inline
     def store(self, C, row0, col0):
-        # C[row0 + tile row, col0 + tile col] = acc, cast to C's dtype: pairs of adjacent
-        # columns per thread.
-        for m in T.unroll(self.mi):
-            for n in T.unroll(self.ni):
-                for h in T.unroll(2):
-                    for v in T.vectorized(2):
-                        C[row0 + self.row(m, h), col0 + self.col(n, v)] = \
-                            T.Cast(C.dtype, self.frag(m, n, h * 2 + v))
+        store_fragments(self, C, row0, col0)
 
 
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
