@@ -58,29 +58,43 @@ def prim_func(name: str, params, body: tirx.Stmt) -> tirx.PrimFunc:
     return ib.get()
 
 
+def collect_rows(name, arrays, width, limit, body):
+    """The rows ``body(buffers, record)`` records (``record(values)`` appends one row of
+    ``width`` int32 values), from a TIR function built for the CPU and run on ``arrays``."""
+    buffers = {n: tirx.decl_buffer(a.shape, "int32", n) for n, a in arrays.items()}
+    out = tirx.decl_buffer((limit, width), "int32", "out")
+    count = tirx.decl_buffer((1,), "int32", "count")
+
+    def record(values):
+        return tirx.stmt_seq(*[tirx.BufferStore(out, v, [count[0], k])
+                               for k, v in enumerate(values)],
+                             tirx.BufferStore(count, count[0] + 1, [0]))
+
+    func = prim_func(name, [*buffers.values(), out, count],
+                     tirx.stmt_seq(tirx.BufferStore(count, tirx.IntImm("int32", 0), [0]),
+                                   body(buffers, record)))
+    executable = tvm.compile(tvm.IRModule({name: func}), target="llvm")
+    result = tvm.runtime.tensor(np.zeros((limit, width), "int32"))
+    n = tvm.runtime.tensor(np.zeros(1, "int32"))
+    executable[name](*(tvm.runtime.tensor(a) for a in arrays.values()), result, n)
+    return result.numpy()[:int(n.numpy()[0])]
+
+
 def run_lowered(emap, grid, rank, arrays):
     """All points of the lowered map over ``grid``, from a TIR function built for the CPU."""
-    limit = int(np.prod(grid)) * 64
-    buffers = {n: tirx.decl_buffer(a.shape, "int32", n) for n, a in arrays.items()}
-    out = tirx.decl_buffer((limit, rank), "int32", "out")
-    count = tirx.decl_buffer((1,), "int32", "count")
     coords = [tirx.Var(c, "int32") for c in emap.coords]
-    lowered = lower_edge(emap, dict(zip(emap.coords, coords)), buffers)
-    store = tirx.stmt_seq(*[tirx.BufferStore(out, v, [count[0], k])
-                            for k, v in enumerate(lowered.index)],
-                          tirx.BufferStore(count, count[0] + 1, [0]))
-    for var, lo, hi in reversed(lowered.loops):
-        store = tirx.For(var, lo, hi - lo, tirx.ForKind.SERIAL, store)
-    if lowered.guard is not None:
-        store = tirx.IfThenElse(lowered.guard, store, None)
-    store = over_grid(coords, grid, store)
-    func = prim_func("points", [*buffers.values(), out, count],
-                     tirx.stmt_seq(tirx.BufferStore(count, tirx.IntImm("int32", 0), [0]), store))
-    executable = tvm.compile(tvm.IRModule({"points": func}), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((limit, rank), "int32"))
-    n = tvm.runtime.tensor(np.zeros(1, "int32"))
-    executable["points"](*(tvm.runtime.tensor(a) for a in arrays.values()), result, n)
-    return [tuple(int(v) for v in row) for row in result.numpy()[:int(n.numpy()[0])]]
+
+    def points(buffers, record):
+        lowered = lower_edge(emap, dict(zip(emap.coords, coords)), buffers)
+        store = record(lowered.index)
+        for var, lo, hi in reversed(lowered.loops):
+            store = tirx.For(var, lo, hi - lo, tirx.ForKind.SERIAL, store)
+        if lowered.guard is not None:
+            store = tirx.IfThenElse(lowered.guard, store, None)
+        return over_grid(coords, grid, store)
+
+    rows = collect_rows("points", arrays, rank, int(np.prod(grid)) * 64, points)
+    return [tuple(int(v) for v in row) for row in rows]
 
 
 def over_grid(coords, grid, body: tirx.Stmt) -> tirx.Stmt:
@@ -94,26 +108,14 @@ def over_grid(coords, grid, body: tirx.Stmt) -> tirx.Stmt:
 def run_trigger_scan(emap, shape, grid, arrays):
     """``(task, element)`` for every hit of ``trigger_scan`` over the tasks of ``grid``, from a
     TIR function built for the CPU."""
-    limit = int(np.prod(grid)) * int(np.prod(shape)) * 4
-    buffers = {n: tirx.decl_buffer(a.shape, "int32", n) for n, a in arrays.items()}
-    width = len(grid) + len(shape)
-    out = tirx.decl_buffer((limit, width), "int32", "out")
-    count = tirx.decl_buffer((1,), "int32", "count")
     coords = [tirx.Var(f"t{k}", "int32") for k in range(len(grid))]
 
-    def hit(elem):
-        return tirx.stmt_seq(*[tirx.BufferStore(out, v, [count[0], k])
-                               for k, v in enumerate([*coords, *elem])],
-                             tirx.BufferStore(count, count[0] + 1, [0]))
+    def hits(buffers, record):
+        return over_grid(coords, grid, trigger_scan(
+            emap, shape, coords, buffers, lambda elem: record([*coords, *elem])))
 
-    scan = over_grid(coords, grid, trigger_scan(emap, shape, coords, buffers, hit))
-    func = prim_func("hits", [*buffers.values(), out, count],
-                     tirx.stmt_seq(tirx.BufferStore(count, tirx.IntImm("int32", 0), [0]), scan))
-    executable = tvm.compile(tvm.IRModule({"hits": func}), target="llvm")
-    result = tvm.runtime.tensor(np.zeros((limit, width), "int32"))
-    n = tvm.runtime.tensor(np.zeros(1, "int32"))
-    executable["hits"](*(tvm.runtime.tensor(a) for a in arrays.values()), result, n)
-    rows = result.numpy()[:int(n.numpy()[0])]
+    rows = collect_rows("hits", arrays, len(grid) + len(shape),
+                        int(np.prod(grid)) * int(np.prod(shape)) * 4, hits)
     return [(tuple(map(int, r[:len(grid)])), tuple(map(int, r[len(grid):]))) for r in rows]
 
 
