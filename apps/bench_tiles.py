@@ -247,6 +247,9 @@ def main() -> None:
                         help="cached tokens a sequence of the decode attention rows")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
+    parser.add_argument("--tiles", nargs="+", metavar="TILE",
+                        help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
+                        "residual_add, attention, qk_norm_rope, router, gemm)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()
@@ -258,6 +261,8 @@ def main() -> None:
     for tile, label, graph, dims, shapes, op, amount, unit in (
             *cases(args.rows, args.hidden, args.vocab),
             *decode_cases(args.rows, args.batches, args.contexts), *gemm_cases(gemms)):
+        if args.tiles and tile not in args.tiles:
+            continue
         t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
         row = {"tile": tile, "shape": label, "unit": unit, "etc_us": t["etc"],
                "torch_us": t["torch"], "etc_rate": amount / t["etc"] / 1e6,

@@ -16,6 +16,7 @@ import numpy as np
 import moe_layer
 from bench_overhead import chain, make_mlp, make_split_k_mlp
 from etc_tvm import build
+from etc_tvm.tiles import moe
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 WIDTH = 128
@@ -30,6 +31,10 @@ def main() -> None:
                         choices=["chain", "mlp", "mlp-split-k", "moe"])
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 1024],
                         help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
+    parser.add_argument("--moe-engine", choices=moe.ENGINES, default="mma",
+                        help="the MoE layer's grouped-GEMM engine")
+    parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "
+                        "(default: make_moe_layer's)")
     parser.add_argument("--out", default="timelines")
     args = parser.parse_args()
     out = Path(args.out)
@@ -50,7 +55,8 @@ def main() -> None:
     if "moe" in args.graphs:
         experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
         for tokens in args.moe_tokens:
-            graph = moe_layer.make_moe_layer(tile_rows=moe_layer.tile_rows_for(tokens))
+            graph = moe_layer.make_moe_layer(tile_rows=moe_layer.tile_rows_for(tokens),
+                                             bn=args.moe_bn, engine=args.moe_engine)
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *experts])
     for name, (graph, dims, inputs) in cases.items():

@@ -84,17 +84,21 @@ class Timeline:
         return np.asarray(gaps)
 
     def summary(self) -> str:
-        """A table per call (tasks, median wait and body, total busy time), then the
-        makespan, the SMs used and the median hand-off."""
+        """A table per call (tasks, median wait and body, total busy time, and the window
+        from its first task's start to its last task's end), then the makespan, the SMs used
+        and the median hand-off."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
-        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'busy us':>9}"]
+        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'busy us':>9} "
+                 f"{'from us':>9} {'to us':>9}"]
         for name, spans in calls.items():
             lines.append(f"{name:>16} {len(spans):>6} "
                          f"{np.median([s.wait_us for s in spans]):>9.2f} "
                          f"{np.median([s.body_us for s in spans]):>9.2f} "
-                         f"{sum(s.end_us - s.start_us for s in spans):>9.1f}")
+                         f"{sum(s.end_us - s.start_us for s in spans):>9.1f} "
+                         f"{min(s.start_us for s in spans):>9.1f} "
+                         f"{max(s.end_us for s in spans):>9.1f}")
         gaps = self.handoffs_us()
         lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
                      f"SMs; median hand-off {np.median(gaps) if gaps.size else 0.0:.2f} us")

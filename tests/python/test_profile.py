@@ -73,7 +73,7 @@ def test_timeline_spans_waits_and_handoffs():
     np.testing.assert_allclose(timeline.handoffs_us(), [0.4])  # SM 3: a(0) ends, b(0) starts
     summary = timeline.summary()
     assert "makespan 4.0 us on 2 SMs; median hand-off 0.40 us" in summary
-    assert summary.splitlines()[1].split()[:2] == ["a", "2"]
+    assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "3.0", "0.0", "2.0"]
 
 
 def test_chrome_trace_has_one_track_per_sm(tmp_path):
