@@ -112,6 +112,19 @@ class LoweredEdge:
             body = tirx.For(var, lo, hi - lo, tirx.ForKind.SERIAL, body)
         return body if self.guard is None else tirx.IfThenElse(self.guard, body, None)
 
+    def nest_strided(self, body: tirx.Stmt, lane: tirx.Expr, lanes: int) -> tirx.Stmt:
+        """``nest`` with the innermost loop's points dealt out to ``lanes`` threads: thread
+        ``lane`` runs the points ``lo + lane``, ``lo + lane + lanes``, ... (so the threads of
+        a warp wait on the elements of a slice at once)."""
+        *outer, (var, lo, hi) = self.loops
+        r = tirx.Var(f"{var.name}_round", "int32")
+        n = tirx.IntImm("int32", lanes)
+        inner = tirx.For(r, tirx.IntImm("int32", 0), tirx.floordiv(hi - lo + n - 1, n),
+                         tirx.ForKind.SERIAL, tirx.stmt_seq(
+                             tirx.Bind(var, lo + r * n + lane),
+                             tirx.IfThenElse(var < hi, body, None)))
+        return LoweredEdge(tuple(outer), self.index, self.guard).nest(inner)
+
 
 class _Lowering:
     """Lowers one map's expressions, opening a loop for every slice and range it meets."""

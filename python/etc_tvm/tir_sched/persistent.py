@@ -31,12 +31,13 @@ from tvm.script.ir_builder import tirx as Tb
 
 from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
-from .events import EventLayout, edge_sites, lower_edge, trigger_scan
+from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
 from .grid_kernel import unravel
 from .inline import ThreadScopes, i32, inline_task, shared_bytes
 
 STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
+WARP = 32
 SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
 SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
@@ -122,6 +123,8 @@ class PersistentKernel:
         self.arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
             if arena_bytes else None
         self.stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
+        # a waiting thread's own stop flag, published to ``stop`` once its waits are done
+        self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
@@ -159,7 +162,7 @@ class PersistentKernel:
         and the arena."""
         for d in self.scopes.defs:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
-        for buf in (self.stop, self.skip, self.hooks):
+        for buf in (self.stop, self.skip, self.hooks, self.halt):
             Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
@@ -272,46 +275,79 @@ class PersistentKernel:
         return tirx.IfThenElse(self.tx == 0, tirx.Evaluate(self.runtime_call(name, row)), None)
 
     def _waits(self, call, task, coords) -> tirx.Stmt | None:
-        """Thread 0 waits, in order, on: the elements of static in-edges; the completion of
-        the calls whose tensors the in-edge maps read; the elements that release the task
-        through a trigger map (none: the task is skipped); data-dependent elements. Then a
-        barrier, and the CTA leaves its loop if the grid is stopping."""
-        steps = self._wait_steps(call, task, coords, self._wait)
+        """Warp 0 waits on: the elements of static in-edges and the completion of the calls
+        whose tensors the in-edge maps read; then (after a warp barrier: the maps below read
+        those tensors) the elements that release the task through a trigger map (none: the
+        task is skipped) and data-dependent elements. The lanes share the points of a map's
+        innermost loop, so that a task waiting on K elements polls them at once, not one
+        round trip after another. Then a barrier, and the CTA leaves its loop if the grid is
+        stopping."""
+        warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
+        lane = self.tx if warp else None
+        steps = self._wait_steps(call, task, coords, self._wait, lane)
         if steps is None:
             return None
-        return tirx.stmt_seq(tirx.IfThenElse(self.tx == 0, steps, None),
+        publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
+        if warp:
+            publish = tirx.stmt_seq(self._halt_any(), tirx.IfThenElse(lane == 0, publish, None))
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1),
+                                             tirx.stmt_seq(steps, publish), None),
                              tirx.Evaluate(Tb.cuda.cta_sync()),
                              tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
 
-    def _wait_steps(self, call, task, coords, wait) -> tirx.Stmt | None:
-        """``stop[0] = 0``, then ``wait(counter index, task)`` on each element in turn."""
-        layout, steps = self.layout, [tirx.BufferStore(self.stop, i32(0), [i32(0)])]
+    def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
+        """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
+        thread in turn, or, given ``lane`` (the thread's lane in warp 0), shared out over the
+        warp's lanes (``spread``). A wait that fails sets the thread's ``halt``."""
+        layout, singles = self.layout, iter(range(1 << 30))
+
+        def one_lane(stmt):
+            """A wait on one element: the next lane in turn takes it."""
+            return stmt if lane is None else tirx.IfThenElse(
+                lane == i32(next(singles) % WARP), stmt, None)
+
+        def spread(lowered: LoweredEdge, body) -> tirx.Stmt:
+            if lane is None or not lowered.loops:
+                return one_lane(lowered.nest(body))
+            return lowered.nest_strided(body, lane, WARP)
+
+        steps = []
         for e in call.in_edges:
             if not (e.map.is_data_dependent or e.map.is_trigger):
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
                 index = self.global_index(e, lowered.index)
-                step = wait(layout.flat_index(e.etensor, index), task)
-                steps.append(lowered.nest(step))
+                steps.append(spread(lowered, wait(layout.flat_index(e.etensor, index), task)))
         for producer in sorted(self.graph.completion_waits(call)):
-            steps.append(wait(i32(layout.done[producer]), task))
+            steps.append(one_lane(wait(i32(layout.done[producer]), task)))
         # the maps below read tensors only once their producers are complete
         reading = []
         if self._scans(call):
-            reading.append(tirx.BufferStore(self.skip, i32(1), [i32(0)]))
-            reading += [self._trigger_scan(call, e, task, coords, wait) for e in call.triggers]
+            reading.append(one_lane(tirx.stmt_seq(
+                tirx.BufferStore(self.skip, i32(1), [i32(0)]),
+                *[self._trigger_scan(call, e, task, coords, wait) for e in call.triggers])))
         for e in call.in_edges:
             if e.map.is_data_dependent and not e.map.is_trigger:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
-                reading.append(lowered.nest(self.checked(
+                reading.append(spread(lowered, self.checked(
                     call, e, task, lowered.index, lambda flat: wait(flat, task))))
+        if not steps and not reading:
+            return None
+        out = [tirx.BufferStore(self.halt, i32(0), [i32(0)]), *steps]
         if reading:
-            steps.append(tirx.IfThenElse(self.stop[0] == 0, tirx.stmt_seq(*reading), None))
-        return tirx.stmt_seq(*steps) if len(steps) > 1 else None
+            if lane is not None:  # what one lane waited for, the others read: a warp barrier
+                out += [_warp_sync(), self._halt_any()]
+            out.append(tirx.IfThenElse(self.halt[0] == 0, tirx.stmt_seq(*reading), None))
+        return tirx.stmt_seq(*out)
+
+    def _halt_any(self) -> tirx.Stmt:
+        """Every lane of warp 0: ``halt`` = whether any lane's wait failed."""
+        return tirx.BufferStore(self.halt, Tb.cuda.any_sync(
+            tirx.const(0xFFFFFFFF, "uint32"), self.halt[0]), [i32(0)])
 
     def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
         """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
         one of ``calls``) is satisfied now, else nonzero."""
-        out = tirx.BufferStore(self.stop, i32(0), [i32(0)])
+        out = tirx.BufferStore(self.halt, i32(0), [i32(0)])
         for call in reversed([self.graph.calls[c] for c in sorted(calls)]):
             coords = [tirx.Var(f"{c}_poll", "int32") for c in call.fn.coord_params]
             steps = self._wait_steps(call, task, coords, self._poll)
@@ -319,26 +355,26 @@ class PersistentKernel:
                 inside = self.inside(call, coords)
                 if inside is not None:  # a task outside the launch's grids waits for nothing
                     steps = tirx.IfThenElse(inside, steps,
-                                            tirx.BufferStore(self.stop, i32(0), [i32(0)]))
+                                            tirx.BufferStore(self.halt, i32(0), [i32(0)]))
                 steps = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
                     coords, unravel(task - i32(call.first_task), call.grid))], steps)
                 out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
                                                task < i32(call.first_task + call.num_tasks)),
                                       steps, out)
-        return out
+        return tirx.stmt_seq(out, tirx.BufferStore(self.stop, self.halt[0], [i32(0)]))
 
     def _poll(self, flat: tirx.Expr, task) -> tirx.Stmt:
         ready = self.runtime_call("etc_poll", self.counters.ptr_to([flat]), return_type="int32")
-        return tirx.IfThenElse(self.stop[0] == 0,
-                               tirx.BufferStore(self.stop, i32(1) - ready, [i32(0)]), None)
+        return tirx.IfThenElse(self.halt[0] == 0,
+                               tirx.BufferStore(self.halt, i32(1) - ready, [i32(0)]), None)
 
     def _wait(self, flat: tirx.Expr, task) -> tirx.Stmt:
         name = "etc_wait" if self.rank is None else "etc_wait_sys"
         wait = self.runtime_call(name, self.counters.ptr_to([flat]),
                                  self.status.ptr_to([0]), task, flat, self.limit,
                                  return_type="int32")
-        return tirx.IfThenElse(self.stop[0] == 0, tirx.BufferStore(self.stop, wait, [i32(0)]),
-                               None)
+        return tirx.IfThenElse(self.halt[0] == 0,
+                               tirx.BufferStore(self.halt, wait, [i32(0)]), None)
 
     def checked(self, call, edge, task, index, then, shape=None) -> tirx.Stmt:
         """``then(flat counter index)`` if every coordinate of ``index`` lies inside the
@@ -351,7 +387,7 @@ class PersistentKernel:
                                       i32(site), return_type="int32") != 0
             ok = check if ok is None else tirx.And(ok, check)
         body = then(index) if shape else then(self.layout.flat_index(edge.etensor, index))
-        return tirx.IfThenElse(ok, body, tirx.BufferStore(self.stop, i32(1), [i32(0)]))
+        return tirx.IfThenElse(ok, body, tirx.BufferStore(self.halt, i32(1), [i32(0)]))
 
     def _trigger_scan(self, call, edge, task, coords, wait) -> tirx.Stmt:
         """Find the elements whose trigger map releases this task: each clears ``skip`` and
@@ -562,6 +598,10 @@ def _rank(graph: TaskGraph, rank: int | None) -> int | None:
             f"{graph.name}: run-time counts, data-dependent and trigger edges are not lowered "
             f"for world size above 1 yet ({sorted(set(runtime))})")
     return rank
+
+
+def _warp_sync() -> tirx.Stmt:
+    return tirx.Evaluate(Tb.cuda.warp_sync())
 
 
 def _both(a, b):
