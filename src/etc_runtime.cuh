@@ -114,20 +114,32 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
   return etc_wait_at<kGpu>(counter, status, task, element, limit_ns);
 }
 
-// The next task of the ready ring, -1 once every slot a task will fill is claimed, -2 if the
-// grid is stopping. ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered
-// at run time by the tasks no trigger releases. Called by one thread.
-__device__ __noinline__ int etc_pop(int* head_tail, const int* ring, int* status,
-                                    long long limit_ns) {
+// A claim on the next slot of the ready ring: the slot in the high word, in the low word the
+// task the slot held when claimed (acquire), -1 if it was not published yet or lies past the
+// tasks the ring will hold. A CTA claims its next slot while it runs its current task, so
+// the round trips of the claim overlap the task; ``etc_take`` then waits for the slot.
+// ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered at run time by the
+// tasks no trigger releases. Called by one thread.
+__device__ __forceinline__ long long etc_claim(int* head_tail, const int* ring) {
+  const int expected = etc_load_relaxed(head_tail + 2);
   const int slot = atomicAdd(head_tail, 1);
-  if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
-  int task = etc_load_acquire(ring + slot);
+  const int task = slot < expected ? etc_load_acquire(ring + slot) : -1;
+  return ((long long)slot << 32) | (unsigned)task;
+}
+
+// The task of a claimed slot, -1 once the slot lies past the tasks the ring will hold, -2 if
+// the grid is stopping. Called by the thread that claimed it.
+__device__ __noinline__ int etc_take(int* head_tail, const int* ring, long long claim,
+                                     int* status, long long limit_ns) {
+  const int slot = (int)(claim >> 32);
+  int task = (int)claim;
   if (task >= 0) return task;
+  if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
   const unsigned long long start = etc_globaltimer_ns();
-  for (unsigned polls = 1;; ++polls) {
+  for (unsigned polls = 0;; ++polls) {
     task = etc_load_relaxed(ring + slot);
     if (task >= 0) return etc_load_acquire(ring + slot);
-    if (polls % 64 != 0) continue;
+    if (polls % 64 != 63) continue;
     if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
     if (etc_load_relaxed(status) != 0) return -2;
     if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {

@@ -64,7 +64,7 @@ def test_persistent_kernel_is_cooperative_with_one_cta_per_sm():
 def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
     source = build(graphs.gemm_reduce_scatter, DIMS, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("gemm_reduce_scatter_dynamic_megakernel_kernel("):]
-    order = [kernel.index(s) for s in ("tvm_builtin_cuda_grid_sync", "etc_pop(",
+    order = [kernel.index(s) for s in ("tvm_builtin_cuda_grid_sync", "etc_take(",
                                        "etc_count_down(", "etc_notify(", "etc_wait(")]
     assert order == sorted(order)  # pop, early pushes, then the producer's branch, then the rest
 

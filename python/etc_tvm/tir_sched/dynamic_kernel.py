@@ -4,8 +4,9 @@
     prologue: counters, pending counts, ring (seeds then -1), head/tail/expected and the
               release marks from their initial values; status cleared; grid-wide barrier
     CTA:  loop:
-              thread 0: t = the task held by the last round, else etc_pop(ring)
-                        (-1: every task taken, -2: stopping)
+              thread 0: t = the task held by the last round, else the task of the slot it
+                        claimed in the last round (or claims now): etc_take (-1: every task
+                        taken, -2: stopping)
               barrier; t broadcast through shared memory; leave the loop if t < 0
               all threads: for each consumer c of t: etc_count_down(pending[c])
                         (early push: c enters the ring once its last producer is
@@ -13,6 +14,8 @@
                         consumer, made ready so, is held for this CTA's next round instead)
                         thread 0: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
+              thread 0, unless t's dispatch made a task to hold: claim the next slot
+                        (etc_claim), so that the claim's round trips overlap task t
               run task t as the static kernel does: waits, inlined body, notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
@@ -78,6 +81,9 @@ class ReadyRing:
         self.consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
                                                "consumer_tasks")
         self.skipped = tirx.decl_buffer((1,), "int32", "skipped", scope="shared")
+        # release marks read back by ``resolve``, a chunk of words at a time
+        self.released = tirx.decl_buffer((RELEASE_WORDS,), "int32", "released",
+                                         scope="shared")
         # a task the CTA's last dispatch made ready and keeps to run next (-1: none)
         self.held = tirx.decl_buffer((1,), "int32", "held", scope="shared")
         self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers
@@ -122,6 +128,11 @@ class ReadyRing:
     def _call(self, name: str, *args, return_type: str = "void"):
         return self.kernel.runtime_call(name, *args, return_type=return_type)
 
+    def claim(self) -> tirx.Expr:
+        """A claim on the ring's next slot (``etc_claim``), for ``etc_take``."""
+        return self._call("etc_claim", pointer(self.head_tail), pointer(self.ring),
+                          return_type="int64")
+
     def push(self, task: tirx.Expr) -> tirx.Stmt:
         return tirx.Evaluate(self._call("etc_push", pointer(self.head_tail), pointer(self.ring),
                                         task, i32(self.plan.capacity),
@@ -130,7 +141,7 @@ class ReadyRing:
     @property
     def shared(self) -> tuple:
         """The ring's shared-memory scratch, for ``PersistentKernel.begin``."""
-        return (self.skipped, self.held)
+        return (self.skipped, self.held, self.released)
 
     def take_held(self, into: tirx.Buffer) -> tirx.Stmt:
         """Thread 0: move the held task (or -1) to ``into[0]``."""
@@ -243,7 +254,9 @@ class ReadyRing:
         """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
         element will release (twice is an error), then dispatch the unmarked ones as skipped,
         and lower ``expected`` by their number. Marks are bits set a word of 32 tasks at a
-        time: the threads share the elements, or, for a trigger of one element, its words."""
+        time: the threads share the elements, or, for a trigger of one element, its words;
+        the skip pass gives each thread single tasks, so that a run of unreleased tasks is
+        skipped by all the threads at once."""
         kernel, (edge,) = self.kernel, call.triggers
         shape = kernel.layout.shapes[edge.etensor]
         size = 1
@@ -260,27 +273,38 @@ class ReadyRing:
 
         mark = self._released_runs(call, edge, lowered, mark_run)
         coords = [tirx.Var(f"{c}_skip", "int32") for c in call.fn.coord_params]
-        task, bits = tirx.Var("skipped_task", "int32"), tirx.Var("released", "int32")
         first_word = call.first_task // 32
         words = (call.first_task + call.num_tasks - 1) // 32 - first_word + 1
+        chunk, task = tirx.Var("words_chunk", "int32"), tirx.Var("skipped_task", "int32")
+        base = i32(first_word) + chunk * i32(RELEASE_WORDS)  # the chunk's first word
+        count = tirx.min(i32(RELEASE_WORDS), i32(first_word + words) - base)
 
-        def skip_word(w):
-            j = tirx.Var("bit", "int32")
+        def skip_task(i):
             unmarked = tirx.And(
                 tirx.And(i32(call.first_task) <= task,
                          task < i32(call.first_task + call.num_tasks)),
-                tirx.bitwise_and(tirx.shift_right(bits, j), i32(1)) == i32(0))
+                tirx.bitwise_and(tirx.shift_right(self.released[i // 32], i % 32), i32(1))
+                == i32(0))
             return tirx.stmt_seq(
-                tirx.Bind(bits, self._call("etc_release_word", pointer(self.marks),
-                                           i32(first_word) + w, return_type="int32")),
-                tirx.For(j, i32(0), i32(32), tirx.ForKind.SERIAL, tirx.stmt_seq(
-                    tirx.Bind(task, (i32(first_word) + w) * i32(32) + j),
-                    tirx.IfThenElse(unmarked, tirx.stmt_seq(
-                        *[tirx.Bind(v, x) for v, x in zip(
-                            coords, unravel(task - i32(call.first_task), call.grid))],
-                        self.dispatched_as_skipped(call, task, coords),
-                        tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)])))),
-                        None))))
+                tirx.Bind(task, base * i32(32) + i),
+                tirx.IfThenElse(unmarked, tirx.stmt_seq(
+                    *[tirx.Bind(v, x) for v, x in zip(
+                        coords, unravel(task - i32(call.first_task), call.grid))],
+                    self.dispatched_as_skipped(call, task, coords),
+                    tirx.Evaluate(self._call("etc_count", self.skipped.ptr_to([i32(0)])))),
+                    None))
+
+        # the marks come into shared memory a chunk of words at a time, then each thread
+        # takes single tasks: a trigger leaves its unreleased tasks in one run at the end
+        # (tiles past the used ones), which the threads then skip side by side
+        skips = tirx.For(chunk, i32(0), i32(-(-words // RELEASE_WORDS)), tirx.ForKind.SERIAL,
+                         tirx.stmt_seq(
+            kernel.strided(count, lambda w: tirx.BufferStore(
+                self.released, self._call("etc_release_word", pointer(self.marks), base + w,
+                                          return_type="int32"), [w])),
+            tirx.Evaluate(Tb.cuda.cta_sync()),
+            kernel.strided(count * i32(32), skip_task),
+            tirx.Evaluate(Tb.cuda.cta_sync())))
 
         marks = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(elem, unravel(i32(0), shape))],
                               mark) if size == 1 else kernel.strided(
@@ -291,8 +315,7 @@ class ReadyRing:
             marks,
             tirx.Evaluate(Tb.cuda.thread_fence()),
             tirx.Evaluate(Tb.cuda.cta_sync()),
-            kernel.strided(words, skip_word),
-            tirx.Evaluate(Tb.cuda.cta_sync()),
+            skips,
             tirx.IfThenElse(tx == 0, tirx.Evaluate(self._call(
                 "etc_add", pointer(self.head_tail, 2), i32(0) - self.skipped[0])), None))
 
@@ -367,6 +390,7 @@ class ReadyRing:
 
 
 OUT_OF_REACH = 1 << 30  # a pending count no count-down reaches
+RELEASE_WORDS = 256  # release-mark words (32 tasks each) ``resolve`` reads per round
 
 
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,
@@ -378,6 +402,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     kernel = PersistentKernel(graph, layout, options, symbolic)
     ring = ReadyRing(kernel, plan, set(range(len(graph.calls))))
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
+    claim = tirx.decl_buffer((1,), "int64", "claim", scope="local")  # thread 0's (etc_claim)
     task = tirx.Var("t", "int32")
     dispatch = kernel.dispatch(task)
     tx, status = kernel.tx, kernel.status
@@ -392,18 +417,25 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             launch = ring.launch(bx, num_ctas)
             if launch is not None:
                 Tb.add_to_parent(launch)
+            Tb.add_to_parent(tirx.AllocBuffer(claim))
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
+                    Tb.buffer_store(claim, tirx.IntImm("int64", -1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         Tb.add_to_parent(ring.take_held(slot))
                         with Tb.If(slot[0] < 0):
                             with Tb.Then():
+                                with Tb.If(claim[0] < 0):
+                                    with Tb.Then():
+                                        Tb.buffer_store(claim, ring.claim(), [0])
                                 Tb.buffer_store(slot, kernel.runtime_call(
-                                    "etc_pop", pointer(ring.head_tail), pointer(ring.ring),
-                                    pointer(status), kernel.limit, return_type="int32"), [0])
+                                    "etc_take", pointer(ring.head_tail), pointer(ring.ring),
+                                    claim[0], pointer(status), kernel.limit,
+                                    return_type="int32"), [0])
+                                Tb.buffer_store(claim, tirx.IntImm("int64", -1), [0])
                 Tb.evaluate(Tb.cuda.cta_sync())
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())  # the slot is rewritten by the next pop
@@ -412,5 +444,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                         Tb.Break()
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
                 Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
+                with Tb.If(tirx.And(tx == 0, ring.held[0] < 0)):
+                    with Tb.Then():  # the next task's slot, claimed while this one runs
+                        Tb.buffer_store(claim, ring.claim(), [0])
                 Tb.add_to_parent(dispatch)
     return ib.get()
