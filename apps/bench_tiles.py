@@ -84,11 +84,10 @@ def mma_split_for(K: int, N: int) -> int:
 
 
 def split_for(K: int, N: int) -> int:
-    """The smallest split-K giving every SM two tasks (or 8), with whole K slices."""
-    for s in (1, 2, 4, 8):
-        if N // BN * s >= 2 * SMS and K % (s * gemv.k_step(BN)) == 0:
-            return s
-    return max(s for s in (1, 2, 4, 8) if K % (s * gemv.k_step(BN)) == 0)
+    """The smallest split-K giving every SM two tasks (or 8); the GEMV deals its double
+    batches out unevenly where the split does not divide them."""
+    fits = [s for s in (1, 2, 4, 8) if s <= K // gemv.k_step(BN)]
+    return next((s for s in fits if N // BN * s >= 2 * SMS), fits[-1])
 
 
 def gaussian(*shapes):

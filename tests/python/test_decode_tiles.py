@@ -102,6 +102,16 @@ def test_split_k_gemv_and_sum_are_within_the_gemv_bound(M, rng):
     assert_within(Y, X.astype(np.float64) @ W.astype(np.float64), gemv.error_bound(X, W))
 
 
+@pytest.mark.parametrize("S, batches", [(2, 3), (4, 6), (8, 11)])
+def test_split_k_deals_uneven_slices_of_whole_double_batches(S, batches, rng):
+    """K / k_step double batches that S does not divide (11008 rows are 86 of them): the
+    slices differ by at most one batch, and together cover K once."""
+    K, N = batches * gemv.k_step(BN), 2 * BN
+    X, W = randn(rng, (3, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    Y = execute(split_gemv_graph(S), X, W)
+    assert_within(Y, X.astype(np.float64) @ W.astype(np.float64), gemv.error_bound(X, W))
+
+
 def test_gemv_reference_rejects_what_the_tile_cannot_run(rng):
     W = randn(rng, (512, BN), "bfloat16")
     with pytest.raises(EtcError, match="1..16"):
@@ -110,6 +120,11 @@ def test_gemv_reference_rejects_what_the_tile_cannot_run(rng):
     with pytest.raises(EtcError, match="multiple of"):
         run_reference(gemv.gemv_tile, (1,), randn(rng, (2, 500), "bfloat16"),
                       randn(rng, (500, BN), "bfloat16"), poisoned((2, BN), "bfloat16"))
+    step = gemv.k_step(BN)
+    with pytest.raises(EtcError, match="at least 4 double batches"):
+        run_reference(gemv.make_gemv_tile(split_k=4), (1, 4), randn(rng, (2, 3 * step),
+                      "bfloat16"), randn(rng, (3 * step, BN), "bfloat16"),
+                      poisoned((4, 2, BN), "float32"))
 
 
 @pytest.mark.parametrize("M", ROWS)

@@ -30,7 +30,9 @@ row M - 1 (an address that exists) and are never stored. The R = 16 code does 12
 16-byte vector, near the FMA issue rate of the H200 at full bandwidth: past M = 8 the tile is
 close to compute bound (the tensor-core GEMM tile with bm = 16 is the alternative there).
 
-K must be a multiple of ``split_k * k_step(...)`` (whole double batches per slice), N of bn.
+K must be a multiple of ``k_step(...)`` and N of bn. Split-K deals the K / k_step double
+batches out to the slices as evenly as whole batches allow (slice s: batches
+``s * n // S .. (s + 1) * n // S - 1``), so S need not divide them; S <= n.
 
 Numeric contract: bf16 products are exact in fp32; the fp32 sums (in any order, split-K's
 partial sums included) give ``|Y - X @ W| <= K * 2**-24 * (|X| @ |W|)`` against float64; a bf16
@@ -99,12 +101,17 @@ def make_gemv_tile(bn: int = 128, split_k: int = 1, threads: int = 128,
     G = threads // groups  # row groups per CTA
     warps = threads // WARP
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
+    step = k_step(bn, threads)
 
     @T.inline
     def gemv_body(j, s, X, W, Y, tx, warp, lane, red):
         # Y[:M, j*bn:(j+1)*bn] (a view: P[s] under split-K) = X[:, slice s] @ W[slice s, slab j]
-        kslice = T.meta_var(K // split_k)
-        k0 = T.meta_var(s * kslice)
+        if split_k == 1:
+            k0, kslice = T.meta_var((0, K))
+        else:
+            k0 = T.meta_var(s * (K // step) // split_k * step)
+            kslice = T.meta_var(((s + 1) * (K // step) // split_k - s * (K // step) // split_k)
+                                * step)
         c = T.meta_var(lane // per_warp)  # column group: lanes of one row group are adjacent
         g = T.meta_var(warp * per_warp + lane % per_warp)  # row group
         col = T.meta_var(j * bn + c * VEC)
@@ -194,15 +201,15 @@ def make_gemv_tile(bn: int = 128, split_k: int = 1, threads: int = 128,
     name = f"gemv_n{bn}_{out}_t{threads}" + (f"_k{split_k}" if split_k > 1 else "")
     # cost: the weight rows a task streams, in units of one double batch
     tile = device_func(gemv.with_attr("global_symbol", name),
-                       cost=K // split_k // k_step(bn, threads))
-    step = k_step(bn, threads)
+                       cost=K // split_k // step)
 
     def product(j, X, W, ks):
         M_, K_ = X.shape
         if M_ > MAX_ROWS or M_ < 1:
             raise EtcError(f"{name}: M = {M_} rows, the tile serves 1..{MAX_ROWS}")
-        if K_ % (split_k * step):
-            raise EtcError(f"{name}: K = {K_} must be a multiple of {split_k * step}")
+        if K_ % step or K_ // step < split_k:
+            raise EtcError(f"{name}: K = {K_} must be a multiple of {step}, with at least "
+                           f"{split_k} double batches of {step} rows")
         cols = slice(j * bn, (j + 1) * bn)
         return cols, X[:, ks].astype(np.float32) @ W[ks, cols].astype(np.float32)
 
@@ -214,8 +221,9 @@ def make_gemv_tile(bn: int = 128, split_k: int = 1, threads: int = 128,
     else:
         @tile.set_reference
         def _(j, s, X, W, P):
-            width = X.shape[1] // split_k
-            cols, value = product(j, X, W, slice(s * width, (s + 1) * width))
+            batches = X.shape[1] // step
+            cols, value = product(j, X, W, slice(s * batches // split_k * step,
+                                                 (s + 1) * batches // split_k * step))
             P[s, :, cols] = value
 
     return tile
