@@ -34,7 +34,8 @@ def test_gemv_tile(M, K, N, rng):
 
 
 @pytest.mark.parametrize("strategy", ["unfused", "static"])
-@pytest.mark.parametrize("M, K, N, S", [(1, 2048, 2048, 8), (16, 4096, 1024, 4)])
+@pytest.mark.parametrize("M, K, N, S", [(1, 2048, 2048, 8), (16, 4096, 1024, 4),
+                                        (1, 11008, 4096, 8)])  # 86 batches in 8 slices
 def test_split_k_gemv_and_sum(strategy, M, K, N, S, rng):
     compiled = build(split_gemv_graph(S), {"M": M, "K": K, "N": N}, strategy=strategy)
     X, W = randn(rng, (M, K), "bfloat16"), weights(rng, K, N)
