@@ -169,3 +169,32 @@ def test_lowered_map_lists_what_evaluate_lists(text, kind, grid, rank, shapes, r
                           tensors={n: len(s) for n, s in shapes.items()})
     want = [p for c in itertools.product(*map(range, grid)) for p in emap.evaluate(c, arrays)]
     assert run_lowered(emap, grid, rank, arrays) == want
+
+
+@pytest.mark.parametrize("lanes", [2, 32])
+@pytest.mark.parametrize("text, kind, grid, rank, shapes", [c for c in CASES if ":" in c[0]],
+                         ids=[c[0] for c in CASES if ":" in c[0]])
+def test_strided_nest_deals_each_point_to_one_lane(text, kind, grid, rank, shapes, lanes, rng):
+    """``nest_strided`` (the lanes of a warp sharing a map's waits): the lanes together list,
+    for every coordinate, each point of the map as often as ``evaluate`` does. Ranges up to
+    80 long: a lane takes several points of a loop."""
+    arrays = {n: rng.integers(0, 4, shape).astype("int32") for n, shape in shapes.items()}
+    if "ptr" in arrays:
+        arrays["ptr"] = np.cumsum(rng.integers(0, 40, shapes["ptr"])).astype("int32")
+    emap = edge_map.parse(text, kind=kind, task_rank=len(grid) if "=>" not in text else rank,
+                          event_rank=rank if "=>" not in text else len(grid),
+                          tensors={n: len(s) for n, s in shapes.items()})
+    coords = [tirx.Var(c, "int32") for c in emap.coords]
+    lane = tirx.Var("lane", "int32")
+
+    def points(buffers, record):
+        lowered = lower_edge(emap, dict(zip(emap.coords, coords)), buffers)
+        body = lowered.nest_strided(record([*coords, *lowered.index]), lane, lanes)
+        return over_grid(coords, grid, tirx.For(lane, tirx.IntImm("int32", 0),
+                                                tirx.IntImm("int32", lanes),
+                                                tirx.ForKind.SERIAL, body))
+
+    rows = collect_rows("strided", arrays, len(grid) + rank, int(np.prod(grid)) * 512, points)
+    want = sorted(c + p for c in itertools.product(*map(range, grid))
+                  for p in emap.evaluate(c, arrays))
+    assert want and sorted(tuple(map(int, r)) for r in rows) == want
