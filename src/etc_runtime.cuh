@@ -116,8 +116,9 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
 
 // A claim on the next slot of the ready ring: the slot in the high word, in the low word the
 // task the slot held when claimed (acquire), -1 if it was not published yet or lies past the
-// tasks the ring will hold. A CTA claims its next slot while it runs its current task, so
-// the round trips of the claim overlap the task; ``etc_take`` then waits for the slot.
+// tasks the ring will hold. A CTA claims its next slot before it runs its current task;
+// ``etc_take`` then waits for the slot. (The acquire load, which depends on the atomic, holds
+// the thread for both round trips: the claim does not overlap the task yet.)
 // ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered at run time by the
 // tasks no trigger releases. Called by one thread.
 __device__ __forceinline__ long long etc_claim(int* head_tail, const int* ring) {

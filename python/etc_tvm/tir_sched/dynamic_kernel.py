@@ -15,7 +15,7 @@
                         thread 0: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
-                        (etc_claim), so that the claim's round trips overlap task t
+                        (etc_claim), taken at the next round
               run task t as the static kernel does: waits, inlined body, notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
@@ -445,7 +445,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
                 Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                 with Tb.If(tirx.And(tx == 0, ring.held[0] < 0)):
-                    with Tb.Then():  # the next task's slot, claimed while this one runs
+                    with Tb.Then():  # the next task's slot, claimed before this one runs
                         Tb.buffer_store(claim, ring.claim(), [0])
                 Tb.add_to_parent(dispatch)
     return ib.get()

@@ -19,6 +19,7 @@ element and arming do: they push the tasks the trigger releases.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,7 +300,7 @@ class PersistentKernel:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
         thread in turn, or, given ``lane`` (the thread's lane in warp 0), shared out over the
         warp's lanes (``spread``). A wait that fails sets the thread's ``halt``."""
-        layout, singles = self.layout, iter(range(1 << 30))
+        layout, singles = self.layout, itertools.count()
 
         def one_lane(stmt):
             """A wait on one element: the next lane in turn takes it."""
