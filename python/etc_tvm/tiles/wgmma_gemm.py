@@ -53,17 +53,22 @@ are empty) and a CTA barrier, so the next task, of this tile or another, may reu
 shared bytes at once. There are no mbarriers whose phase could leak from one task into the next.
 
 Why cp.async and not TMA: a TMA load (``cp.async.bulk.tensor``) needs a ``CUtensorMap``
-encoded on the host for each global tensor (``cuTensorMapEncodeTiled``; TVM emits it as a
-host-side init statement and passes the map as a ``__grid_constant__`` kernel parameter). A
-device function here is inlined into the persistent kernel and sees only buffers; the
-megakernel builders (``tir_sched``) have no way yet to hoist a tile's host-side encode and to
-thread the map through the kernel's parameters. Follow-up: let a device function declare
-tensor maps over its buffer parameters (box bm x 64 for A, 64 x 64 for B, 128B swizzle: exactly
-the layout above), have ``tir_sched`` encode them on the host per launch and pass them in; then
-replace ``_load_stage`` with one elected thread issuing ``cp.async.bulk.tensor`` +
-``mbarrier.arrive.expect_tx`` per stage, consumers waiting on the stage's full barrier (phase =
-k-step / S parity, re-initialised per task or carried across tasks) and arriving on its empty
-barrier. The shared layout and the descriptors stay as they are.
+encoded on the host for each global tensor. TVM 0.27 does that inside the prim_func, before
+the kernel: ``T.Bind(T.tvm_stack_alloca("tensormap", 1), var=m)`` then
+``T.tensormap_encode_tiled(m, base, *dims, *byte_strides, *box, *elem_strides,
+descriptor_dtype=..., rank=..., swizzle=...)``, and a kernel that reads ``T.address_of(m)``
+gets the map as a ``__grid_constant__ CUtensorMap`` parameter (the pattern of
+``tvm/backend/cuda/tile_primitive/copy_async/tma.py``; ``tvm/backend/cuda/lang/pipeline.py``
+has ``TMABar``, an mbarrier armed with ``mbarrier.arrive.expect_tx``). A device function
+here is inlined into the persistent kernel and sees only buffers; the megakernel builders
+(``tir_sched``) do not yet let a device function declare tensor maps over its buffer
+parameters. Follow-up: such a declaration (box bm x 64 for A, 64 x 64 for B, 128B swizzle:
+exactly the layout above), encoded by ``tir_sched`` in the kernel's host part per launch;
+then ``_load_stage`` becomes one elected thread issuing
+``cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`` +
+``mbarrier.arrive.expect_tx`` per stage, consumers waiting on the stage's full barrier
+(phase = k-step / S parity, re-initialised per task) and arriving on its empty barrier. The
+shared layout and the descriptors stay as they are.
 
 Numeric contract: as ``gemm``: the bf16 products are exact in fp32, only the fp32 accumulation
 rounds, so ``gemm.error_bound`` (``K * 2**-22 * |A| @ |B|``, plus ``2**-8 * |A @ B|`` for bf16
