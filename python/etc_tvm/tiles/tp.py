@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 from ..device_func import RANK, WORLD_SIZE, DeviceFunc, device_func
 from ..errors import EtcError
-from .wgmma_gemm import WgmmaTile, check_geometry
+from .wgmma_gemm import WgmmaTile, check_geometry, task_cost
 
 VEC = 8  # bf16 per 16-byte access
 
@@ -62,7 +62,7 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
-                       cost=K // bk * max(1, bm * bn // 4096))
+                       cost=task_cost(K, bm, bn, bk))
 
     @tile.set_reference
     def _(i, j, A, B, P, *, rank, peers):
@@ -182,7 +182,7 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         tile.store(C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),
-                       cost=K // bk * max(1, bm * bn // 4096))
+                       cost=task_cost(K, bm, bn, bk))
 
     @tile.set_reference
     def _(s, i, j, G, B, C, *, rank, world_size):

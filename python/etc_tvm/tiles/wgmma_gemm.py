@@ -95,7 +95,8 @@ WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
 
-__all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes"]
+__all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes",
+           "task_cost"]
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
@@ -280,6 +281,12 @@ class WgmmaTile:
         store_fragments(self, C, row0, col0)
 
 
+def task_cost(K, bm: int, bn: int, bk: int):
+    """The cost hint of a task that runs a bm x bn tile over K (symbolic): one K step is
+    about bm*bn/4096 elementwise passes of a 64x64 tile."""
+    return K // bk * max(1, bm * bn // 4096)
+
+
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
                          threads: int = 256, out_dtype: str = "float32") -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
@@ -315,9 +322,8 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
-    # one K step of a bm x bn tile: about bm*bn/4096 elementwise passes of a 64x64 tile
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
-                       cost=K // bk * max(1, bm * bn // 4096))
+                       cost=task_cost(K, bm, bn, bk))
 
     @tile.set_reference
     def _(i, j, A, B, C):
