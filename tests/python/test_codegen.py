@@ -9,6 +9,8 @@ import pytest
 
 from etc_tvm.build import build
 from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
+from etc_tvm.schedule import DynamicPlan
+from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.persistent import RUNTIME_SOURCE
 
 import graphs
@@ -67,6 +69,24 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
     order = [kernel.index(s) for s in ("tvm_builtin_cuda_grid_sync", "etc_take(",
                                        "etc_count_down(", "etc_notify(", "etc_wait(")]
     assert order == sorted(order)  # pop, early pushes, then the producer's branch, then the rest
+
+
+def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():
+    """In the MoE graph the router's and the grouping's tasks have consumers in the plan;
+    scatter's, the expert tiles' (released by a trigger) and combine's have none: their
+    dispatches skip the round trip to the consumer list."""
+    graph = TaskGraph.build(moe_graph(2, "inferred"), {"T": 7})
+    plan = DynamicPlan.of(graph)
+    with_consumers = [c.name for c in graph.calls if plan.consumer_indptr[
+        c.first_task + c.num_tasks] > plan.consumer_indptr[c.first_task]]
+    assert with_consumers == ["router0", "grouping0"]
+    scatter = graph.calls[2]
+    source = build(moe_graph(2, "inferred"), {"T": 7}, strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("_dynamic_megakernel_kernel("):]
+    guard = f"if ((0 <= t) && (t < {scatter.first_task})) {{"
+    assert kernel.index(guard) < kernel.index("consumer_indptr_ptr[") \
+        < kernel.index("etc_count_down((")
 
 
 @needs_nvcc

@@ -166,10 +166,34 @@ class ReadyRing:
         else:
             k = tirx.Var("k", "int32")
             steps = [tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))]
+        among = self._with_consumers(task)
+        if among is not None:  # the other calls' tasks read no consumer list
+            steps = [tirx.IfThenElse(among, steps[0], None)]
         late = self._count_down_late_calls(task)
         if late is not None:
             steps.append(tirx.IfThenElse(kernel.tx == 0, late, None) if dispatch else late)
         return tirx.stmt_seq(*steps)
+
+    def _with_consumers(self, task: tirx.Expr) -> tirx.Expr | None:
+        """Whether ``task`` lies in a call some of whose tasks have consumers in the plan
+        (None: every call's do); a dispatch of another call's task skips the round trip to
+        the consumer list. In the MoE layer only the router's and top-K's tasks have any."""
+        indptr, ranges = self.plan.consumer_indptr, []
+        for call in self.kernel.calls:
+            if not call.num_tasks:
+                continue
+            if indptr[call.first_task + call.num_tasks] > indptr[call.first_task]:
+                if ranges and ranges[-1][1] == call.first_task:
+                    ranges[-1][1] = call.first_task + call.num_tasks
+                else:
+                    ranges.append([call.first_task, call.first_task + call.num_tasks])
+        covered = sum(hi - lo for lo, hi in ranges)
+        if covered == sum(c.num_tasks for c in self.kernel.calls):
+            return None
+        cond = tirx.IntImm("bool", 0)
+        for lo, hi in ranges:
+            cond = tirx.Or(cond, tirx.And(i32(lo) <= task, task < i32(hi)))
+        return cond
 
     def _count_down_late_calls(self, task: tirx.Expr) -> tirx.Stmt | None:
         n = len(self.plan.pending)
