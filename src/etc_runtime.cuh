@@ -114,28 +114,22 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
   return etc_wait_at<kGpu>(counter, status, task, element, limit_ns);
 }
 
-// A claim on the next slot of the ready ring: the slot in the high word, in the low word the
-// task the slot held when claimed (acquire), -1 if it was not published yet or lies past the
-// tasks the ring will hold. A CTA claims its next slot before it runs its current task;
-// ``etc_take`` then waits for the slot. (The acquire load, which depends on the atomic, holds
-// the thread for both round trips: the claim does not overlap the task yet.)
-// ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered at run time by the
-// tasks no trigger releases. Called by one thread.
-__device__ __forceinline__ long long etc_claim(int* head_tail, const int* ring) {
-  const int expected = etc_load_relaxed(head_tail + 2);
-  const int slot = atomicAdd(head_tail, 1);
-  const int task = slot < expected ? etc_load_acquire(ring + slot) : -1;
-  return ((long long)slot << 32) | (unsigned)task;
-}
+// A claim on the next slot of the ready ring. A CTA claims its next slot while it runs its
+// current task: the atomic's result is not read until ``etc_take``, so its round trip
+// overlaps the task instead of delaying it. Called by one thread.
+__device__ __forceinline__ int etc_claim(int* head_tail) { return atomicAdd(head_tail, 1); }
 
-// The task of a claimed slot, -1 once the slot lies past the tasks the ring will hold, -2 if
-// the grid is stopping. Called by the thread that claimed it.
-__device__ __noinline__ int etc_take(int* head_tail, const int* ring, long long claim,
+// The task of claimed slot ``slot`` (acquire: the pusher's writes happen before the task
+// runs), -1 once the slot lies past the tasks the ring will hold, -2 if the grid is stopping.
+// ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered at run time by the
+// tasks no trigger releases. Both loads leave before either is looked at: one round trip
+// when the task is there. Called by the thread that claimed it.
+__device__ __noinline__ int etc_take(int* head_tail, const int* ring, int slot, int capacity,
                                      int* status, long long limit_ns) {
-  const int slot = (int)(claim >> 32);
-  int task = (int)claim;
+  const int expected = etc_load_relaxed(head_tail + 2);
+  int task = etc_load_acquire(ring + min(slot, capacity - 1));
+  if (slot >= expected) return -1;
   if (task >= 0) return task;
-  if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
   const unsigned long long start = etc_globaltimer_ns();
   for (unsigned polls = 0;; ++polls) {
     task = etc_load_relaxed(ring + slot);

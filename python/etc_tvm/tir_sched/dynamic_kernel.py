@@ -15,7 +15,7 @@
                         thread 0: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
-                        (etc_claim), taken at the next round
+                        (etc_claim), so that the claim's round trip overlaps task t
               run task t as the static kernel does: waits, inlined body, notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
@@ -129,9 +129,15 @@ class ReadyRing:
         return self.kernel.runtime_call(name, *args, return_type=return_type)
 
     def claim(self) -> tirx.Expr:
-        """A claim on the ring's next slot (``etc_claim``), for ``etc_take``."""
-        return self._call("etc_claim", pointer(self.head_tail), pointer(self.ring),
-                          return_type="int64")
+        """A claim on the ring's next slot (``etc_claim``), for ``take``."""
+        return self._call("etc_claim", pointer(self.head_tail), return_type="int32")
+
+    def take(self, slot: tirx.Expr) -> tirx.Expr:
+        """The task of claimed slot ``slot`` (``etc_take``: -1 past the end, -2 stopping)."""
+        kernel = self.kernel
+        return self._call("etc_take", pointer(self.head_tail), pointer(self.ring), slot,
+                          i32(max(1, self.plan.capacity)), pointer(kernel.status), kernel.limit,
+                          return_type="int32")
 
     def push(self, task: tirx.Expr) -> tirx.Stmt:
         return tirx.Evaluate(self._call("etc_push", pointer(self.head_tail), pointer(self.ring),
@@ -426,7 +432,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     kernel = PersistentKernel(graph, layout, options, symbolic)
     ring = ReadyRing(kernel, plan, set(range(len(graph.calls))))
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
-    claim = tirx.decl_buffer((1,), "int64", "claim", scope="local")  # thread 0's (etc_claim)
+    claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
     task = tirx.Var("t", "int32")
     dispatch = kernel.dispatch(task)
     tx, status = kernel.tx, kernel.status
@@ -445,7 +451,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
-                    Tb.buffer_store(claim, tirx.IntImm("int64", -1), [0])
+                    Tb.buffer_store(claim, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
@@ -455,11 +461,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                                 with Tb.If(claim[0] < 0):
                                     with Tb.Then():
                                         Tb.buffer_store(claim, ring.claim(), [0])
-                                Tb.buffer_store(slot, kernel.runtime_call(
-                                    "etc_take", pointer(ring.head_tail), pointer(ring.ring),
-                                    claim[0], pointer(status), kernel.limit,
-                                    return_type="int32"), [0])
-                                Tb.buffer_store(claim, tirx.IntImm("int64", -1), [0])
+                                Tb.buffer_store(slot, ring.take(claim[0]), [0])
+                                Tb.buffer_store(claim, i32(-1), [0])
                 Tb.evaluate(Tb.cuda.cta_sync())
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())  # the slot is rewritten by the next pop
@@ -469,7 +472,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
                 Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                 with Tb.If(tirx.And(tx == 0, ring.held[0] < 0)):
-                    with Tb.Then():  # the next task's slot, claimed before this one runs
+                    with Tb.Then():  # the next task's slot, claimed while this one runs
                         Tb.buffer_store(claim, ring.claim(), [0])
                 Tb.add_to_parent(dispatch)
     return ib.get()
