@@ -464,8 +464,9 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                                 Tb.buffer_store(slot, ring.take(claim[0]), [0])
                                 Tb.buffer_store(claim, i32(-1), [0])
                 Tb.evaluate(Tb.cuda.cta_sync())
+                # every thread reads the slot before the barrier after the count-downs, and
+                # thread 0 rewrites it only past that barrier
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
-                Tb.evaluate(Tb.cuda.cta_sync())  # the slot is rewritten by the next pop
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
