@@ -1,9 +1,10 @@
 """The seed's two tensor-parallel patterns on several GPUs, one process per GPU.
 
-    torchrun --nproc-per-node 2 apps/tp_patterns.py [--pattern gemm_rs ag_gemm]
+    torchrun --nproc-per-node 2 apps/tp_patterns.py [--pattern gemm_rs gemm_rs_dynamic ag_gemm]
 
-Each rank builds its kernel of GEMM + Reduce-Scatter and of All-Gather + GEMM
-(tests/python/tp_graphs.py: small fp32 tiles), runs it on fresh random inputs, and checks its
+Each rank builds its kernel of GEMM + Reduce-Scatter (static and dynamic schedules) and of
+All-Gather + GEMM (static, ring order) (tests/python/tp_graphs.py: small fp32 tiles), runs it
+on fresh random inputs, and checks its
 result against the same computation through torch.distributed (NCCL: matmul then
 reduce_scatter; all_gather then matmul) and against float64. Then ``--launches`` repeated
 launches must give the same bits. Rank 0 prints one
@@ -36,19 +37,22 @@ def join() -> tuple[Nvshmem, int, int]:
     return Nvshmem.init(rank, world, uid[0]), rank, world
 
 
-def gemm_rs(world: Nvshmem, M: int, K: int, N: int, rng, launches: int) -> float:
+def gemm_rs(world: Nvshmem, M: int, K: int, N: int, rng, launches: int,
+            strategy: str = "static") -> float:
     """A[:, K_r] @ B[K_r, :] summed over ranks, row block r kept: against NCCL and float64."""
     W, r = world.world_size, world.rank
     A = rng.standard_normal((M, K * W)).astype(np.float32)  # the same on every rank (seeded)
     B = rng.standard_normal((K * W, N)).astype(np.float32)
     A_r, B_r = A[:, r * K:(r + 1) * K], B[r * K:(r + 1) * K]
-    program = build_rank(gemm_reduce_scatter(W), {"M": M, "K": K, "N": N}, r)
+    program = build_rank(gemm_reduce_scatter(W), {"M": M, "K": K, "N": N}, r,
+                         strategy=strategy)
     D = program(world, A_r, B_r)
     partial = torch.from_numpy(A_r).cuda() @ torch.from_numpy(B_r).cuda()
     nccl = torch.empty((M // W, N), device="cuda")
     dist.reduce_scatter_tensor(nccl, partial)
     want = (A.astype(np.float64) @ B)[r * M // W:(r + 1) * M // W]
-    return check("GEMM + Reduce-Scatter", program, world, (A_r, B_r), D, nccl, want, launches)
+    return check(f"GEMM + Reduce-Scatter ({strategy})", program, world, (A_r, B_r), D, nccl,
+                 want, launches)
 
 
 def ag_gemm(world: Nvshmem, M: int, K: int, N: int, rng, launches: int) -> float:
@@ -79,7 +83,9 @@ def check(name, program, world, inputs, got, nccl, want, launches) -> float:
     return max(error, nccl_error)
 
 
-PATTERNS = {"gemm_rs": ("GEMM + Reduce-Scatter", gemm_rs),
+PATTERNS = {"gemm_rs": ("GEMM + Reduce-Scatter, static", gemm_rs),
+            "gemm_rs_dynamic": ("GEMM + Reduce-Scatter, dynamic",
+                                lambda *args: gemm_rs(*args, strategy="dynamic")),
             "ag_gemm": ("All-Gather + GEMM", ag_gemm)}
 
 

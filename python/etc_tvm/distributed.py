@@ -210,11 +210,17 @@ def _digest(text: str) -> str:
 
 
 class RankProgram:
-    """One rank's static persistent kernel of a graph of several ranks, and its launch."""
+    """One rank's persistent kernel of a graph of several ranks, and its launch."""
 
-    def __init__(self, graph, executable, name: str, rank: int, arrays, meta):
+    def __init__(self, graph, executable, name: str, rank: int, arrays, meta,
+                 num_counters: int, work=()):
+        """``arrays``: the kernel's read-only tables, after the inputs (static: queue CSR and
+        initial counts; dynamic: initial counts and ``DynamicPlan.tables``); ``num_counters``:
+        the event counters (on the symmetric heap); ``work``: the sizes of the kernel's int32
+        working state after ``status`` (a ready ring's)."""
         self.graph, self.executable, self.name, self.rank = graph, executable, name, rank
-        self.arrays, self.meta = arrays, meta  # indptr, tasks, initial; the watchdog's names
+        self.arrays, self.meta, self.work = arrays, meta, tuple(work)
+        self.num_counters = num_counters
         self.state = None  # device tensors, allocated at the first call (collective)
 
     def __call__(self, world: Nvshmem, *inputs):
@@ -246,7 +252,8 @@ class RankProgram:
                            f"({', '.join(p.name for p in params)}), got {len(inputs)}")
         counters, status, outputs = self.state["counters"], self.state["status"], \
             self.state["outputs"]
-        self.executable[self.name](*inputs, *self.state["arrays"], counters, status, *outputs)
+        self.executable[self.name](*inputs, *self.state["arrays"], counters, status,
+                                   *self.state["work"], *outputs)
         produced = self._own(lambda t: t.producer is not None)
         return [outputs[produced.index(t)] for t in self.graph.rank_outputs(self.rank)]
 
@@ -264,8 +271,9 @@ class RankProgram:
         for t in (self.graph.tensors[i] for i in self._own(lambda t: t.producer is not None)):
             outputs.append(world.empty(t.shape, t.dtype) if t.symmetric
                            else tvm.runtime.empty(t.shape, t.dtype, dev))
-        counters = world.empty((len(self.arrays[2]),), "int32")
+        counters = world.empty((self.num_counters,), "int32")
         return {"arrays": [tvm.runtime.tensor(a, dev) for a in self.arrays],
+                "work": [tvm.runtime.empty((n,), "int32", dev) for n in self.work],
                 "counters": counters, "outputs": outputs,
                 "status": tvm.runtime.empty((STATUS_WORDS,), "int32", dev)}
 
@@ -277,35 +285,53 @@ def _current_device() -> int:
 
 
 def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
-               num_sms: int | None = None, options: KernelOptions = DEFAULT_OPTIONS,
-               target=None) -> RankProgram:
-    """Compile rank ``rank``'s static persistent kernel of ``graph`` (a graph function of
-    world size above 1) for ``dims``: every rank's tasks list-scheduled together onto
-    ``num_sms`` queues a rank (default: this GPU's SMs, else 132, an H200's), each rank's
-    kernel running its own."""
+               strategy: str = "static", num_sms: int | None = None,
+               options: KernelOptions = DEFAULT_OPTIONS, target=None) -> RankProgram:
+    """Compile rank ``rank``'s persistent kernel of ``graph`` (a graph function of world size
+    above 1) for ``dims``, on ``num_sms`` CTAs (default: this GPU's SMs, else 132, an
+    H200's). ``strategy``: "static", every rank's tasks list-scheduled together onto
+    ``num_sms`` queues a rank, each rank's kernel running its own; or "dynamic", each rank
+    popping its own tasks from its own ready ring (``DynamicPlan.of(..., rank_local=True)``:
+    a call that waits on other ranks enters the ring after the rank's earlier calls)."""
     import tvm
 
     from .build import default_target, has_gpu, task_graph_meta
-    from .schedule import list_schedule
+    from .schedule import DynamicPlan, list_schedule
     from .task_graph import TaskGraph
+    from .tir_sched.dynamic_kernel import build_dynamic_kernel
     from .tir_sched.events import EventLayout
     from .tir_sched.static_kernel import build_static_kernel
 
+    if strategy not in ("static", "dynamic"):
+        raise EtcError(f"a kernel of several ranks runs the static or the dynamic schedule, "
+                       f"not {strategy!r}")
     task_graph = TaskGraph.build(graph, dims)
     if task_graph.world_size == 1:
         raise EtcError(f"{graph.name} runs on one rank: build it with etc_tvm.build")
     task_graph.validate()
     num_sms = num_sms or (tvm.cuda(_current_device()).multi_processor_count if has_gpu()
                           else 132)
-    schedule = list_schedule(task_graph, num_sms).for_rank(task_graph, rank)
     layout = EventLayout.of(task_graph)
-    name = f"{graph.name}_rank{rank}"
-    kernel = build_static_kernel(task_graph, schedule, layout, name, options, rank=rank)
+    name = f"{graph.name}_rank{rank}" if strategy == "static" else \
+        f"{graph.name}_{strategy}_rank{rank}"
+    work = ()
+    if strategy == "static":
+        schedule = list_schedule(task_graph, num_sms).for_rank(task_graph, rank)
+        kernel = build_static_kernel(task_graph, schedule, layout, name, options, rank=rank)
+        indptr, tasks = schedule.csr(task_graph)
+        tasks = np.pad(tasks, (0, max(1, task_graph.num_tasks) - len(tasks)))  # its shape
+        arrays = (indptr, tasks, layout.initial)
+    else:
+        own = {c.index for c in task_graph.calls if c.rank == rank}
+        plan = DynamicPlan.of(task_graph, own, rank_local=True)
+        kernel = build_dynamic_kernel(task_graph, plan, layout, name, num_sms, options,
+                                      rank=rank)
+        arrays = (layout.initial, *plan.tables())
+        work = tuple(plan.state_sizes().values())
     target = target or default_target()
     with target, nvshmem_compiler():
         executable = tvm.compile(tvm.IRModule({name: kernel}), target=target,
                                  tir_pipeline="tirx")
-    indptr, tasks = schedule.csr(task_graph)
-    tasks = np.pad(tasks, (0, max(1, task_graph.num_tasks) - len(tasks)))  # the kernel's shape
-    return RankProgram(task_graph, executable, name, rank, (indptr, tasks, layout.initial),
-                       task_graph_meta(task_graph, layout, options, has_status=True))
+    return RankProgram(task_graph, executable, name, rank, arrays,
+                       task_graph_meta(task_graph, layout, options, has_status=True),
+                       len(layout.initial), work)

@@ -162,10 +162,12 @@ class DynamicQueueOrder(Order):
     CTA keeps only a consumer of its own rank.
     """
 
-    def __init__(self, num_ctas: int = 132, early_push: bool = True):
+    def __init__(self, num_ctas: int = 132, early_push: bool = True, rank_local: bool = False):
+        """``rank_local``: the plan of the ranks' own kernels (``DynamicPlan.of``), in which
+        a dispatch counts down only tasks of its rank."""
         if num_ctas < 1:
             raise EtcError(f"num_ctas must be positive, got {num_ctas}")
-        self.num_ctas, self.early_push = num_ctas, early_push
+        self.num_ctas, self.early_push, self.rank_local = num_ctas, early_push, rank_local
 
     def start(self, run):
         super().start(run)
@@ -181,7 +183,7 @@ class DynamicQueueOrder(Order):
             self._push(task)
 
     def make_plan(self, graph) -> DynamicPlan:
-        return DynamicPlan.of(graph)
+        return DynamicPlan.of(graph, rank_local=self.rank_local)
 
     @property
     def ring(self) -> deque:

@@ -16,6 +16,7 @@ that waits for them.
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,23 +253,41 @@ class DynamicPlan:
         return [k for k, late in enumerate(self.late_calls) if call in late.deps]
 
     @staticmethod
-    def of(graph: TaskGraph, ring_calls: set[int] | None = None) -> "DynamicPlan":
+    def of(graph: TaskGraph, ring_calls: set[int] | None = None, *,
+           rank_local: bool = False) -> "DynamicPlan":
         """The plan for the tasks of ``ring_calls`` (all calls by default); the others run
         from static queues in the same kernel and count their consumers down as the ring's
-        tasks do."""
+        tasks do.
+
+        ``rank_local``: a plan of several ranks whose dispatches count down only tasks of
+        their own rank, one ring per rank (a rank's kernel runs on it alone). A call with a
+        task that waits on another rank's notifies is late: it is pushed once every task of
+        the rank's earlier calls (program order, the same on every rank) is dispatched.
+        That keeps the ranks free of deadlock: take the earliest call whose tasks wait
+        forever somewhere, on remote producers of earlier calls; those producers' rank
+        dispatched them before pushing any task of a later call that could wait, so they
+        run, and they wait only on earlier calls, which complete."""
         ring_calls = set(range(len(graph.calls))) if ring_calls is None else set(ring_calls)
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
         triggered = frozenset(c.index for c in graph.calls
                               if c.triggers and c.index in ring_calls)
-        deps = graph.call_dependencies()
+        notifiers = graph.element_notifiers()
+        deps = defaultdict(set, graph.call_dependencies())
+        remote = set()
+        if rank_local:
+            remote = {graph.task_call[t] for t in range(graph.num_tasks)
+                      if any(graph.rank_of(p) != graph.rank_of(t)
+                             for e in graph.waits[t] for p in notifiers[e])}
+            for c in remote:
+                deps[c] = {d.index for d in graph.calls[:c] if d.rank == graph.calls[c].rank}
         late_calls = tuple(
             LateCall(c.index, tuple(sorted(deps[c.index])),
                      sum(graph.calls[d].num_tasks for d in deps[c.index]))
-            for c in graph.calls if c.index in ring_calls and c.index not in triggered and any(
-                e.map.is_data_dependent or e.etensor in runtime for e in c.in_edges))
+            for c in graph.calls if c.index in ring_calls and c.index not in triggered and (
+                c.index in remote or any(e.map.is_data_dependent or e.etensor in runtime
+                                         for e in c.in_edges)))
         late = frozenset(t for k in (*triggered, *(lc.call for lc in late_calls))
                          for t in graph.calls[k].tasks)
-        notifiers = graph.element_notifiers()
         consumers = [set() for _ in range(graph.num_tasks)]
         pending = np.zeros(graph.num_tasks, np.int32)
         for task in range(graph.num_tasks):

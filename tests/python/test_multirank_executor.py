@@ -34,7 +34,8 @@ def orders(graph, dims):
     yield StaticOrder.per_rank(rank_queues(graph, dims, 2), seed=5)
     for ctas in (1, 3):
         yield DynamicQueueOrder(ctas)
-    yield DynamicQueueOrder(2, early_push=False)
+        yield DynamicQueueOrder(ctas, rank_local=True)  # one CTA a rank: a wait across ranks
+    yield DynamicQueueOrder(2, early_push=False)       # that blocks it would deadlock
 
 
 def rs_inputs(rng, W, M=None, K=None, N=8):

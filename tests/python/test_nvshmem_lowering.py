@@ -42,6 +42,33 @@ def test_rank_kernel_compiles_and_links_against_nvshmem(rank, nvshmem_home):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
+    """Under the dynamic schedule a rank pops its own tasks; the reduce tiles wait on the
+    other rank's GEMM tiles, so they enter the ring as a late call, after the rank's GEMM
+    tiles are dispatched."""
+    program = distributed.build_rank(gemm_reduce_scatter(2), DIMS, rank, strategy="dynamic",
+                                     num_sms=4)
+    source = program.executable.mod.imports[0].inspect_source("cuda")
+    kernel = source[source.index(f"gemm_rs_dynamic_rank{rank}_kernel("):]
+    order = [kernel.index(s) for s in ("tvm_builtin_nvshmem_barrier_all()", "etc_take(",
+                                       "etc_count_down_call(", "etc_notify_remote(",
+                                       "etc_wait_sys(")]
+    assert order == sorted(order)
+    graph = program.graph
+    own = [c for c in graph.calls if c.rank == rank]
+    initial, pending, *_, head_tail = program.arrays
+    late = len(pending) - graph.num_tasks  # pending counts: tasks, then late calls
+    assert late == 1 and pending[-1] == own[0].num_tasks  # reduce waits for every GEMM tile
+    assert head_tail.tolist() == [0, own[0].num_tasks, own[0].num_tasks + own[1].num_tasks]
+    assert program.work == (len(pending), graph.num_tasks, 3, -(-graph.num_tasks // 32))
+
+
+def test_build_rank_refuses_a_strategy_without_a_rank_kernel():
+    with pytest.raises(EtcError, match="static or the dynamic schedule, not 'mixed'"):
+        distributed.build_rank(gemm_reduce_scatter(2), DIMS, 0, strategy="mixed", num_sms=4)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
 def test_all_gather_gemm_rank_kernel_compiles(rank, nvshmem_home):
     """Gather task (p, i) stores into rank p's ``gathered``; the ring GEMM reads its own."""
     program = distributed.build_rank(all_gather_gemm(2), {"M": 8, "K": 8, "N": 8}, rank,

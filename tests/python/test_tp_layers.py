@@ -8,7 +8,7 @@ import pytest
 
 from etc_tvm import distributed
 from etc_tvm.errors import EtcError
-from etc_tvm.executor import RandomOrder, ReadyQueueOrder, execute_ranks
+from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, execute_ranks
 from etc_tvm.tiles import gemm, tp
 
 from test_moe_tiles import _load_app
@@ -17,7 +17,8 @@ from test_tiles import assert_within
 tp_layers = _load_app("tp_layers")
 BF16 = ml_dtypes.bfloat16
 TILE = 128
-ORDERS = [ReadyQueueOrder(), RandomOrder(0), RandomOrder(1)]
+ORDERS = [ReadyQueueOrder(), RandomOrder(0), RandomOrder(1),
+          DynamicQueueOrder(2, rank_local=True)]  # the ranks' own dynamic kernels
 
 
 def draw(rng, shape, scale=1.0):
@@ -54,11 +55,14 @@ def test_all_gather_gemm_columns_match_float64(W, order, rng):
                       gemm.error_bound(A, b, "bfloat16"))
 
 
-@pytest.mark.parametrize("layer, dims, peer", [
-    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr"),
-    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr")])
-def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, nvshmem_home):
-    program = distributed.build_rank(getattr(tp_layers, layer)(2), dims, 1, num_sms=4)
+@pytest.mark.parametrize("layer, dims, peer, strategy", [
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static"),
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "dynamic"),
+    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static")])
+def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, strategy,
+                                                          nvshmem_home):
+    program = distributed.build_rank(getattr(tp_layers, layer)(2), dims, 1, strategy=strategy,
+                                     num_sms=4)
     kernel = program.executable.mod.imports[0].inspect_source("cuda")
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in kernel
     assert peer in kernel

@@ -204,7 +204,7 @@ class ReadyRing:
     def _count_down_late_calls(self, task: tirx.Expr) -> tirx.Stmt | None:
         n = len(self.plan.pending)
         late = None
-        for call in reversed(self.graph.calls):
+        for call in reversed(self.kernel.calls):
             dependents = self.plan.late_dependents(call.index)
             if not dependents:
                 continue
@@ -425,12 +425,14 @@ RELEASE_WORDS = 256  # release-mark words (32 tasks each) ``resolve`` reads per 
 
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,
                          num_ctas: int, options: KernelOptions = DEFAULT_OPTIONS,
-                         symbolic: bool = False) -> tirx.PrimFunc:
+                         symbolic: bool = False, rank: int | None = None) -> tirx.PrimFunc:
     """The persistent kernel that runs ``graph`` from a ready ring, following ``plan``; with
     ``symbolic``, on tensors of any sizes up to ``graph``'s (the plan's seeds are then pushed
-    at launch, those inside the launch's grids)."""
-    kernel = PersistentKernel(graph, layout, options, symbolic)
-    ring = ReadyRing(kernel, plan, set(range(len(graph.calls))))
+    at launch, those inside the launch's grids). For a graph of several ranks, rank
+    ``rank``'s kernel: ``plan`` is that rank's (``DynamicPlan.of(graph, its calls,
+    rank_local=True)``), its ring holds that rank's tasks."""
+    kernel = PersistentKernel(graph, layout, options, symbolic, rank)
+    ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls})
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
     task = tirx.Var("t", "int32")
