@@ -95,13 +95,15 @@ def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int) -> dict:
             **against(baseline, program, world, args, got, reps)}
 
 
-def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int) -> dict:
+def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int,
+         strategy: str = "static") -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens, inter // W, hidden
     A = draw((M, K * W), 1.0, 3)
     B = draw((K * W, N), (K * W) ** -0.5, 4)
     A_r, B_r = A[:, r * K:(r + 1) * K].contiguous(), B[r * K:(r + 1) * K].contiguous()
-    program = build_rank(tp_layers.gemm_rs_layer(W), {"M": M, "K": K, "N": N}, r)
+    program = build_rank(tp_layers.gemm_rs_layer(W), {"M": M, "K": K, "N": N}, r,
+                         strategy=strategy)
     args = [as_tvm(A_r), as_tvm(B_r)]
     (D,) = program.launch(world, *args)
     program.check()
@@ -124,7 +126,9 @@ def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int) -> dic
             **against(baseline, program, world, args, got, reps)}
 
 
-HALVES = {"up": ("All-Gather + GEMM", up), "down": ("GEMM + Reduce-Scatter", down)}
+HALVES = {"up": ("All-Gather + GEMM", up), "down": ("GEMM + Reduce-Scatter", down),
+          "down-dynamic": ("GEMM + RS, dynamic",
+                           lambda *args: down(*args, strategy="dynamic"))}
 
 
 def main() -> None:
@@ -132,7 +136,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--shapes", nargs="+", default=["4096x14336", "8192x28672"],
                         help="hidden x intermediate (Llama-3 8B and 70B)")
-    parser.add_argument("--halves", nargs="+", choices=sorted(HALVES), default=["up", "down"])
+    parser.add_argument("--halves", nargs="+", choices=sorted(HALVES),
+                        default=["up", "down", "down-dynamic"])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default="bench_tp.json")
     args = parser.parse_args()
