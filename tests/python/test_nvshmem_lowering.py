@@ -61,6 +61,7 @@ def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
     assert late == 1 and pending[-1] == own[0].num_tasks  # reduce waits for every GEMM tile
     assert head_tail.tolist() == [0, own[0].num_tasks, own[0].num_tasks + own[1].num_tasks]
     assert program.work == (len(pending), graph.num_tasks, 3, -(-graph.num_tasks // 32))
+    assert all(a.size for a in program.arrays)  # the runtime refuses an empty argument
 
 
 def test_build_rank_refuses_a_strategy_without_a_rank_kernel():
