@@ -40,6 +40,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .errors import EtcError
+from .tensor_map import TensorMap
 
 _CTA_THREAD_SCOPE = 7  # ScopeIdDef.scope of T.thread_id: (cta, thread)
 REFERENCE_CONTEXT = ("rank", "world_size", "peers")
@@ -66,11 +67,12 @@ class DeviceFunc:
     """A tile task: its TIRx PrimFunc, its parameters, thread count, cost hint and reference."""
 
     def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
-                 cost=1.0, reference: Callable | None = None, updates=()):
+                 cost=1.0, reference: Callable | None = None, updates=(), tensor_maps=()):
         self.prim_func = prim_func
         self.name = name
         self.coord_params, self.buffer_params = _split_params(prim_func, name)
         self.updates = _check_updates(tuple(updates), self.buffer_params, name)
+        self.tensor_maps = _check_tensor_maps(tuple(tensor_maps), self, name)
         self.num_threads = _thread_count(prim_func, name, num_threads)
         self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
@@ -125,14 +127,16 @@ class DeviceFunc:
 
 
 def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
-                reference: Callable | None = None, updates=()):
+                reference: Callable | None = None, updates=(), tensor_maps=()):
     """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
 
     ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
     already parsed ``tirx.PrimFunc``. ``cost`` is a relative run-time hint for static schedules:
     a number, or an expression of the symbolic dims of the tensor parameters (a GEMM tile's
     ``K``), evaluated for each call. ``updates`` names tensor parameters that the tile writes
-    in place although they are inputs (state such as a KV cache).
+    in place although they are inputs (state such as a KV cache). ``tensor_maps``: the
+    ``TensorMap`` s its TMA loads read through (``etc_tvm.tensor_map``), which every kernel
+    running it encodes on the host.
     """
 
     def wrap(f) -> DeviceFunc:
@@ -145,7 +149,7 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
         else:
             name, prim = f.__name__, T.prim_func(f)
         return DeviceFunc(prim, name=name, num_threads=num_threads, cost=cost,
-                          reference=reference, updates=updates)
+                          reference=reference, updates=updates, tensor_maps=tensor_maps)
 
     return wrap(fn) if fn is not None else _Decorator(wrap)
 
@@ -192,6 +196,20 @@ def _check_updates(updates: tuple, buffer_params, name: str) -> tuple:
         raise EtcError(f"device function {name}: updates names {stray}, not among its tensor "
                        f"parameters {names}")
     return updates
+
+
+def _check_tensor_maps(maps: tuple, fn: DeviceFunc, name: str) -> tuple:
+    params = [p.name for p in fn.buffer_params]
+    for m in maps:
+        if not isinstance(m, TensorMap):
+            raise EtcError(f"device function {name}: tensor_maps takes TensorMap objects, "
+                           f"got {m!r}")
+        if m.param not in params:
+            raise EtcError(f"device function {name}: tensor map of '{m.param}', which is not "
+                           f"one of its tensor parameters {params}")
+        param = fn.param(m.param)
+        m.check(param.shape, param.dtype, f"device function {name}")
+    return maps
 
 
 def _split_params(func: tirx.PrimFunc, name: str):

@@ -25,6 +25,7 @@ from .device_func import DeviceFunc
 from .errors import EtcError
 from .etensor import ETensor
 from .tensor import Tensor, TensorValue, as_dim, dim_str, shape_str
+from .tensor_map import TensorMap
 
 
 class GraphFunc:
@@ -43,8 +44,10 @@ class GraphFunc:
         for gv, f in mod.functions_items():
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and "etc.device_func" in f.attrs:
                 cost = f.attrs.get("etc.cost", 1.0)
+                maps = [TensorMap.from_attr(a) for a in f.attrs.get("etc.tensor_maps", [])]
                 funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint, cost=cost.value if
-                                                 isinstance(cost, tvm.tirx.FloatImm) else cost)
+                                                 isinstance(cost, tvm.tirx.FloatImm) else cost,
+                                                 tensor_maps=maps)
         return GraphFunc(name, mod, funcs)
 
     @property

@@ -53,8 +53,11 @@ class Tracer:
             n = 1
             while name in self.device_funcs:
                 name, n = f"{fn.name}_{n}", n + 1
-            prim = fn.prim_func.with_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                                           "etc.device_func": name, "etc.cost": fn.cost})
+            attrs = {"global_symbol": name, "tirx.is_scheduled": True, "etc.device_func": name,
+                     "etc.cost": fn.cost}
+            if fn.tensor_maps:
+                attrs["etc.tensor_maps"] = [m.as_attr() for m in fn.tensor_maps]
+            prim = fn.prim_func.with_attr(attrs)
             self._gvars[id(fn)] = self.builder.add_func(prim, name)
             self.device_funcs[name] = fn
         return self._gvars[id(fn)]

@@ -21,7 +21,7 @@ from tvm.script.ir_builder import tirx as Tb
 from .. import edge_map as em
 from ..device_func import DeviceFunc
 from .events import trigger_scan
-from .inline import ThreadScopes, i32, inline_task
+from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task
 
 
 def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
@@ -52,17 +52,20 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
     task = tirx.Var("task", "int64")
     params = list(buffers) if num_inputs is None else [*buffers[:num_inputs], task,
                                                        *buffers[num_inputs:]]
+    (maps,), encodes = encode_tensor_maps([(fn, buffers, name)])
     with IRBuilder() as ib:
         with Tb.prim_func():
             Tb.func_name(name)
             Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True})
             for p in params:
                 Tb.arg(p.name, p)
+            for stmt in encodes:  # host: the tensor maps of the tile's TMA loads
+                Tb.add_to_parent(stmt)
             Tb.device_entry()
             bx = IRBuilder.name("bx", Tb.cta_id([num_tasks if num_inputs is None else 1]))
             flat = bx if num_inputs is None else bx + tirx.Cast("int32", task)
             coords = unravel(flat, grid)
-            body = inline_task(fn, coords, buffers, scopes, arena=None)
+            body = inline_task(fn, coords, buffers, scopes, arena=None, maps=maps)
             for d in scopes.defs:
                 Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
             if triggers:

@@ -79,12 +79,19 @@ def shared_bytes(fn: DeviceFunc, align: int = 128) -> int:
 
 def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
                 arena: tirx.Buffer | None, align: int = 128, rank: int = 0,
-                world_size: int = 1) -> tirx.Stmt:
+                world_size: int = 1, maps: Sequence[tirx.Var] = ()) -> tirx.Stmt:
     """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``, on
-    rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body)."""
+    rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body); ``maps``: the
+    kernel's encoded tensor maps in place of ``fn.tensor_maps``, in order."""
+    if len(maps) != len(fn.tensor_maps):
+        raise ValueError(f"{fn.name} reads {len(fn.tensor_maps)} tensor maps, "
+                         f"{len(maps)} given")
     func = tvm.s_tir.renew_defs(fn.prim_func)
     stmts = list(tirx.stmt_list(func.body.body))
-    vmap, prologue = {}, []
+    # renew_defs renews the free map variables too; their names are the parameters'
+    free = {v.name: v for v in tirx.analysis.undefined_vars(func.body, func.params)}
+    vmap = {free[m.var.name]: v for m, v in zip(fn.tensor_maps, maps) if m.var.name in free}
+    prologue = []
     while stmts and isinstance(stmts[0], tirx.ScopeIdDefStmt):
         vmap.update(scopes.map_ids(getattr(stmts.pop(0), "def"), fn.name))
     params = list(func.params)
@@ -102,6 +109,26 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
     if arena is not None:
         body = _into_arena(body, arena, align)
     return tirx.stmt_seq(*prologue, body)
+
+
+def encode_tensor_maps(tasks) -> tuple[list[list[tirx.Var]], list[tirx.Stmt]]:
+    """For each ``(fn, buffers, name)`` (a device function, the kernel buffers of its tensor
+    parameters, a name for its maps), the kernel's variables of ``fn.tensor_maps``, and the
+    host statements that encode them. One map per buffer, box and swizzle: calls that load
+    the same tensor alike share it."""
+    made, out, stmts = {}, [], []
+    for fn, buffers, name in tasks:
+        by_name = {p.name: b for p, b in zip(fn.buffer_params, buffers)}
+        own = []
+        for m in fn.tensor_maps:
+            buf = by_name[m.param]
+            key = (buf, m.box, m.swizzle)
+            if key not in made:
+                made[key], encode = m.encode(buf, f"{name}_{m.param}_map")
+                stmts += encode
+            own.append(made[key])
+        out.append(own)
+    return out, stmts
 
 
 def _with_rank(body: tirx.Stmt, rank: int, world_size: int) -> tirx.Stmt:

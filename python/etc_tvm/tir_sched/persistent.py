@@ -34,7 +34,7 @@ from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
 from .grid_kernel import unravel
-from .inline import ThreadScopes, i32, inline_task, shared_bytes
+from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task, shared_bytes
 
 STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
@@ -107,6 +107,9 @@ class PersistentKernel:
         self.symbolic = symbolic
         self.buffers = [tirx.decl_buffer(t.sym_shape if symbolic else t.shape, t.dtype, t.name)
                         for t in graph.tensors]
+        self.map_vars, self.map_encodes = encode_tensor_maps(
+            [(c.fn, [self.buffers[t] for t in c.tensor_args()], c.name) for c in self.calls])
+        self.map_vars = dict(zip((c.index for c in self.calls), self.map_vars))
         own = [t for t in graph.tensors if self.rank is None or t.rank == self.rank]
         self.inputs = [self.buffers[t.index] for t in own if t.param is not None]
         self.outputs = [self.buffers[t.index] for t in own if t.producer is not None]
@@ -150,6 +153,8 @@ class PersistentKernel:
                       "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
         for b in params:
             Tb.arg(b.name, b)
+        for stmt in self.map_encodes:  # host: the tensor maps of the tiles' TMA loads
+            Tb.add_to_parent(stmt)
         Tb.device_entry()
         bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
         self.declare()
@@ -221,7 +226,7 @@ class PersistentKernel:
         args, peers = self._task_buffers(call, coord_vars)
         body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
             call.fn, coord_vars, args, self.scopes, self.arena, rank=self.rank or 0,
-            world_size=self.graph.world_size)))
+            world_size=self.graph.world_size, maps=self.map_vars[call.index])))
         run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
         stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the

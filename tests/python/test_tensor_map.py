@@ -1,0 +1,75 @@
+"""Tensor maps declared by device functions: checked when declared, encoded on the host by
+every kernel that runs the tile (one ``cuTensorMapEncodeTiled`` a map), and passed to the
+device code as a ``__grid_constant__ CUtensorMap`` parameter. The tile runs on the GPU in
+test_tensor_map_gpu.py."""
+import pytest
+from tvm import tirx
+from tvm.script import tirx as T
+
+from etc_tvm import device_func
+from etc_tvm.build import build
+from etc_tvm.errors import EtcError
+from etc_tvm.tensor_map import TensorMap
+
+from tma_tiles import tma_copy
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+def test_kernels_encode_the_map_on_the_host_and_take_it_as_a_grid_constant(strategy):
+    compiled = build(tma_copy, {"R": 256}, strategy=strategy, num_sms=4)
+    device = compiled.cuda_source()
+    assert "const __grid_constant__ CUtensorMap" in device
+    assert "cp_async_bulk_tensor" in device
+    assert "runtime.cuTensorMapEncodeTiled" in host_source(compiled)
+
+
+def host_source(compiled) -> str:
+    """The LLVM IR of the host functions that launch the kernels."""
+    sources, todo = [], [compiled.executable.mod]
+    while todo:
+        module = todo.pop()
+        if module.kind == "llvm":
+            sources.append(module.inspect_source("ll"))
+        todo.extend(module.imports)
+    return "\n".join(sources)
+
+
+def bf16_tile(maps, shape=("M", 64)):
+    M = tirx.Var("M", "int32")
+    dims = [M if d == "M" else d for d in shape]
+
+    @T.prim_func
+    def tile(i: T.int32, A: T.Buffer(dims, "bfloat16")):
+        T.device_entry()
+        tx = T.thread_id([32])  # noqa: F841
+
+    return device_func(tile, tensor_maps=maps)
+
+
+def test_a_map_names_a_tensor_parameter():
+    with pytest.raises(EtcError, match=r"tensor map of 'X', which is not one of its tensor "
+                                       r"parameters \['A'\]"):
+        bf16_tile([TensorMap("X", box=(64, 64))])
+
+
+def test_a_map_needs_a_two_dimensional_tensor():
+    with pytest.raises(EtcError, match="needs a 2-D tensor"):
+        bf16_tile([TensorMap("A", box=(64, 64))], shape=("M", 8, 8))
+
+
+@pytest.mark.parametrize("box, swizzle, match", [
+    ((64, 4), 0, "a box row is 8 bytes; TMA copies rows of multiples of 16"),
+    ((64, 128), 128, "a box row of 256 bytes is wider than its 128-byte swizzle"),
+])
+def test_box_rows_tma_cannot_copy_are_refused(box, swizzle, match):
+    with pytest.raises(EtcError, match=match):
+        bf16_tile([TensorMap("A", box=box, swizzle=swizzle)])
+
+
+@pytest.mark.parametrize("box, swizzle, match", [
+    ((0, 64), 0, "a box is 1..256 elements a side"),
+    ((64, 64), 16, r"swizzle must be one of \[0, 32, 64, 128\] bytes"),
+])
+def test_malformed_maps_are_refused(box, swizzle, match):
+    with pytest.raises(EtcError, match=match):
+        TensorMap("A", box=box, swizzle=swizzle)
