@@ -60,11 +60,10 @@ descriptor_dtype=..., rank=..., swizzle=...)``, and a kernel that reads ``T.addr
 gets the map as a ``__grid_constant__ CUtensorMap`` parameter (the pattern of
 ``tvm/backend/cuda/tile_primitive/copy_async/tma.py``; ``tvm/backend/cuda/lang/pipeline.py``
 has ``TMABar``, an mbarrier armed with ``mbarrier.arrive.expect_tx``). A device function
-here is inlined into the persistent kernel and sees only buffers; the megakernel builders
-(``tir_sched``) do not yet let a device function declare tensor maps over its buffer
-parameters. Follow-up: such a declaration (box bm x 64 for A, 64 x 64 for B, 128B swizzle:
-exactly the layout above), encoded by ``tir_sched`` in the kernel's host part per launch;
-then ``_load_stage`` becomes one elected thread issuing
+declares the maps it reads (``device_func(..., tensor_maps=[TensorMap(...)])``,
+``etc_tvm.tensor_map``) and every kernel that runs it encodes them. Follow-up: maps with box
+bm x 64 for A and 64 x 64 for B, 128B swizzle (exactly the layout above); then
+``_load_stage`` becomes one elected thread issuing
 ``cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`` +
 ``mbarrier.arrive.expect_tx`` per stage, consumers waiting on the stage's full barrier
 (phase = k-step / S parity, re-initialised per task) and arriving on its empty barrier. The
