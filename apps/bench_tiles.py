@@ -184,19 +184,25 @@ def decode_cases(rows, batches, contexts):
                2 * (2048 * 128 + M * 2048) + 8 * M * 8, "TB/s")
 
 
-def gemm_cases(shapes):
-    """(tile, label, graph, dims, input shapes, torch op, FLOPs, "TFLOP/s") of the wgmma GEMM."""
-    tile = wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE)
-
+def gemm_graph(tile):
+    """One call of a GEMM tile over the whole product."""
     @graph_func
     def gemm_only(A: Tensor(("M", "K"), "bfloat16"), B: Tensor(("K", "N"), "bfloat16")):
         M, N = A.shape[0], B.shape[1]
         return call_device(tile, tile_num=(M // GEMM_TILE["bm"], N // GEMM_TILE["bn"]),
                            args=[A, B], out=Tensor((M, N), "bfloat16"))
 
-    for M, K, N in shapes:
-        yield ("gemm", f"{M}x{K}x{N}", gemm_only, {"M": M, "K": K, "N": N},
-               gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
+    return gemm_only
+
+
+def gemm_cases(shapes):
+    """(tile, label, graph, dims, input shapes, torch op, FLOPs, "TFLOP/s") of the wgmma GEMM,
+    its stages loaded by cp.async ("gemm") and by TMA ("gemm_tma")."""
+    for name, loads in (("gemm", "cp.async"), ("gemm_tma", "tma")):
+        graph = gemm_graph(wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE, loads=loads))
+        for M, K, N in shapes:
+            yield (name, f"{M}x{K}x{N}", graph, {"M": M, "K": K, "N": N},
+                   gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
 
 
 def to_torch(x: np.ndarray):
@@ -248,7 +254,7 @@ def main() -> None:
                         help="M x K x N of the compute-bound GEMM rows")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
-                        "residual_add, attention, qk_norm_rope, router, gemm)")
+                        "residual_add, attention, qk_norm_rope, router, gemm, gemm_tma)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()

@@ -4,6 +4,8 @@ persistent megakernel (HGMMA in the SASS, no spill, no serialised wgmma).
 
 ``test_wgmma_gemm_gpu`` holds the GPU results to the same bound.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,28 @@ def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
     assert "tnspB" in code  # B read MN-major from shared memory
     assert count(code, "LDGSTS.E.BYPASS.128") > 0
     assert count(code, "HMMA.16816.F32.BF16") == 0
+
+
+@pytest.mark.parametrize("name", ["128x256x64_f32", "128x128x64_f32_t128", "256x128x64_f32"])
+@pytest.mark.parametrize("strategy", ["unfused", "static"])
+def test_tma_loads_run_on_utmaldg_and_hgmma(name, strategy, tmp_path):
+    """``loads="tma"``: one TMA load a panel (bk/64 of A, bn/64 of B a stage) through the
+    maps the kernel encodes, no per-thread copies; the same wgmma main loop."""
+    cfg = {**config(name), "loads": "tma"}
+    M, K, N = 2 * cfg["bm"], 4 * cfg["bk"], 2 * cfg["bn"]
+    compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy=strategy, num_sms=4)
+    source = compiled.cuda_source()
+    kernel = re.search(r"__global__ void[^;{]*\{", source).group(0)  # the definition
+    assert kernel.count("const __grid_constant__ CUtensorMap") == 2  # A's and B's
+    code = sass_of(source, tmp_path)
+    assert count(code, "UTMALDG.2D") > 0
+    assert count(code, "LDGSTS") == 0
+    assert count(code, f"HGMMA.64x{cfg['bn']}x16.F32.BF16") > 0
+
+
+def test_factory_rejects_unknown_loads():
+    with pytest.raises(EtcError, match=r"loads must be one of \('cp.async', 'tma'\)"):
+        wgmma_gemm.make_wgmma_gemm_tile(loads="ldg")
 
 
 def test_megakernel_composes_two_wgmma_gemms(tmp_path):

@@ -3,7 +3,7 @@
 Alone (strategy "unfused": one grid launch, one CTA per task), and as two dependent calls in
 one persistent megakernel ("static"), where one CTA runs many tasks of the tile in sequence and
 so reuses its shared ring; fresh random inputs at a few shapes, then 100 launches that must
-give the same bits.
+give the same bits. Both ways of loading the stages: cp.async and TMA.
 """
 import numpy as np
 import pytest
@@ -26,9 +26,10 @@ def inputs(rng, M, K, N):
     return randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
 
 
+@pytest.mark.parametrize("loads", wgmma_gemm.LOADS)
 @pytest.mark.parametrize("name, shape", CASES)
-def test_unfused(name, shape, rng):
-    cfg, (M, K, N) = config(name), shape
+def test_unfused(name, shape, loads, rng):
+    cfg, (M, K, N) = {**config(name), "loads": loads}, shape
     compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy="unfused")
     A, B = inputs(rng, M, K, N)
     C = compiled(A, B)
@@ -41,9 +42,11 @@ def test_unfused(name, shape, rng):
 @pytest.mark.parametrize("M, K, N, P", [(128, 256, 256, 256), (512, 1024, 1024, 512),
                                         (2048, 512, 1024, 1024)])
 @pytest.mark.parametrize("name", ["128x256x64_f32", "128x128x64_f32_t128"])
-def test_static_megakernel(name, M, K, N, P, rng):
-    """More tasks than SMs at the larger shapes: CTAs run several tasks back to back."""
-    cfg = config(name)
+@pytest.mark.parametrize("loads", wgmma_gemm.LOADS)
+def test_static_megakernel(name, loads, M, K, N, P, rng):
+    """More tasks than SMs at the larger shapes: CTAs run several tasks back to back (with
+    TMA: their mbarriers set up and invalidated in each task)."""
+    cfg = {**config(name), "loads": loads}
     if M % cfg["bm"] or N % cfg["bn"] or P % cfg["bn"]:
         pytest.skip("shape is not a multiple of the tile")
     compiled = build(chain_graph(cfg), {"M": M, "K": K, "N": N, "P": P}, strategy="static")

@@ -83,6 +83,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
+from ..tensor_map import TensorMap
 from .gemm import OUT_DTYPES, error_bound, store_fragments
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
@@ -93,6 +94,8 @@ SWIZZLE_128B = 3  # CUtensorMapSwizzle value that encode_matrix_descriptor takes
 WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
+LOADS = ("cp.async", "tma")
+TMA_LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
 
 __all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes",
            "task_cost"]
@@ -186,6 +189,25 @@ class SwizzledRing:
                 b_src(k0 + row, cc * CHUNK), 16)
 
     @T.inline
+    def load_stage_tma(self, slot, full, a_map, a_row, b_map, b_col, k0):
+        # One thread: arm the slot's barrier with the stage's bytes, then one TMA load a
+        # 64-column panel (the hardware applies the same 128-byte swizzle as load_stage).
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+            full.ptr_to([slot]), T.uint32(self.a_stage + self.b_stage))
+        for p in T.unroll(self.bk // PANEL):
+            T.evaluate(TMA_LOAD(
+                T.cuda.cvta_generic_to_shared(self.at(slot * self.a_stage
+                                                      + p * (self.bm * ROW_BYTES))),
+                T.address_of(a_map), k0 + p * PANEL, a_row,
+                T.cuda.cvta_generic_to_shared(full.ptr_to([slot]))))
+        for q in T.unroll(self.bn // PANEL):
+            T.evaluate(TMA_LOAD(
+                T.cuda.cvta_generic_to_shared(self.at(self.b_ring + slot * self.b_stage
+                                                      + q * (self.bk * ROW_BYTES))),
+                T.address_of(b_map), b_col + q * PANEL, k0,
+                T.cuda.cvta_generic_to_shared(full.ptr_to([slot]))))
+
+    @T.inline
     def encode(self, desc, a_row):
         # desc[0]: A from row ``a_row`` of slot 0 (K-major: SBO = one 8-row group, LBO unused);
         # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO as A's).
@@ -276,6 +298,51 @@ class WgmmaTile:
         T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
 
     @T.inline
+    def run_tma(self, a_map, a_row, b_map, b_col, num_k):
+        """``run`` with the stages loaded by TMA through ``a_map`` (box bm x 64 of A from
+        row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``), both with
+        the 128-byte swizzle: thread 0 issues a stage's loads and arms the stage's
+        mbarrier with its bytes; every thread waits on it (parity: the stage's use count).
+        The barriers are set up and invalidated within the task, so the next task of the
+        kernel finds plain shared memory."""
+        ring, acc, desc, stages, prefetch = T.meta_var(
+            (self.ring, self.acc, self.desc, self.stages, self.prefetch))
+        full = T.alloc_shared((stages,), "uint64")
+        ring.init()
+        ring.encode(desc, self.warp // 4 * self.wg_rows)
+        for m in T.unroll(self.mt):
+            for e in T.unroll(self.regs):
+                acc[m, e] = T.float32(0)
+        if self.tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+        T.cuda.cta_sync()
+        if self.tx == 0:
+            for p in T.unroll(prefetch):
+                if p < num_k:
+                    ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
+        for ko in T.serial(num_k):
+            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            T.cuda.cta_sync()  # every warpgroup's wgmmas of slice ko-2 are done: refill it
+            T.ptx.wgmma.fence.sync.aligned()
+            for kk in T.unroll(self.bk // 16):
+                for m in T.unroll(self.mt):
+                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                               ring.a_desc(desc, ko % stages, kk, m),
+                               ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            if self.tx == 0:
+                if ko + prefetch < num_k:
+                    ring.load_stage_tma((ko + prefetch) % stages, full, a_map, a_row, b_map,
+                                        b_col, (ko + prefetch) * self.bk)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        T.cuda.cta_sync()
+        if self.tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.inval.shared.b64(full.ptr_to([s]))
+
+    @T.inline
     def store(self, C, row0, col0):
         store_fragments(self, C, row0, col0)
 
@@ -287,7 +354,8 @@ def task_cost(K, bm: int, bn: int, bk: int):
 
 
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
-                         threads: int = 256, out_dtype: str = "float32") -> DeviceFunc:
+                         threads: int = 256, out_dtype: str = "float32",
+                         loads: str = "cp.async") -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
     configuration, however the arguments are spelled (graphs naming one configuration share
     one device function).
@@ -296,15 +364,21 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     issues one ``wgmma.m64n<bn>k16`` per 64 of them per k16 step. The default, 128 x 256 x 64
     with 4 stages on two warpgroups (192 KB of shared memory, 128 accumulators a thread), is
     the shape compute-bound Hopper GEMMs use; 128 x 128 on one warpgroup composes with the
-    128-thread tiles of the library.
+    128-thread tiles of the library. ``loads``: "cp.async" (every thread copies 16 bytes at
+    a time) or "tma" (one thread, one TMA load a 64-column panel, through tensor maps of A
+    and B that the kernels encode; ``run_tma``).
     """
-    return _make_tile(bm, bn, bk, stages, threads, out_dtype)
+    if loads not in LOADS:
+        raise EtcError(f"wgmma gemm tile: loads must be one of {LOADS}, got {loads!r}")
+    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads)
 
 
 @functools.cache
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
-               out_dtype: str) -> DeviceFunc:
+               out_dtype: str, loads: str) -> DeviceFunc:
     check_geometry(bm, bn, bk, stages, threads, out_dtype)
+    if loads == "tma":
+        return _make_tma_tile(bm, bn, bk, stages, threads, out_dtype)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
 
     @T.prim_func
@@ -321,9 +395,35 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
-    tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
-                       cost=task_cost(K, bm, bn, bk))
+    return _with_reference(device_func(wgmma_gemm.with_attr("global_symbol", name),
+                                       cost=task_cost(K, bm, bn, bk)), bm, bn)
 
+
+def _make_tma_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
+                   out_dtype: str) -> DeviceFunc:
+    M, N, K = (tirx.Var(d, "int32") for d in "MNK")
+    a_map = TensorMap("A", box=(bm, PANEL), swizzle=ROW_BYTES)
+    b_map = TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)
+
+    @T.prim_func(check_well_formed=False)  # the maps' variables: bound by each kernel
+    def wgmma_gemm_tma(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                       B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // 32])
+        lane = T.lane_id([32])
+        tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
+        tile.run_tma(a_map.var, i * bm, b_map.var, j * bn, K // bk)
+        tile.store(C, i * bm, j * bn)
+
+    out = "bf16" if out_dtype == "bfloat16" else "f32"
+    name = f"wgmma_gemm_tma_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
+    return _with_reference(device_func(wgmma_gemm_tma.with_attr("global_symbol", name),
+                                       cost=task_cost(K, bm, bn, bk),
+                                       tensor_maps=[a_map, b_map]), bm, bn)
+
+
+def _with_reference(tile: DeviceFunc, bm: int, bn: int) -> DeviceFunc:
     @tile.set_reference
     def _(i, j, A, B, C):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
