@@ -186,11 +186,18 @@ class CompiledGraph:
 
     def cuda_source(self) -> str:
         """The generated CUDA C++ of every kernel (for inspection and compile-only checks)."""
+        return self._sources("cuda", "cuda")
+
+    def host_source(self) -> str:
+        """The LLVM IR of the host functions: kernel launches, tensor-map encodes."""
+        return self._sources("llvm", "ll")
+
+    def _sources(self, kind: str, fmt: str) -> str:
         sources, todo = [], [self.executable.mod]
         while todo:
             module = todo.pop()
-            if module.kind == "cuda":
-                sources.append(module.inspect_source("cuda"))
+            if module.kind == kind:
+                sources.append(module.inspect_source(fmt))
             todo.extend(module.imports)
         return "\n".join(sources)
 

@@ -266,14 +266,33 @@ class WgmmaTile:
         return self.acc[m, n * 4 + e]
 
     @T.inline
-    def run(self, a_src, b_src, num_k):
-        ring, acc, desc, stages, prefetch = T.meta_var(
-            (self.ring, self.acc, self.desc, self.stages, self.prefetch))
-        ring.init()
-        ring.encode(desc, self.warp // 4 * self.wg_rows)
+    def begin(self):
+        # the ring's aligned base, the descriptors, zero accumulators
+        self.ring.init()
+        self.ring.encode(self.desc, self.warp // 4 * self.wg_rows)
         for m in T.unroll(self.mt):
             for e in T.unroll(self.regs):
-                acc[m, e] = T.float32(0)
+                self.acc[m, e] = T.float32(0)
+
+    @T.inline
+    def mma_step(self, ko):
+        # this warpgroup's wgmmas of slice ko-2 retired, then a barrier (so: every
+        # warpgroup's, and that slot may be refilled); then slice ko's wgmmas, committed
+        ring, acc, desc, stages = T.meta_var((self.ring, self.acc, self.desc, self.stages))
+        T.ptx.wgmma.wait_group.sync.aligned(1)
+        T.cuda.cta_sync()
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(self.bk // 16):
+            for m in T.unroll(self.mt):
+                self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                           ring.a_desc(desc, ko % stages, kk, m),
+                           ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.inline
+    def run(self, a_src, b_src, num_k):
+        ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
+        self.begin()
         for p in T.unroll(prefetch):
             if p < num_k:
                 ring.load_stage(p, a_src, b_src, p * self.bk, self.tx)
@@ -281,15 +300,7 @@ class WgmmaTile:
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)
             T.ptx.fence.proxy.async_.shared__cta()
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            T.cuda.cta_sync()
-            T.ptx.wgmma.fence.sync.aligned()
-            for kk in T.unroll(self.bk // 16):
-                for m in T.unroll(self.mt):
-                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
-                               ring.a_desc(desc, ko % stages, kk, m),
-                               ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            self.mma_step(ko)
             if ko + prefetch < num_k:
                 ring.load_stage((ko + prefetch) % stages, a_src, b_src,
                                 (ko + prefetch) * self.bk, self.tx)
@@ -305,14 +316,9 @@ class WgmmaTile:
         mbarrier with its bytes; every thread waits on it (parity: the stage's use count).
         The barriers are set up and invalidated within the task, so the next task of the
         kernel finds plain shared memory."""
-        ring, acc, desc, stages, prefetch = T.meta_var(
-            (self.ring, self.acc, self.desc, self.stages, self.prefetch))
+        ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
         full = T.alloc_shared((stages,), "uint64")
-        ring.init()
-        ring.encode(desc, self.warp // 4 * self.wg_rows)
-        for m in T.unroll(self.mt):
-            for e in T.unroll(self.regs):
-                acc[m, e] = T.float32(0)
+        self.begin()
         if self.tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
@@ -323,15 +329,7 @@ class WgmmaTile:
                     ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
         for ko in T.serial(num_k):
             T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            T.cuda.cta_sync()  # every warpgroup's wgmmas of slice ko-2 are done: refill it
-            T.ptx.wgmma.fence.sync.aligned()
-            for kk in T.unroll(self.bk // 16):
-                for m in T.unroll(self.mt):
-                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
-                               ring.a_desc(desc, ko % stages, kk, m),
-                               ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            self.mma_step(ko)
             if self.tx == 0:
                 if ko + prefetch < num_k:
                     ring.load_stage_tma((ko + prefetch) % stages, full, a_map, a_row, b_map,
@@ -377,11 +375,13 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
                out_dtype: str, loads: str) -> DeviceFunc:
     check_geometry(bm, bn, bk, stages, threads, out_dtype)
-    if loads == "tma":
-        return _make_tma_tile(bm, bn, bk, stages, threads, out_dtype)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
+    tma = loads == "tma"
+    maps = [TensorMap("A", box=(bm, PANEL), swizzle=ROW_BYTES),
+            TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)] if tma else []
 
-    @T.prim_func
+    # with TMA the maps' variables are free: each kernel binds them
+    @T.prim_func(check_well_formed=not tma)
     def wgmma_gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
                    B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
         T.device_entry()
@@ -389,41 +389,18 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         warp = T.warp_id([threads // 32])
         lane = T.lane_id([32])
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
-                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
+        if tma:
+            tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, K // bk)
+        else:
+            tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
+                     lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(C, i * bm, j * bn)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
-    name = f"wgmma_gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
-    return _with_reference(device_func(wgmma_gemm.with_attr("global_symbol", name),
-                                       cost=task_cost(K, bm, bn, bk)), bm, bn)
+    name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
+    tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
+                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
 
-
-def _make_tma_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
-                   out_dtype: str) -> DeviceFunc:
-    M, N, K = (tirx.Var(d, "int32") for d in "MNK")
-    a_map = TensorMap("A", box=(bm, PANEL), swizzle=ROW_BYTES)
-    b_map = TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)
-
-    @T.prim_func(check_well_formed=False)  # the maps' variables: bound by each kernel
-    def wgmma_gemm_tma(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
-                       B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
-        T.device_entry()
-        tx = T.thread_id([threads])
-        warp = T.warp_id([threads // 32])
-        lane = T.lane_id([32])
-        tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run_tma(a_map.var, i * bm, b_map.var, j * bn, K // bk)
-        tile.store(C, i * bm, j * bn)
-
-    out = "bf16" if out_dtype == "bfloat16" else "f32"
-    name = f"wgmma_gemm_tma_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
-    return _with_reference(device_func(wgmma_gemm_tma.with_attr("global_symbol", name),
-                                       cost=task_cost(K, bm, bn, bk),
-                                       tensor_maps=[a_map, b_map]), bm, bn)
-
-
-def _with_reference(tile: DeviceFunc, bm: int, bn: int) -> DeviceFunc:
     @tile.set_reference
     def _(i, j, A, B, C):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
