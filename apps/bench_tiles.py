@@ -42,8 +42,7 @@ BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
 SMS = 132
 MMA_BN = 64
-GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "stages": 3, "threads": 256,
-             "out_dtype": "bfloat16"}
+GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "threads": 256, "out_dtype": "bfloat16"}
 
 
 def mma_graph(split_k: int):
@@ -195,14 +194,16 @@ def gemm_graph(tile):
     return gemm_only
 
 
-def gemm_cases(shapes):
+def gemm_cases(shapes, stages):
     """(tile, label, graph, dims, input shapes, torch op, FLOPs, "TFLOP/s") of the wgmma GEMM,
-    its stages loaded by cp.async ("gemm") and by TMA ("gemm_tma")."""
-    for name, loads in (("gemm", "cp.async"), ("gemm_tma", "tma")):
-        graph = gemm_graph(wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE, loads=loads))
-        for M, K, N in shapes:
-            yield (name, f"{M}x{K}x{N}", graph, {"M": M, "K": K, "N": N},
-                   gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
+    its stages loaded by cp.async ("gemm") and by TMA ("gemm_tma"), for each ring depth."""
+    for depth in stages:
+        for name, loads in (("gemm", "cp.async"), ("gemm_tma", "tma")):
+            graph = gemm_graph(wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE, stages=depth,
+                                                               loads=loads))
+            for M, K, N in shapes:
+                yield (name, f"{M}x{K}x{N} s{depth}", graph, {"M": M, "K": K, "N": N},
+                       gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
 
 
 def to_torch(x: np.ndarray):
@@ -252,6 +253,8 @@ def main() -> None:
                         help="cached tokens a sequence of the decode attention rows")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
+    parser.add_argument("--gemm-stages", type=int, nargs="+", default=[3, 4],
+                        help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
                         "residual_add, attention, qk_norm_rope, router, gemm, gemm_tma)")
@@ -265,7 +268,8 @@ def main() -> None:
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
     for tile, label, graph, dims, shapes, op, amount, unit in (
             *cases(args.rows, args.hidden, args.vocab),
-            *decode_cases(args.rows, args.batches, args.contexts), *gemm_cases(gemms)):
+            *decode_cases(args.rows, args.batches, args.contexts),
+            *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and tile not in args.tiles:
             continue
         t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)

@@ -177,6 +177,10 @@ def test_tma_loads_run_on_utmaldg_and_hgmma(name, strategy, tmp_path):
     source = compiled.cuda_source()
     kernel = re.search(r"__global__ void[^;{]*\{", source).group(0)  # the definition
     assert kernel.count("const __grid_constant__ CUtensorMap") == 2  # A's and B's
+    start = source.index("for (int ko")
+    loop = source[start:source.index("wait_group_sync_aligned_0", start)]
+    assert "cta_sync" not in loop  # stages hand over on mbarriers, not CTA barriers
+    assert "mbarrier_arrive_arrive_shared_b64" in loop and "mbarrier_wait" in loop
     code = sass_of(source, tmp_path)
     assert count(code, "UTMALDG.2D") > 0
     assert count(code, "LDGSTS") == 0

@@ -32,7 +32,8 @@ Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
   K. ``imm-trans-b`` = 1: bf16 is one of the types wgmma may read transposed (MN-major) from
   shared memory, so B needs no transpose in memory.
 
-Pipeline, ``S`` = ``stages`` >= 3, every thread both loads and computes (no warp roles)::
+Pipeline with ``loads="cp.async"``, ``S`` = ``stages`` >= 3, every thread both loads and
+computes (no warp roles)::
 
     prologue: cp.async slices 0 .. S-3 (one commit group each)
     for ko in 0 .. K/bk-1:
@@ -47,27 +48,24 @@ Pipeline, ``S`` = ``stages`` >= 3, every thread both loads and computes (no warp
 One wgmma batch stays in flight across the barrier, so the tensor cores are not idle while the
 CTA synchronises; slices are prefetched S-2 steps ahead.
 
-Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
-with every wgmma retired (``wait_group 0``), every cp.async group drained (the trailing groups
-are empty) and a CTA barrier, so the next task, of this tile or another, may reuse the same
-shared bytes at once. There are no mbarriers whose phase could leak from one task into the next.
+With ``loads="tma"`` (``WgmmaTile.run_tma``) thread 0 fills a stage with one TMA load a
+64-column panel (``cp.async.bulk.tensor``, the hardware applying the same swizzle) through
+host-encoded tensor maps of A and B (``etc_tvm.tensor_map``), and the loop has no CTA barrier::
 
-Why cp.async and not TMA: a TMA load (``cp.async.bulk.tensor``) needs a ``CUtensorMap``
-encoded on the host for each global tensor. TVM 0.27 does that inside the prim_func, before
-the kernel: ``T.Bind(T.tvm_stack_alloca("tensormap", 1), var=m)`` then
-``T.tensormap_encode_tiled(m, base, *dims, *byte_strides, *box, *elem_strides,
-descriptor_dtype=..., rank=..., swizzle=...)``, and a kernel that reads ``T.address_of(m)``
-gets the map as a ``__grid_constant__ CUtensorMap`` parameter (the pattern of
-``tvm/backend/cuda/tile_primitive/copy_async/tma.py``; ``tvm/backend/cuda/lang/pipeline.py``
-has ``TMABar``, an mbarrier armed with ``mbarrier.arrive.expect_tx``). A device function
-declares the maps it reads (``device_func(..., tensor_maps=[TensorMap(...)])``,
-``etc_tvm.tensor_map``) and every kernel that runs it encodes them. Follow-up: maps with box
-bm x 64 for A and 64 x 64 for B, 128B swizzle (exactly the layout above); then
-``_load_stage`` becomes one elected thread issuing
-``cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`` +
-``mbarrier.arrive.expect_tx`` per stage, consumers waiting on the stage's full barrier
-(phase = k-step / S parity, re-initialised per task) and arriving on its empty barrier. The
-shared layout and the descriptors stay as they are.
+    prologue: mbarrier init (full: 1 arrival + the stage's bytes; empty: one per warpgroup);
+              bar.sync; thread 0 loads slices 0 .. S-1
+    for ko in 0 .. K/bk-1:
+        wait full[ko % S]                 slice ko landed
+        wgmma x (bk/16) x (m64 blocks), commit
+        wgmma.wait_group 1                this warpgroup's wgmmas of slice ko-1 retired
+        one thread a warpgroup: arrive empty[(ko-1) % S]
+        thread 0: wait empty[(ko-1) % S], load slice ko-1+S into that slot
+    wgmma.wait_group 0; bar.sync; mbarrier inval; registers -> C
+
+Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
+with every wgmma retired (``wait_group 0``), every load landed (cp.async groups drained, the
+trailing groups empty; every TMA stage waited on), the mbarriers invalidated and a CTA
+barrier, so the next task, of this tile or another, may reuse the same shared bytes at once.
 
 Numeric contract: as ``gemm``: the bf16 products are exact in fp32, only the fp32 accumulation
 rounds, so ``gemm.error_bound`` (``K * 2**-22 * |A| @ |B|``, plus ``2**-8 * |A @ B|`` for bf16
@@ -243,7 +241,8 @@ class WgmmaTile:
     def __init__(self, bm, bn, bk, stages, threads, tx, warp, lane):
         self.bm, self.bn, self.bk, self.stages = bm, bn, bk, stages
         self.tx, self.warp, self.lane = tx, warp, lane
-        self.wg_rows = bm // (threads // WARPGROUP)  # rows per warpgroup
+        self.groups = threads // WARPGROUP
+        self.wg_rows = bm // self.groups  # rows per warpgroup
         self.mt = self.wg_rows // 64  # m64 blocks per warpgroup
         self.regs = bn // 2  # accumulators per m64 block and thread
         self.mi, self.ni = self.mt, bn // 8
@@ -275,19 +274,24 @@ class WgmmaTile:
                 self.acc[m, e] = T.float32(0)
 
     @T.inline
-    def mma_step(self, ko):
-        # this warpgroup's wgmmas of slice ko-2 retired, then a barrier (so: every
-        # warpgroup's, and that slot may be refilled); then slice ko's wgmmas, committed
-        ring, acc, desc, stages = T.meta_var((self.ring, self.acc, self.desc, self.stages))
-        T.ptx.wgmma.wait_group.sync.aligned(1)
-        T.cuda.cta_sync()
+    def issue(self, slot):
+        # this warpgroup's wgmmas of the slice in ``slot``, one commit group
+        ring, acc, desc = T.meta_var((self.ring, self.acc, self.desc))
         T.ptx.wgmma.fence.sync.aligned()
         for kk in T.unroll(self.bk // 16):
             for m in T.unroll(self.mt):
                 self.wgmma(*[acc[m, e] for e in range(self.regs)],
-                           ring.a_desc(desc, ko % stages, kk, m),
-                           ring.b_desc(desc, ko % stages, kk), True, 1, 1, 0, 1)
+                           ring.a_desc(desc, slot, kk, m), ring.b_desc(desc, slot, kk),
+                           True, 1, 1, 0, 1)
         T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.inline
+    def mma_step(self, ko):
+        # this warpgroup's wgmmas of slice ko-2 retired, then a barrier (so: every
+        # warpgroup's, and that slot may be refilled); then slice ko's wgmmas
+        T.ptx.wgmma.wait_group.sync.aligned(1)
+        T.cuda.cta_sync()
+        self.issue(ko % self.stages)
 
     @T.inline
     def run(self, a_src, b_src, num_k):
@@ -312,33 +316,46 @@ class WgmmaTile:
     def run_tma(self, a_map, a_row, b_map, b_col, num_k):
         """``run`` with the stages loaded by TMA through ``a_map`` (box bm x 64 of A from
         row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``), both with
-        the 128-byte swizzle: thread 0 issues a stage's loads and arms the stage's
-        mbarrier with its bytes; every thread waits on it (parity: the stage's use count).
-        The barriers are set up and invalidated within the task, so the next task of the
-        kernel finds plain shared memory."""
-        ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
+        the 128-byte swizzle, and no CTA barrier in the loop: each stage has a *full*
+        mbarrier, which thread 0 arms with the stage's bytes as it issues the loads, and an
+        *empty* one, on which each warpgroup arrives once its wgmmas of the stage retired.
+        Thread 0 refills a slot after its empty barrier completes, so every slot but the
+        one being read is in flight (the cp.async loop keeps one fewer). Parities are the
+        stage's use count; the barriers are set up and invalidated within the task, so the
+        next task of the kernel finds plain shared memory."""
+        ring, stages, groups = T.meta_var((self.ring, self.stages, self.groups))
         full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
         self.begin()
         if self.tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(groups))
         T.cuda.cta_sync()
         if self.tx == 0:
-            for p in T.unroll(prefetch):
+            for p in T.unroll(stages):
                 if p < num_k:
                     ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
         for ko in T.serial(num_k):
             T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
-            self.mma_step(ko)
-            if self.tx == 0:
-                if ko + prefetch < num_k:
-                    ring.load_stage_tma((ko + prefetch) % stages, full, a_map, a_row, b_map,
-                                        b_col, (ko + prefetch) * self.bk)
+            self.issue(ko % stages)
+            T.ptx.wgmma.wait_group.sync.aligned(1)  # slice ko-1 retired: release its slot
+            if ko > 0:
+                if self.tx % WARPGROUP == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 1) % stages]),
+                                                     T.uint32(1))
+                if self.tx == 0:
+                    if ko - 1 + stages < num_k:
+                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 1) % stages]),
+                                             ((ko - 1) // stages) % 2)
+                        ring.load_stage_tma((ko - 1) % stages, full, a_map, a_row, b_map,
+                                            b_col, (ko - 1 + stages) * self.bk)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()
         if self.tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.inval.shared.b64(full.ptr_to([s]))
+                T.ptx.mbarrier.inval.shared.b64(empty.ptr_to([s]))
 
     @T.inline
     def store(self, C, row0, col0):
