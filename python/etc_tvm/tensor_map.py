@@ -20,6 +20,12 @@ the device code (``tirx.tensormap_encode_tiled`` in TVM 0.27, whose CUDA codegen
 map as a ``const __grid_constant__ CUtensorMap`` parameter), and the inliner puts that map's
 variable in place of ``var``. Coordinates of a load are (column, row): innermost first, in
 elements.
+
+A load's shared destination must be 128-byte aligned (1024 with the 128-byte swizzle). The
+kernels' shared memory promises 64 bytes (a persistent kernel's arena starts where the CTA's
+static shared variables end), so a tile aligns its destination at run time, as
+``tiles.wgmma_gemm.SwizzledRing`` does; a misaligned one stops the kernel with
+``cudaErrorMisalignedAddress``.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from etc_tvm import Tensor, call_device, device_func, graph_func
 from etc_tvm.tensor_map import TensorMap
 
 ROWS, COLS = 64, 64
+ALIGN = 128  # bytes
 A_MAP = TensorMap("A", box=(ROWS, COLS))
 # cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes
 LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
@@ -21,19 +22,23 @@ def tma_rows_func(i: T.int32, A: T.Buffer((R, COLS), "bfloat16"),
                   B: T.Buffer((R, COLS), "bfloat16")):
     T.device_entry()
     tx = T.thread_id([128])
-    rows = T.alloc_shared((ROWS * COLS,), "bfloat16")
+    # a TMA destination is 128-byte aligned; the kernels' shared memory promises 64 bytes
+    rows = T.alloc_shared((ROWS * COLS + ALIGN // 2,), "bfloat16")
+    base = T.local_scalar("int32")
+    base = T.Cast("int32", (T.uint32(ALIGN) - (T.cuda.cvta_generic_to_shared(rows.ptr_to([0]))
+                                               & T.uint32(ALIGN - 1))) & T.uint32(ALIGN - 1)) // 2
     bar = T.alloc_shared((1,), "uint64")
     if tx == 0:
         T.ptx.mbarrier.init.shared.b64(bar.ptr_to([0]), T.uint32(1))
     T.cuda.cta_sync()
     if tx == 0:
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(bar.ptr_to([0]), T.uint32(ROWS * COLS * 2))
-        T.evaluate(LOAD(T.cuda.cvta_generic_to_shared(rows.ptr_to([0])),
+        T.evaluate(LOAD(T.cuda.cvta_generic_to_shared(rows.ptr_to([base])),
                         T.address_of(A_MAP.var), 0, i * ROWS,
                         T.cuda.cvta_generic_to_shared(bar.ptr_to([0]))))
     T.cuda.mbarrier_wait(bar.ptr_to([0]), 0)
     for k in T.serial(ROWS * COLS // 128):
-        B[i * ROWS + (k * 128 + tx) // COLS, (k * 128 + tx) % COLS] = rows[k * 128 + tx]
+        B[i * ROWS + (k * 128 + tx) // COLS, (k * 128 + tx) % COLS] = rows[base + k * 128 + tx]
     T.cuda.cta_sync()
     if tx == 0:
         T.ptx.mbarrier.inval.shared.b64(bar.ptr_to([0]))

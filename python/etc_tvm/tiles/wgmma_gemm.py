@@ -19,8 +19,8 @@ Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
 
 Eight 128-byte rows make one 1024-byte swizzle atom; the hardware applies the XOR on address
 bits [4:7) ^ [7:10), so every atom must start 1024-byte aligned: the tile pads its allocation
-by 1024 bytes and aligns at run time (neither the kernel's arena nor the dynamic shared window
-promises more than 128 / 16 bytes).
+by 1024 bytes and aligns at run time (the kernels' shared memory promises 64 bytes: see
+``etc_tvm.tensor_map``).
 
 Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
 
