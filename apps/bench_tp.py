@@ -1,6 +1,7 @@
 """Tensor-parallel MLP halves on several GPUs (one process each) against cuBLAS + NCCL.
 
     torchrun --nproc-per-node W apps/bench_tp.py [--tokens 8192] [--shapes 4096x14336 ...]
+        [--tile 128x256x64 --threads 256 --loads tma]
 
 For each MLP shape (hidden x intermediate) and the world size W of the launch:
 
@@ -71,13 +72,13 @@ def against(baseline, program, world: Nvshmem, args, got: torch.Tensor, reps: in
     return {"vs NCCL": nccl, "us": us}
 
 
-def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int) -> dict:
+def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict) -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens // W, hidden, 2 * inter // W
     A = draw((tokens, K), 1.0, 1)  # every rank draws the whole, keeps its part
     B = draw((K, N * W), K ** -0.5, 2)[:, r * N:(r + 1) * N].contiguous()
     A_r = A[r * M:(r + 1) * M].contiguous()
-    program = build_rank(tp_layers.ag_gemm_layer(W), {"M": M, "K": K, "N": N}, r)
+    program = build_rank(tp_layers.ag_gemm_layer(W, **tile), {"M": M, "K": K, "N": N}, r)
     args = [as_tvm(A_r), as_tvm(B)]
     (C,) = program.launch(world, *args)
     program.check()
@@ -95,14 +96,14 @@ def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int) -> dict:
             **against(baseline, program, world, args, got, reps)}
 
 
-def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int,
+def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict,
          strategy: str = "static") -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens, inter // W, hidden
     A = draw((M, K * W), 1.0, 3)
     B = draw((K * W, N), (K * W) ** -0.5, 4)
     A_r, B_r = A[:, r * K:(r + 1) * K].contiguous(), B[r * K:(r + 1) * K].contiguous()
-    program = build_rank(tp_layers.gemm_rs_layer(W), {"M": M, "K": K, "N": N}, r,
+    program = build_rank(tp_layers.gemm_rs_layer(W, **tile), {"M": M, "K": K, "N": N}, r,
                          strategy=strategy)
     args = [as_tvm(A_r), as_tvm(B_r)]
     (D,) = program.launch(world, *args)
@@ -138,19 +139,28 @@ def main() -> None:
                         help="hidden x intermediate (Llama-3 8B and 70B)")
     parser.add_argument("--halves", nargs="+", choices=sorted(HALVES),
                         default=["up", "down", "down-dynamic"])
+    parser.add_argument("--tile", default="128x128x64", help="bm x bn x bk of the GEMM tiles")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=128, choices=[128, 256])
+    parser.add_argument("--loads", default="cp.async", choices=["cp.async", "tma"])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default="bench_tp.json")
     args = parser.parse_args()
+    bm, bn, bk = (int(v) for v in args.tile.split("x"))
+    tile = {"bm": bm, "bn": bn, "bk": bk, "stages": args.stages, "threads": args.threads,
+            "loads": args.loads}
     world, rank, size = join()
     rows = []
     if rank == 0:
+        print(f"GEMM tiles {args.tile}, {args.stages} stages, {args.threads} threads, "
+              f"{args.loads} loads", flush=True)
         print(f"{'half':<22} {'W':>2} {'M x K x N':>20} {'ours us':>9} {'base us':>9} "
               f"{'ratio':>6} {'TFLOP/s':>8} {'err/bound':>9} {'vs NCCL':>8}", flush=True)
     for shape in args.shapes:
         hidden, inter = (int(v) for v in shape.split("x"))
         for half in args.halves:
             name, run = HALVES[half]
-            row = run(world, args.tokens, hidden, inter, args.reps)
+            row = run(world, args.tokens, hidden, inter, args.reps, tile)
             every = [None] * size
             dist.all_gather_object(every, row)
             if rank == 0:
@@ -164,7 +174,7 @@ def main() -> None:
                       f"{nccl:8.1e}", flush=True)
                 rows.append({"half": half, "world_size": size, "hidden": hidden,
                              "intermediate": inter, "ours_us": ours, "baseline_us": base,
-                             "error_over_bound": worst, "relative_to_nccl": nccl,
+                             "error_over_bound": worst, "relative_to_nccl": nccl, **tile,
                              **{k: row[k] for k in ("M", "K", "N")}})
     if rank == 0:
         with open(args.json, "w") as f:

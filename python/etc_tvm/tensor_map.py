@@ -29,6 +29,7 @@ static shared variables end), so a tile aligns its destination at run time, as
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import tvm
@@ -41,9 +42,11 @@ SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CUtensorMapSwizzle
 
 @dataclass(frozen=True, eq=False)
 class TensorMap:
-    """A 2-D tiled tensor map over a device function's buffer parameter ``param`` (row-major):
-    each load copies a ``box`` (rows, columns) of elements, ``swizzle`` bytes wide in shared
-    memory (0: unswizzled rows). ``var`` stands for the map in the device function's body."""
+    """A 2-D tiled tensor map over a device function's buffer parameter ``param`` (row-major;
+    a parameter of more dimensions is seen as rows of its last one, the product of the others
+    giving the row count): each load copies a ``box`` (rows, columns) of elements, ``swizzle``
+    bytes wide in shared memory (0: unswizzled rows). ``var`` stands for the map in the device
+    function's body."""
 
     param: str
     box: tuple[int, int]
@@ -72,11 +75,11 @@ class TensorMap:
         return TensorMap(str(attr[0]), box=(int(attr[1]), int(attr[2])), swizzle=int(attr[3]))
 
     def check(self, shape, dtype: str, where: str) -> None:
-        """Reject a parameter the map cannot describe: not 2-D, or a box row that TMA
-        cannot copy (a multiple of 16 bytes, at most the swizzle width)."""
-        if len(shape) != 2:
-            raise EtcError(f"{where}: tensor map of {self.param} needs a 2-D tensor, "
-                           f"{self.param} has shape {list(shape)}")
+        """Reject a parameter the map cannot describe: fewer than 2 dimensions, or a box row
+        that TMA cannot copy (a multiple of 16 bytes, at most the swizzle width)."""
+        if len(shape) < 2:
+            raise EtcError(f"{where}: tensor map of {self.param} needs a tensor of 2 or more "
+                           f"dimensions, {self.param} has shape {list(shape)}")
         row_bytes = self.box[1] * tvm.DataType(dtype).bits // 8
         if row_bytes % 16:
             raise EtcError(f"{where}: tensor map of {self.param}: a box row is {row_bytes} "
@@ -88,7 +91,8 @@ class TensorMap:
     def encode(self, buffer: tirx.Buffer, name: str) -> tuple[tirx.Var, list[tirx.Stmt]]:
         """A fresh map variable ``name`` over ``buffer`` and the host statements that encode
         it (sizes read from the buffer's shape, so symbolic shapes are encoded per launch)."""
-        rows, cols = (tirx.Cast("int64", d) for d in buffer.shape)
+        *lead, cols = (tirx.Cast("int64", d) for d in buffer.shape)
+        rows = functools.reduce(lambda a, b: a * b, lead)
         elem = tvm.DataType(buffer.dtype).bits // 8
         var = tirx.Var(name, self.var.ty)
         one = tirx.IntImm("int32", 1)

@@ -3,6 +3,7 @@ every kernel that runs the tile (one ``cuTensorMapEncodeTiled`` a map), and pass
 device code as a ``__grid_constant__ CUtensorMap`` parameter. The tile runs on the GPU in
 test_tensor_map_gpu.py."""
 import pytest
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -41,9 +42,9 @@ def test_a_map_names_a_tensor_parameter():
         bf16_tile([TensorMap("X", box=(64, 64))])
 
 
-def test_a_map_needs_a_two_dimensional_tensor():
-    with pytest.raises(EtcError, match="needs a 2-D tensor"):
-        bf16_tile([TensorMap("A", box=(64, 64))], shape=("M", 8, 8))
+def test_a_map_needs_a_tensor_of_rows():
+    with pytest.raises(EtcError, match="needs a tensor of 2 or more dimensions"):
+        bf16_tile([TensorMap("A", box=(64, 64))], shape=("M",))
 
 
 @pytest.mark.parametrize("box, swizzle, match", [
@@ -62,3 +63,20 @@ def test_box_rows_tma_cannot_copy_are_refused(box, swizzle, match):
 def test_malformed_maps_are_refused(box, swizzle, match):
     with pytest.raises(EtcError, match=match):
         TensorMap("A", box=box, swizzle=swizzle)
+
+
+def test_a_map_sees_leading_dimensions_as_rows():
+    """A (R, M, K) tensor is encoded as R*M rows of K: (K, R*M) innermost first, rows of K
+    elements apart."""
+    R, M, K = (tirx.Var(d, "int32") for d in "RMK")
+    buffer = tirx.decl_buffer((R, M, K), "bfloat16", "G")
+    var, (bind, encode) = TensorMap("G", box=(128, 64), swizzle=128).encode(buffer, "G_map")
+    assert bind.var.same_as(var)
+    cols, rows, stride = encode.value.args[2:5]
+
+    def wide(x):
+        return tirx.Cast("int64", x)
+
+    tvm.ir.assert_structural_equal(cols, wide(K))
+    tvm.ir.assert_structural_equal(rows, wide(R) * wide(M))
+    tvm.ir.assert_structural_equal(stride, wide(K) * tirx.IntImm("int64", 2))

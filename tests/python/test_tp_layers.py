@@ -2,6 +2,8 @@
 the CPU reference executor against float64 within the tiles' bounds, for several world sizes
 and task orders; and each rank's kernel built for sm_90a with NVSHMEM (no GPU)."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -55,17 +57,28 @@ def test_all_gather_gemm_columns_match_float64(W, order, rng):
                       gemm.error_bound(A, b, "bfloat16"))
 
 
-@pytest.mark.parametrize("layer, dims, peer, strategy", [
-    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static"),
-    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "dynamic"),
-    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static")])
-def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, strategy,
+@pytest.mark.parametrize("layer, dims, peer, strategy, loads", [
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static",
+     "cp.async"),
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "dynamic",
+     "cp.async"),
+    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static",
+     "cp.async"),
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static",
+     "tma"),
+    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static",
+     "tma")])
+def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, strategy, loads,
                                                           nvshmem_home):
-    program = distributed.build_rank(getattr(tp_layers, layer)(2), dims, 1, strategy=strategy,
-                                     num_sms=4)
+    program = distributed.build_rank(getattr(tp_layers, layer)(2, loads=loads), dims, 1,
+                                     strategy=strategy, num_sms=4)
     kernel = program.executable.mod.imports[0].inspect_source("cuda")
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in kernel
     assert peer in kernel
+    # TMA: the A (or gathered) and B maps, encoded by the rank kernel's host part
+    signature = re.search(r"__global__ void[^;{]*\{", kernel).group(0)  # the definition
+    assert signature.count("const __grid_constant__ CUtensorMap") == (2 if loads == "tma" else 0)
+    assert ("cp_async_bulk_tensor" in kernel) == (loads == "tma")
     assert "etc_rank" not in kernel and "etc_world_size" not in kernel
 
 

@@ -28,27 +28,31 @@ from tvm.script import tirx as T
 
 from ..device_func import RANK, WORLD_SIZE, DeviceFunc, device_func
 from ..errors import EtcError
-from .wgmma_gemm import WgmmaTile, check_geometry, task_cost
+from .wgmma_gemm import LOADS, WgmmaTile, check_geometry, task_cost, tma_operand_maps
 
 VEC = 8  # bf16 per 16-byte access
 
 
-def _wgmma_config(bm, bn, bk, stages, threads):
+def _wgmma_config(bm, bn, bk, stages, threads, loads):
     check_geometry(bm, bn, bk, stages, threads, "bfloat16")
-    return f"{bm}x{bn}x{bk}_s{stages}_t{threads}"
+    if loads not in LOADS:
+        raise EtcError(f"tensor-parallel tile: loads must be one of {LOADS}, got {loads!r}")
+    return f"{bm}x{bn}x{bk}_s{stages}_t{threads}{'_tma' if loads == 'tma' else ''}"
 
 
 @functools.cache
 def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int = 4,
-                           threads: int = 128) -> DeviceFunc:
+                           threads: int = 128, loads: str = "cp.async") -> DeviceFunc:
     """The tile ``gemm_scatter_<bm>x<bn>x<bk>``: task (i, j) computes this rank's partial
     product ``A[rows i] @ B[:, cols j]`` (A: M x K_r, B: K_r x N, this rank's K slice) and
     stores it in bf16 into ``P[rank]`` (P: W x Q x N, symmetric) of the rank that owns row
-    tile i, at the tile's rows within that rank's Q."""
-    config = _wgmma_config(bm, bn, bk, stages, threads)
+    tile i, at the tile's rows within that rank's Q. ``loads``: as the wgmma GEMM tile's."""
+    config = _wgmma_config(bm, bn, bk, stages, threads, loads)
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
+    tma = loads == "tma"
+    maps = tma_operand_maps("A", bm, bk) if tma else []
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=not tma)  # with TMA the maps' variables are free
     def gemm_scatter(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
                      B: T.Buffer((K, N), "bfloat16"), P: T.Buffer((R, Q, N), "bfloat16")):
         T.device_entry()
@@ -57,12 +61,15 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         lane = T.lane_id([32])
         mine = T.decl_buffer((Q, N), "bfloat16", data=P.data, elem_offset=RANK * Q * N)
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
-                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
+        if tma:
+            tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, K // bk)
+        else:
+            tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
+                     lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
-                       cost=task_cost(K, bm, bn, bk))
+                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
 
     @tile.set_reference
     def _(i, j, A, B, P, *, rank, peers):
@@ -160,15 +167,18 @@ def make_gather_rows_tile(rows: int = 128, threads: int = 128) -> DeviceFunc:
 
 @functools.cache
 def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int = 4,
-                        threads: int = 128) -> DeviceFunc:
+                        threads: int = 128, loads: str = "cp.async") -> DeviceFunc:
     """The tile ``ring_gemm_<bm>x<bn>x<bk>``: task (s, i, j) multiplies row tile i of source
     rank ``(rank + s) % W``'s gathered rows ``G[source]`` (G: W x M x K) by this rank's
     columns B (K x N) into the source's rows of C (Q = W*M x N, bf16): step s = 0 is this rank's
-    own rows, which need no transfer."""
-    config = _wgmma_config(bm, bn, bk, stages, threads)
+    own rows, which need no transfer. ``loads``: as the wgmma GEMM tile's (G's map sees its
+    W*M rows)."""
+    config = _wgmma_config(bm, bn, bk, stages, threads, loads)
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
+    tma = loads == "tma"
+    maps = tma_operand_maps("G", bm, bk) if tma else []
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=not tma)  # with TMA the maps' variables are free
     def ring_gemm(s: T.int32, i: T.int32, j: T.int32, G: T.Buffer((R, M, K), "bfloat16"),
                   B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((Q, N), "bfloat16")):
         T.device_entry()
@@ -177,12 +187,15 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         lane = T.lane_id([32])
         source = T.meta_var((RANK + s) % WORLD_SIZE)
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
-        tile.run(lambda r, k: G.ptr_to([source, i * bm + r, k]),
-                 lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
+        if tma:
+            tile.run_tma(maps[0].var, source * M + i * bm, maps[1].var, j * bn, K // bk)
+        else:
+            tile.run(lambda r, k: G.ptr_to([source, i * bm + r, k]),
+                     lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
         tile.store(C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),
-                       cost=task_cost(K, bm, bn, bk))
+                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
 
     @tile.set_reference
     def _(s, i, j, G, B, C, *, rank, world_size):

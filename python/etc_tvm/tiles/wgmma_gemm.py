@@ -53,7 +53,7 @@ With ``loads="tma"`` (``WgmmaTile.run_tma``) thread 0 fills a stage with one TMA
 host-encoded tensor maps of A and B (``etc_tvm.tensor_map``), and the loop has no CTA barrier::
 
     prologue: mbarrier init (full: 1 arrival + the stage's bytes; empty: one per warpgroup);
-              bar.sync; thread 0 loads slices 0 .. S-1
+              bar.sync; thread 0: fence.proxy.async, loads slices 0 .. S-1
     for ko in 0 .. K/bk-1:
         wait full[ko % S]                 slice ko landed
         wgmma x (bk/16) x (m64 blocks), commit
@@ -96,7 +96,7 @@ LOADS = ("cp.async", "tma")
 TMA_LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
 
 __all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes",
-           "task_cost"]
+           "task_cost", "tma_operand_maps"]
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
@@ -333,6 +333,9 @@ class WgmmaTile:
                 T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(groups))
         T.cuda.cta_sync()
         if self.tx == 0:
+            # the loads (async proxy) come after generic-proxy writes: operands other tasks
+            # of the kernel stored, and the shared bytes of this CTA's previous task
+            T.ptx.fence.proxy.async_()
             for p in T.unroll(stages):
                 if p < num_k:
                     ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
@@ -360,6 +363,13 @@ class WgmmaTile:
     @T.inline
     def store(self, C, row0, col0):
         store_fragments(self, C, row0, col0)
+
+
+def tma_operand_maps(a: str, bm: int, bk: int) -> list[TensorMap]:
+    """The tensor maps ``WgmmaTile.run_tma`` reads through: rows of the A operand, parameter
+    ``a`` (box bm x 64), and of ``B`` (bk x 64), with the 128-byte swizzle of the ring."""
+    return [TensorMap(a, box=(bm, PANEL), swizzle=ROW_BYTES),
+            TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)]
 
 
 def task_cost(K, bm: int, bn: int, bk: int):
@@ -394,8 +404,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
     check_geometry(bm, bn, bk, stages, threads, out_dtype)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
     tma = loads == "tma"
-    maps = [TensorMap("A", box=(bm, PANEL), swizzle=ROW_BYTES),
-            TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)] if tma else []
+    maps = tma_operand_maps("A", bm, bk) if tma else []
 
     # with TMA the maps' variables are free: each kernel binds them
     @T.prim_func(check_well_formed=not tma)
