@@ -99,10 +99,10 @@ def relative_error(got, want) -> float:
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None,
-            engine: str = "mma") -> dict:
-    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide, by
-    default the layer's choice, on ``engine`` where the tiles have 64 rows) and of the
-    baselines at ``tokens``, and the errors."""
+            engine: str = "mma", stages: int | None = None) -> dict:
+    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
+    a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
+    64 rows) and of the baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -122,7 +122,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         try:
             if strategy not in libraries:
                 graph = moe_layer.make_moe_layer(
-                    tile_rows=row["tile_rows"], bn=bn,
+                    tile_rows=row["tile_rows"], bn=bn, stages=stages,
                     engine=engine if row["tile_rows"] % 64 == 0 else "mma")
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
@@ -158,6 +158,8 @@ def main() -> None:
                         "layer's choice for the tile rows)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows")
+    parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
+                        "the deepest that fits gemm.SMEM_LIMIT)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -171,7 +173,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn,
-                    args.engine)
+                    args.engine, args.stages)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)

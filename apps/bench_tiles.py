@@ -253,7 +253,7 @@ def main() -> None:
                         help="cached tokens a sequence of the decode attention rows")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
-    parser.add_argument("--gemm-stages", type=int, nargs="+", default=[3, 4],
+    parser.add_argument("--gemm-stages", type=int, nargs="+", default=[4],
                         help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "

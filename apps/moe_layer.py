@@ -43,12 +43,17 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``stages``: their cp.async ring,
-    by default the deepest that fits (``gemm.deepest_stages``). ``engine``: "mma"
-    (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row multiples)."""
+    by default the deepest that fits (``gemm.deepest_stages``): within 100 KB for "mma"
+    tiles, within ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones (8 stages of 64 x 128, 197 KB:
+    one CTA an SM; at T=1024 the layer went from 889 to 742 us against 4 stages).
+    ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
+    multiples)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or (64 if BT <= 16 else 128)
+    wgmma = engine == "wgmma"
     stages = stages or gemm.deepest_stages(
-        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if engine == "wgmma" else None)
+        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else None,
+        limit=wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT)
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")

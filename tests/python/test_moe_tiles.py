@@ -334,6 +334,9 @@ def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     graph = make_moe_layer(tile_rows=64, engine="wgmma")
     source = build(graph, {"T": 512}, strategy=strategy, num_sms=132).cuda_source()
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in source
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 512}).calls}
+    assert {"gate_up_2048x768_e128_64x128x64_s8_t128_wgmma",  # the deepest rings in 200 KB
+            "down_768x2048_e128_64x128x64_s8_t128_wgmma"} <= names, names
     build_cubin(source, tmp_path, allow_spills=True)
 
 

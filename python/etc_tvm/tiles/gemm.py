@@ -60,16 +60,17 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
 
 
-def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None) -> int:
-    """The deepest cp.async ring, up to ``most``, that fits ``SMEM_LIMIT``: a tile that streams
-    weights through few rows is bound by the loads it keeps in flight, ``stages - 1`` slices
-    (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice). ``footprint``:
-    the tile's bytes for ``(bm, bn, bk, stages)``, this module's ``shared_bytes`` by default
-    (``wgmma_gemm.shared_bytes`` for a WgmmaTile)."""
+def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None,
+                   limit: int = SMEM_LIMIT) -> int:
+    """The deepest cp.async ring, up to ``most``, that fits ``limit`` bytes: a tile that
+    streams weights through few rows is bound by the loads it keeps in flight, ``stages - 1``
+    slices (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice).
+    ``footprint``: the tile's bytes for ``(bm, bn, bk, stages)``, this module's
+    ``shared_bytes`` by default (``wgmma_gemm.shared_bytes`` for a WgmmaTile)."""
     footprint = footprint or shared_bytes
-    fits = [s for s in range(2, most + 1) if footprint(bm, bn, bk, s) <= SMEM_LIMIT]
+    fits = [s for s in range(2, most + 1) if footprint(bm, bn, bk, s) <= limit]
     if not fits:
-        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: not even 2 stages fit {SMEM_LIMIT} bytes")
+        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: not even 2 stages fit {limit} bytes")
     return fits[-1]
 
 
