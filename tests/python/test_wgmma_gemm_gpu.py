@@ -57,11 +57,24 @@ def test_static_megakernel(name, loads, M, K, N, P, rng):
     assert_within(Y, want, bound)
 
 
+def test_dynamic_megakernel_tma_chain(rng):
+    """The second GEMM's TMA loads read what the first one's tasks stored in the same kernel,
+    in the order the ready ring gives (the proxy fence before the loads)."""
+    cfg = {**config("128x256x64_f32"), "loads": "tma"}
+    M, K, N, P = 2048, 512, 1024, 1024
+    compiled = build(chain_graph(cfg), {"M": M, "K": K, "N": N, "P": P}, strategy="dynamic")
+    A, W1 = inputs(rng, M, K, N)
+    W2 = randn(rng, (N, P), "bfloat16")
+    want, bound = chain_float64(A, W1, W2)
+    assert_within(compiled(A, W1, W2), want, bound)
+
+
+@pytest.mark.parametrize("loads", wgmma_gemm.LOADS)
 @pytest.mark.parametrize("strategy", ["unfused", "static"])
-def test_repeated_launches_are_identical(strategy, rng):
-    """Per-launch state (counters, the ring, the accumulators) starts afresh: 100 runs, one
-    result, bit for bit."""
-    cfg = config("128x256x64_f32")
+def test_repeated_launches_are_identical(strategy, loads, rng):
+    """Per-launch state (counters, the ring, the accumulators, the mbarriers) starts afresh:
+    100 runs, one result, bit for bit."""
+    cfg = {**config("128x256x64_f32"), "loads": loads}
     M, K, N = 1024, 1024, 2048
     compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy=strategy)
     A, B = inputs(rng, M, K, N)
