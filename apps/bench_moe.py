@@ -99,10 +99,12 @@ def relative_error(got, want) -> float:
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None,
-            engine: str = "mma", stages: int | None = None) -> dict:
+            engine: str = "mma", stages: int | None = None,
+            experts_per_task: int = 16) -> dict:
     """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
     a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
-    64 rows) and of the baselines at ``tokens``, and the errors."""
+    64 rows; router tasks of ``experts_per_task`` experts) and of the baselines at
+    ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -123,6 +125,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             if strategy not in libraries:
                 graph = moe_layer.make_moe_layer(
                     tile_rows=row["tile_rows"], bn=bn, stages=stages,
+                    experts_per_task=experts_per_task,
                     engine=engine if row["tile_rows"] % 64 == 0 else "mma")
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
@@ -160,6 +163,8 @@ def main() -> None:
                         help="the grouped GEMMs' MMA where their tiles have 64 rows")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits gemm.SMEM_LIMIT)")
+    parser.add_argument("--experts-per-task", type=int, default=16,
+                        help="experts a router task scores (a multiple of 8)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -173,7 +178,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn,
-                    args.engine, args.stages)
+                    args.engine, args.stages, args.experts_per_task)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
