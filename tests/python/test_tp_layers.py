@@ -82,6 +82,14 @@ def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, stra
     assert "etc_rank" not in kernel and "etc_world_size" not in kernel
 
 
+@pytest.mark.parametrize("factory, name", [(tp.make_gemm_scatter_tile, "gemm_scatter"),
+                                           (tp.make_ring_gemm_tile, "ring_gemm")])
+def test_gemm_tiles_refuse_unknown_loads(factory, name):
+    with pytest.raises(EtcError, match=rf"{name} tile: loads must be one of "
+                                       r"\('cp.async', 'tma'\), got 'ldg'"):
+        factory(loads="ldg")
+
+
 def test_partial_sum_tile_rejects_vectors_that_do_not_divide():
     with pytest.raises(EtcError, match="8-element vectors must divide among 128 threads"):
         tp.make_partial_sum_tile(8, 8)

@@ -28,15 +28,13 @@ from tvm.script import tirx as T
 
 from ..device_func import RANK, WORLD_SIZE, DeviceFunc, device_func
 from ..errors import EtcError
-from .wgmma_gemm import LOADS, WgmmaTile, check_geometry, task_cost, tma_operand_maps
+from .wgmma_gemm import WgmmaTile, check_geometry, operand_maps, task_cost
 
 VEC = 8  # bf16 per 16-byte access
 
 
 def _wgmma_config(bm, bn, bk, stages, threads, loads):
     check_geometry(bm, bn, bk, stages, threads, "bfloat16")
-    if loads not in LOADS:
-        raise EtcError(f"tensor-parallel tile: loads must be one of {LOADS}, got {loads!r}")
     return f"{bm}x{bn}x{bk}_s{stages}_t{threads}{'_tma' if loads == 'tma' else ''}"
 
 
@@ -49,8 +47,8 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
     tile i, at the tile's rows within that rank's Q. ``loads``: as the wgmma GEMM tile's."""
     config = _wgmma_config(bm, bn, bk, stages, threads, loads)
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
+    maps = operand_maps(loads, "A", bm, bk, "gemm_scatter tile")
     tma = loads == "tma"
-    maps = tma_operand_maps("A", bm, bk) if tma else []
 
     @T.prim_func(check_well_formed=not tma)  # with TMA the maps' variables are free
     def gemm_scatter(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
@@ -175,8 +173,8 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
     W*M rows)."""
     config = _wgmma_config(bm, bn, bk, stages, threads, loads)
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
+    maps = operand_maps(loads, "G", bm, bk, "ring_gemm tile")
     tma = loads == "tma"
-    maps = tma_operand_maps("G", bm, bk) if tma else []
 
     @T.prim_func(check_well_formed=not tma)  # with TMA the maps' variables are free
     def ring_gemm(s: T.int32, i: T.int32, j: T.int32, G: T.Buffer((R, M, K), "bfloat16"),

@@ -96,7 +96,7 @@ LOADS = ("cp.async", "tma")
 TMA_LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
 
 __all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes",
-           "task_cost", "tma_operand_maps"]
+           "operand_maps", "task_cost"]
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
@@ -365,9 +365,15 @@ class WgmmaTile:
         store_fragments(self, C, row0, col0)
 
 
-def tma_operand_maps(a: str, bm: int, bk: int) -> list[TensorMap]:
-    """The tensor maps ``WgmmaTile.run_tma`` reads through: rows of the A operand, parameter
-    ``a`` (box bm x 64), and of ``B`` (bk x 64), with the 128-byte swizzle of the ring."""
+def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[TensorMap]:
+    """The tensor maps of a wgmma tile whose stages ``loads`` fill: none for "cp.async"; for
+    "tma" (``WgmmaTile.run_tma``), rows of the A operand, parameter ``a`` (box bm x 64), and
+    of ``B`` (bk x 64), with the 128-byte swizzle of the ring. ``tile`` names the tile in the
+    error for any other ``loads``."""
+    if loads not in LOADS:
+        raise EtcError(f"{tile}: loads must be one of {LOADS}, got {loads!r}")
+    if loads != "tma":
+        return []
     return [TensorMap(a, box=(bm, PANEL), swizzle=ROW_BYTES),
             TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)]
 
@@ -393,8 +399,6 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     a time) or "tma" (one thread, one TMA load a 64-column panel, through tensor maps of A
     and B that the kernels encode; ``run_tma``).
     """
-    if loads not in LOADS:
-        raise EtcError(f"wgmma gemm tile: loads must be one of {LOADS}, got {loads!r}")
     return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads)
 
 
@@ -403,8 +407,8 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
                out_dtype: str, loads: str) -> DeviceFunc:
     check_geometry(bm, bn, bk, stages, threads, out_dtype)
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
+    maps = operand_maps(loads, "A", bm, bk, "wgmma gemm tile")
     tma = loads == "tma"
-    maps = tma_operand_maps("A", bm, bk) if tma else []
 
     # with TMA the maps' variables are free: each kernel binds them
     @T.prim_func(check_well_formed=not tma)
