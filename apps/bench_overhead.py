@@ -145,27 +145,34 @@ def make_split_k_mlp(hidden: int, inter: int, slice_k: int = 256, block_rows: in
     return mlp_split_k
 
 
-def measure(graph, dims, inputs, want, rtol) -> dict:
-    """Each variant: build, check against ``want`` (relative L2 error); then time them all."""
+def measure(graph, dims, inputs, want, rtol, labels) -> dict:
+    """Each variant in ``labels``: build, check against ``want`` (relative L2 error); then time
+    them all, and print the row at once so that a long run that is stopped keeps its rows."""
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
     runs = {}
-    for label, (strategy, scheduler, ctas, replay) in VARIANTS.items():
+    for label in labels:
+        strategy, scheduler, ctas, replay = VARIANTS[label]
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
                          options=KernelOptions(ctas_per_sm=ctas))
         runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol, replay)
-    return time_interleaved(runs)
+    medians = time_interleaved(runs)
+    print(f"{graph.name} {dims}: "
+          + ", ".join(f"{label} {us:.1f}" for label, us in medians.items()), flush=True)
+    return medians
 
 
-def table(title, key, rows) -> None:
-    labels = list(VARIANTS)
+RATIOS = ("unfused", "unfused+graph", "barrier")  # each against static
+
+
+def table(title, key, rows, labels) -> None:
+    ratios = [r for r in RATIOS if r in labels] if "static" in labels else []
     print(f"\n{title}")
     print(f"{key:>8} " + " ".join(f"{label:>13}" for label in labels)
-          + f" {'unfused/static':>15} {'graph/static':>13} {'barrier/static':>15}")
+          + "".join(f" {r + '/static':>20}" for r in ratios))
     for r in rows:
         print(f"{r[key]:>8} " + " ".join(f"{r[label]:>10.1f} us" for label in labels)
-              + f" {r['unfused'] / r['static']:>14.2f}x {r['unfused+graph'] / r['static']:>12.2f}x"
-              + f" {r['barrier'] / r['static']:>14.2f}x")
+              + "".join(f" {r[q] / r['static']:>19.2f}x" for q in ratios))
 
 
 def main() -> None:
@@ -175,14 +182,18 @@ def main() -> None:
                         help="MLP rows (none: the chain alone)")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the strategies to build and time (default: all)")
     parser.add_argument("--json", default="bench_overhead.json")
     args = parser.parse_args()
+    labels = args.variants
     rng = np.random.default_rng(0)
     chains, mlps, split_mlps = [], [], []
     with tvm_ffi.use_torch_stream():
         for n in args.lengths:
             x = rng.standard_normal((n, WIDTH)).astype("float32")
-            chains.append({"N": n, **measure(chain, {"N": n}, [x], execute(chain, x), 1e-6)})
+            chains.append({"N": n, **measure(chain, {"N": n}, [x], execute(chain, x), 1e-6,
+                                             labels)})
         for m in args.rows:
             block = 16  # row blocks of 16: M=128 gives 8 blocks to pipeline
             padded = -(-m // block) * block  # tiles are whole blocks of rows
@@ -194,19 +205,21 @@ def main() -> None:
             want = h.astype(bf16).astype(np.float64) @ w2.astype(np.float64)
             mlp = make_mlp(block, args.hidden, args.inter)
             mlps.append({"M": m, "rows computed": padded,
-                         **measure(mlp, {"M": padded}, [x, w1, w2], want, 2e-2)})
+                         **measure(mlp, {"M": padded}, [x, w1, w2], want, 2e-2, labels)})
             split = make_split_k_mlp(args.hidden, args.inter)
             split_mlps.append({"M": m, "rows computed": padded,
-                               **measure(split, {"M": padded}, [x, w1, w2], want, 2e-2)})
-    table("(a) dependent chain of N tasks", "N", chains)
+                               **measure(split, {"M": padded}, [x, w1, w2], want, 2e-2,
+                                         labels)})
+    table("(a) dependent chain of N tasks", "N", chains, labels)
     ns = [r["N"] for r in chains]
-    print("per hop (slope over N): " + ", ".join(
-        f"{label} {np.polyfit(ns, [r[label] for r in chains], 1)[0]:.3f} us"
-        for label in VARIANTS))
+    if len(ns) > 1:
+        print("per hop (slope over N): " + ", ".join(
+            f"{label} {np.polyfit(ns, [r[label] for r in chains], 1)[0]:.3f} us"
+            for label in labels))
     if args.rows:
         table(f"(b) MLP {args.hidden} -> {args.inter} -> {args.hidden}, bf16 "
-              "(16-row blocks; M=1 computed as one block)", "M", mlps)
-        table("(c) the same MLP, split-K (256-wide K slices)", "M", split_mlps)
+              "(16-row blocks; M=1 computed as one block)", "M", mlps, labels)
+        table("(c) the same MLP, split-K (256-wide K slices)", "M", split_mlps, labels)
     with open(args.json, "w") as f:
         json.dump({"chain": chains, "mlp": mlps, "mlp_split_k": split_mlps}, f, indent=1)
 
