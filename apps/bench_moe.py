@@ -126,7 +126,8 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
                 graph = moe_layer.make_moe_layer(
                     tile_rows=row["tile_rows"], bn=bn, stages=stages,
                     experts_per_task=experts_per_task,
-                    engine=engine if row["tile_rows"] % 64 == 0 else "mma")
+                    engine=engine if row["tile_rows"] % 64 == 0 else "mma",
+                    ctas_per_sm=options.ctas_per_sm)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -155,14 +156,16 @@ def main() -> None:
     parser.add_argument("--json", default="bench_moe.json")
     parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
                         help="our variants to run (the baselines always run)")
-    parser.add_argument("--ctas-per-sm", type=int, default=1,
-                        help="persistent CTAs per SM of the megakernels")
+    parser.add_argument("--ctas-per-sm", type=int,
+                        help="persistent CTAs per SM of the megakernels (default: 2 with the "
+                        "wgmma engine, whose hand-offs then overlap the other CTA's task; 1 "
+                        "with mma)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
-                        "the deepest that fits gemm.SMEM_LIMIT)")
+                        "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
     args = parser.parse_args()
@@ -172,7 +175,8 @@ def main() -> None:
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
     hf = hf_block(*weights["torch"])
     labels = args.ours + THEIRS
-    options = KernelOptions(ctas_per_sm=args.ctas_per_sm)
+    options = KernelOptions(ctas_per_sm=args.ctas_per_sm
+                            or (2 if args.engine == "wgmma" else 1))
     print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []

@@ -26,6 +26,7 @@ import numpy as np
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import gemm, moe, wgmma_gemm
 from etc_tvm.tiles.moe import ceil_div, max_tiles
+from etc_tvm.tir_sched.persistent import SM_SHARED_BYTES
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
 
@@ -35,7 +36,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
                    experts_per_task: int = 16,
                    bn: int | None = None, bk: int = 64, stages: int | None = None,
-                   engine: str = "mma", combine_cols: int = 512, threads: int = 128):
+                   engine: str = "mma", combine_cols: int = 512, threads: int = 128,
+                   ctas_per_sm: int = 1):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -43,9 +45,12 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``stages``: their cp.async ring,
-    by default the deepest that fits (``gemm.deepest_stages``): within 100 KB for "mma"
-    tiles, within ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones (8 stages of 64 x 128, 197 KB:
-    one CTA an SM; at T=1024 the layer went from 889 to 742 us against 4 stages).
+    by default the deepest that fits (``gemm.deepest_stages``) the shared memory of one of
+    the ``ctas_per_sm`` persistent CTAs an SM runs (``KernelOptions.ctas_per_sm``), within
+    100 KB for "mma" tiles and ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones. For 64 x 128
+    wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
+    stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
+    overlap the other's task.
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
     multiples)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
@@ -53,7 +58,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     wgmma = engine == "wgmma"
     stages = stages or gemm.deepest_stages(
         BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else None,
-        limit=wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT)
+        limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
+                  SM_SHARED_BYTES // ctas_per_sm))
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")

@@ -20,6 +20,7 @@ from etc_tvm.relax_passes import UnfusedTransform
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin
 from moe_tile_graphs import one_call_dims, one_call_graphs
@@ -338,6 +339,20 @@ def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     assert {"gate_up_2048x768_e128_64x128x64_s8_t128_wgmma",  # the deepest rings in 200 KB
             "down_768x2048_e128_64x128x64_s8_t128_wgmma"} <= names, names
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_rings_share_the_sm_among_its_ctas():
+    """Two CTAs an SM halve the shared memory a ring may take: 4 stages of 64 x 128 where
+    one CTA takes 8, and the kernel of two CTAs an SM then fits."""
+    graph = make_moe_layer(tile_rows=64, engine="wgmma", ctas_per_sm=2)
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 512}).calls}
+    assert {"gate_up_2048x768_e128_64x128x64_s4_t128_wgmma",
+            "down_768x2048_e128_64x128x64_s4_t128_wgmma"} <= names, names
+    build(graph, {"T": 512}, strategy="dynamic", num_sms=132,
+          options=KernelOptions(ctas_per_sm=2))
+    with pytest.raises(EtcError, match="do not fit on one SM"):
+        build(make_moe_layer(tile_rows=64, engine="wgmma"), {"T": 512}, strategy="dynamic",
+              num_sms=132, options=KernelOptions(ctas_per_sm=2))
 
 
 @pytest.mark.parametrize("tokens", (1, 20))
