@@ -35,7 +35,8 @@ import numpy as np
 
 from .errors import EtcError, ExecutionError
 from .graph_func import GraphFunc
-from .tir_sched.persistent import DEFAULT_OPTIONS, RUNTIME_SOURCE, STATUS_WORDS, KernelOptions
+from .tir_sched.persistent import (DEFAULT_OPTIONS, RUNTIME_SOURCE, STATUS_WORDS, KernelOptions,
+                                   kernel_table)
 
 HOST_SOURCE = RUNTIME_SOURCE.with_name("etc_nvshmem_host.cu")
 MODULE_HOOK = "runtime.nvshmem.cumodule_init"
@@ -332,6 +333,6 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     with target, nvshmem_compiler():
         executable = tvm.compile(tvm.IRModule({name: kernel}), target=target,
                                  tir_pipeline="tirx")
-    return RankProgram(task_graph, executable, name, rank, arrays,
+    return RankProgram(task_graph, executable, name, rank, [kernel_table(a) for a in arrays],
                        task_graph_meta(task_graph, layout, options, has_status=True),
                        len(layout.initial), work)

@@ -233,9 +233,7 @@ class DynamicPlan:
         seeds = () if seeds_at_launch else self.seeds
         ring0 = np.full(max(1, self.capacity), -1, np.int32)
         ring0[:len(seeds)] = seeds
-        consumers = np.zeros(max(1, len(self.consumer_tasks)), np.int32)  # never empty: an
-        consumers[:len(self.consumer_tasks)] = self.consumer_tasks  # argument needs data
-        return [self.initial_pending(), self.consumer_indptr, consumers, ring0,
+        return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks, ring0,
                 np.array([0, len(seeds), self.num_ring_tasks], np.int32)]
 
     def state_sizes(self) -> dict[str, int]:

@@ -14,7 +14,7 @@ from ..graph_func import GraphFunc
 from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
-from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, timeline_size
+from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table, timeline_size
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -151,7 +151,7 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
     params = [relax.Var(p.name, p.ty) for p in func.params] if variant else list(func.params)
     produced = [t for t in graph.tensors if t.producer is not None]
     with bb.function(variant or name, params, attrs=dict(func.attrs) if func.attrs else None):
-        args = [*params, *(relax.const(_padded(c)) for c in constants)]
+        args = [*params, *(relax.const(kernel_table(c)) for c in constants)]
         out_tys = [*state, *(relax.TensorType(shape(t), t.dtype) for t in produced)]
         result = bb.emit(relax.call_tir(gv, args, out_tys), "result")
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
@@ -163,8 +163,3 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
         bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), *records]))
     return bb.finalize()
 
-
-def _padded(values) -> np.ndarray:
-    """An int32 constant of at least one element (a kernel argument cannot be empty)."""
-    values = np.asarray(values, np.int32)
-    return values if values.size else np.zeros(1, np.int32)

@@ -45,6 +45,13 @@ RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
 NVSHMEM_RUNTIME_SOURCE = RUNTIME_SOURCE.with_name("etc_runtime_nvshmem.cuh")
 
 
+def kernel_table(values) -> np.ndarray:
+    """``values`` as a read-only int32 table argument of a persistent kernel: at least one
+    element, for a kernel argument cannot be empty (the kernel declares ``max(1, n)``)."""
+    values = np.asarray(values, np.int32)
+    return values if values.size else np.zeros(1, np.int32)
+
+
 def timeline_size(graph: TaskGraph) -> int:
     """int64 words of the task timeline of ``graph`` (KernelOptions.profile)."""
     return max(1, graph.num_tasks) * TIMELINE_WORDS
