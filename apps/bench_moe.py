@@ -126,7 +126,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
                 graph = moe_layer.make_moe_layer(
                     tile_rows=row["tile_rows"], bn=bn, stages=stages,
                     experts_per_task=experts_per_task,
-                    engine=engine if row["tile_rows"] % 64 == 0 else "mma",
+                    engine=moe_layer.engine_for(row["tile_rows"], engine),
                     ctas_per_sm=options.ctas_per_sm)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)

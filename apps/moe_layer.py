@@ -123,6 +123,12 @@ def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
     return 16 if tokens * top_k <= 16 * experts else 64
 
 
+def engine_for(tile_rows: int, engine: str) -> str:
+    """The grouped GEMMs' engine for tiles of ``tile_rows``: ``engine``, but "mma" where the
+    tiles are no multiple of 64 rows (a warpgroup MMA is 64 rows)."""
+    return engine if tile_rows % 64 == 0 else "mma"
+
+
 def layer_float64_torch(x, w_router, w_gate, w_up, w_down, top_k: int) -> np.ndarray:
     """The layer in float64 with PyTorch, on the device of its (torch) inputs: ties to the
     lower expert index (a stable sort), one expert's rows at a time. ``w_gate`` and ``w_up``

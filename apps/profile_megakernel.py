@@ -32,9 +32,11 @@ def main() -> None:
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 1024],
                         help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
     parser.add_argument("--moe-engine", choices=moe.ENGINES, default="mma",
-                        help="the MoE layer's grouped-GEMM engine")
+                        help="the MoE layer's grouped-GEMM engine where its tiles have 64 rows")
     parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "
                         "(default: make_moe_layer's)")
+    parser.add_argument("--ctas-per-sm", type=int, default=1,
+                        help="persistent CTAs per SM (the MoE layer's rings fit their share)")
     parser.add_argument("--out", default="timelines")
     args = parser.parse_args()
     out = Path(args.out)
@@ -55,13 +57,16 @@ def main() -> None:
     if "moe" in args.graphs:
         experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
         for tokens in args.moe_tokens:
-            graph = moe_layer.make_moe_layer(tile_rows=moe_layer.tile_rows_for(tokens),
-                                             bn=args.moe_bn, engine=args.moe_engine)
+            rows = moe_layer.tile_rows_for(tokens)
+            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=args.moe_bn,
+                                             engine=moe_layer.engine_for(rows, args.moe_engine),
+                                             ctas_per_sm=args.ctas_per_sm)
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *experts])
     for name, (graph, dims, inputs) in cases.items():
         for strategy in args.strategies:
-            compiled = build(graph, dims, strategy=strategy, options=KernelOptions(profile=True))
+            compiled = build(graph, dims, strategy=strategy,
+                             options=KernelOptions(profile=True, ctas_per_sm=args.ctas_per_sm))
             compiled.profile(*inputs)
             _, timeline = compiled.profile(*inputs)
             print(f"\n{name}, {strategy}\n{timeline.summary()}")
