@@ -38,7 +38,10 @@ from tvm.script import tirx as T
 
 from etc_tvm import ETensor, Tensor, build, call_device, device_func, graph_func
 from etc_tvm.executor import execute
+from etc_tvm.graph_func import GraphFunc
+from etc_tvm.relax_passes import BarrierEdgesTransform
 from etc_tvm.schedule import list_schedule, round_robin_schedule
+from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import make_activation_tile, make_gemm_tile
 from etc_tvm.tir_sched.persistent import KernelOptions
 from timing import checked_run, time_interleaved
@@ -165,6 +168,19 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
 RATIOS = ("unfused", "unfused+graph", "barrier")  # each against static
 
 
+def predicted_barrier_gain(graph, dims, num_sms: int) -> float:
+    """The list schedule's estimate of how much faster static is than barrier (the ratio of
+    their makespans in cost units): what tile-level edges can gain on ``num_sms`` SMs."""
+    barrier = GraphFunc(graph.name, BarrierEdgesTransform()(graph.mod), graph.device_funcs)
+    return (list_schedule(TaskGraph.build(barrier, dims), num_sms).makespan
+            / list_schedule(TaskGraph.build(graph, dims), num_sms).makespan)
+
+
+def print_predictions(title, rows) -> None:
+    print(f"{title}, barrier/static predicted by the list schedule: " + ", ".join(
+        f"M={r['M']} {r['predicted barrier/static']:.2f}x" for r in rows))
+
+
 def table(title, key, rows, labels) -> None:
     ratios = [r for r in RATIOS if r in labels] if "static" in labels else []
     print(f"\n{title}")
@@ -188,6 +204,7 @@ def main() -> None:
     args = parser.parse_args()
     labels = args.variants
     rng = np.random.default_rng(0)
+    sms = tvm.cuda(0).multi_processor_count
     chains, mlps, split_mlps = [], [], []
     with tvm_ffi.use_torch_stream():
         for n in args.lengths:
@@ -204,12 +221,12 @@ def main() -> None:
             h = np.maximum(x.astype(np.float64) @ w1.astype(np.float64), 0)
             want = h.astype(bf16).astype(np.float64) @ w2.astype(np.float64)
             mlp = make_mlp(block, args.hidden, args.inter)
-            mlps.append({"M": m, "rows computed": padded,
-                         **measure(mlp, {"M": padded}, [x, w1, w2], want, 2e-2, labels)})
             split = make_split_k_mlp(args.hidden, args.inter)
-            split_mlps.append({"M": m, "rows computed": padded,
-                               **measure(split, {"M": padded}, [x, w1, w2], want, 2e-2,
-                                         labels)})
+            for graph, rows in ((mlp, mlps), (split, split_mlps)):
+                dims = {"M": padded}
+                rows.append({"M": m, "rows computed": padded,
+                             "predicted barrier/static": predicted_barrier_gain(graph, dims, sms),
+                             **measure(graph, dims, [x, w1, w2], want, 2e-2, labels)})
     table("(a) dependent chain of N tasks", "N", chains, labels)
     ns = [r["N"] for r in chains]
     if len(ns) > 1:
@@ -220,6 +237,8 @@ def main() -> None:
         table(f"(b) MLP {args.hidden} -> {args.inter} -> {args.hidden}, bf16 "
               "(16-row blocks; M=1 computed as one block)", "M", mlps, labels)
         table("(c) the same MLP, split-K (256-wide K slices)", "M", split_mlps, labels)
+        print_predictions("(b)", mlps)
+        print_predictions("(c)", split_mlps)
     with open(args.json, "w") as f:
         json.dump({"chain": chains, "mlp": mlps, "mlp_split_k": split_mlps}, f, indent=1)
 
