@@ -35,7 +35,8 @@ from timing import checked_run, time_interleaved
 
 H, E, K, F = 2048, 128, 8, 768
 RTOL = 2e-2  # bf16 h and out, fp32 accumulation: measured errors are near 3e-3
-OURS = ["static", "dynamic", "mixed", "barrier", "unfused", "unfused+graph", "static+graph"]
+OURS = ["static", "dynamic", "mixed", "barrier", "unfused", "unfused+graph", "static+graph",
+        "dynamic+graph", "barrier+graph"]
 THEIRS = ["torch loop", "HF", "HF+graph"]
 
 
