@@ -7,6 +7,7 @@ from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.graph_func import GraphFunc
 from etc_tvm.relax_passes import BarrierEdgesTransform
+from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 
 from tiles import COLS, ROWS, mix_tile, scale_tile
@@ -48,6 +49,21 @@ def test_every_task_waits_for_the_whole_previous_call(rng):
     assert all(graph.waits[t] == [("A_done", (0,))] for t in graph.calls[1].tasks)
     x = rng.standard_normal((6 * ROWS, COLS)).astype("float32")
     np.testing.assert_array_equal(execute(after, x, order=RandomOrder(3)), execute(before, x))
+
+
+def test_tile_edges_gain_only_where_a_wave_is_partial():
+    """On 4 SMs, 8 tiles a call are two whole waves: the list schedule takes as long with
+    tile-level edges as with the barrier. With 5 tiles the first call's second wave leaves 3
+    SMs idle, and tile-level edges fill them with the second call's first tiles (3 against 4
+    task times)."""
+    barrier = GraphFunc(before.name, BarrierEdgesTransform()(before.mod), before.device_funcs)
+
+    def makespans(tiles):
+        return [list_schedule(TaskGraph.build(g, {"M": tiles * ROWS}), 4,
+                              task_overhead=0).makespan for g in (before, barrier)]
+
+    assert makespans(8) == [4, 4]
+    assert makespans(5) == [3, 4]
 
 
 @graph_func
