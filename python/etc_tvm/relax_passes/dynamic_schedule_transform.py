@@ -19,12 +19,11 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import tvm
-from tvm import relax
 
 from ..schedule import DynamicPlan
 from ..tir_sched.dynamic_kernel import build_dynamic_kernel
 from ..tir_sched.events import EventLayout
-from ..tir_sched.persistent import DEFAULT_OPTIONS, STATUS_WORDS, KernelOptions
+from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
@@ -48,8 +47,5 @@ class DynamicScheduleTransform(PersistentScheduleTransform):
         kernel = build_dynamic_kernel(graph, plan, layout, kernel_name,
                                       self.num_sms * self.options.ctas_per_sm, self.options,
                                       symbolic=variant is not None)
-        state = [relax.TensorType([size], "int32") for size in (
-            layout.size, STATUS_WORDS, *plan.state_sizes().values())]
         constants = [layout.initial, *plan.tables(seeds_at_launch=variant is not None)]
-        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
-                                              variant, profiled=self.options.profile)
+        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, variant)

@@ -14,7 +14,7 @@ from ..graph_func import GraphFunc
 from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
-from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table, timeline_size
+from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -118,25 +118,21 @@ def without_device_funcs(mod: tvm.IRModule) -> tvm.IRModule:
 
 def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGraph,
                                    kernel: tvm.tirx.PrimFunc, constants: Sequence[np.ndarray],
-                                   state: Sequence[relax.TensorType],
-                                   variant: str | None = None,
-                                   profiled: bool = False) -> tvm.IRModule:
+                                   variant: str | None = None) -> tvm.IRModule:
     """Make ``name`` one ``call_tir`` of ``kernel``.
 
-    The kernel takes the function's parameters and ``constants`` (read-only int32 tables) and
-    returns ``state`` (fresh every launch; ``state[1]`` is the watchdog record; with
-    ``profiled``, the task timeline after it) followed by every call's outputs. The function
-    returns its outputs, then the watchdog record, then the timeline if profiled. A plain
-    binding block: the s_tir-only dataflow passes (FuseOps, RewriteDataflowReshape) must not
-    look into TIRx kernels.
+    The kernel takes the function's parameters and ``constants`` (read-only int32 tables);
+    its remaining parameters are what the call returns: its state (fresh every launch, among
+    it the watchdog record ``status`` and, when profiled, the task ``timeline``) and then
+    every call's outputs. The function returns its outputs, then the watchdog record, then
+    the timeline if there is one. A plain binding block: the s_tir-only dataflow passes
+    (FuseOps, RewriteDataflowReshape) must not look into TIRx kernels.
 
     With ``variant``, ``name`` stays and a function of that name is added, keeping the
     symbolic shapes of ``name``'s parameters and outputs (a kernel built for the largest sizes
     it serves, ``graph``'s).
     """
     func = mod[name]
-    if profiled:
-        state = [*state, relax.TensorType([timeline_size(graph)], "int64")]
     bb = relax.BlockBuilder(mod if variant else without(mod, name))
     gv = bb.add_func(kernel, kernel.attrs["global_symbol"])
     fresh = {}
@@ -145,21 +141,22 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
                  for v in relax.analysis.defined_symbolic_vars(func)}
         func = func.bind_symbolic_vars(fresh)
 
-    def shape(t):
-        return [substitute(d, fresh) for d in t.sym_shape] if variant else list(t.shape)
+    def out_type(buf) -> relax.TensorType:
+        return relax.TensorType([int(d) if isinstance(d, tvm.tirx.IntImm) else substitute(d, fresh)
+                                 for d in buf.shape], str(buf.dtype))
 
     params = [relax.Var(p.name, p.ty) for p in func.params] if variant else list(func.params)
+    outs = kernel.params[len(params) + len(constants):]
+    names = [b.name for b in outs]
     produced = [t for t in graph.tensors if t.producer is not None]
+    state = len(outs) - len(produced)  # the kernel's state comes before the calls' outputs
     with bb.function(variant or name, params, attrs=dict(func.attrs) if func.attrs else None):
         args = [*params, *(relax.const(kernel_table(c)) for c in constants)]
-        out_tys = [*state, *(relax.TensorType(shape(t), t.dtype) for t in produced)]
-        result = bb.emit(relax.call_tir(gv, args, out_tys), "result")
+        result = bb.emit(relax.call_tir(gv, args, [out_type(b) for b in outs]), "result")
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
         for k, t in enumerate(produced):
-            value[t.index] = bb.emit(relax.TupleGetItem(result, len(state) + k), t.name)
-        records = [bb.emit(relax.TupleGetItem(result, 1), "status")]
-        if profiled:
-            records.append(bb.emit(relax.TupleGetItem(result, len(state) - 1), "timeline"))
+            value[t.index] = bb.emit(relax.TupleGetItem(result, state + k), t.name)
+        records = [bb.emit(relax.TupleGetItem(result, names.index(r)), r)
+                   for r in ("status", "timeline") if r in names[:state]]
         bb.emit_func_output(relax.Tuple([*(value[t] for t in graph.outputs), *records]))
     return bb.finalize()
-

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 
 import tvm
-from tvm import relax
 
 from ..schedule import DynamicPlan, mixed_schedule
 from ..tir_sched.events import EventLayout
 from ..tir_sched.mixed_kernel import build_mixed_kernel
-from ..tir_sched.persistent import STATUS_WORDS
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
@@ -40,9 +38,6 @@ class MixedScheduleTransform(PersistentScheduleTransform):
         kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout, kernel_name,
                                     self.options, symbolic=variant is not None)
         indptr, tasks = schedule.csr(graph)
-        state = [relax.TensorType([size], "int32") for size in (
-            layout.size, STATUS_WORDS, *plan.state_sizes().values())]
         constants = [indptr, tasks, layout.initial,
                      *plan.tables(seeds_at_launch=variant is not None)]
-        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, state,
-                                              variant, profiled=self.options.profile)
+        return replace_with_persistent_kernel(mod, name, graph, kernel, constants, variant)

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 
 import tvm
-from tvm import relax
 
 from ..tir_sched.events import EventLayout
-from ..tir_sched.persistent import STATUS_WORDS
 from ..tir_sched.static_kernel import build_static_kernel
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
@@ -46,9 +44,6 @@ class StaticScheduleTransform(PersistentScheduleTransform):
         kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
                                      symbolic=variant is not None)
         indptr, tasks = schedule.csr(graph)
-        state = [relax.TensorType([layout.size], "int32"),
-                 relax.TensorType([STATUS_WORDS], "int32")]
         return replace_with_persistent_kernel(mod, name, graph, kernel,
-                                              [indptr, tasks, layout.initial], state, variant,
-                                              profiled=self.options.profile)
+                                              [indptr, tasks, layout.initial], variant)
 
