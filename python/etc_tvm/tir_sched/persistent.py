@@ -114,9 +114,9 @@ class PersistentKernel:
         self.symbolic = symbolic
         self.buffers = [tirx.decl_buffer(t.sym_shape if symbolic else t.shape, t.dtype, t.name)
                         for t in graph.tensors]
-        self.map_vars, self.map_encodes = encode_tensor_maps(
+        map_vars, self.map_encodes = encode_tensor_maps(
             [(c.fn, [self.buffers[t] for t in c.tensor_args()], c.name) for c in self.calls])
-        self.map_vars = dict(zip((c.index for c in self.calls), self.map_vars))
+        self.map_vars = dict(zip((c.index for c in self.calls), map_vars))
         own = [t for t in graph.tensors if self.rank is None or t.rank == self.rank]
         self.inputs = [self.buffers[t.index] for t in own if t.param is not None]
         self.outputs = [self.buffers[t.index] for t in own if t.producer is not None]
