@@ -28,7 +28,7 @@ import torch
 import moe_layer
 from etc_tvm import build
 from etc_tvm.errors import EtcError
-from etc_tvm.tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
+from etc_tvm.tir_sched.persistent import KernelOptions
 from etc_tvm.runtime import cuda_graph
 from etc_tvm.tiles import moe
 from timing import checked_run, time_interleaved
@@ -99,13 +99,13 @@ def relative_error(got, want) -> float:
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            options: KernelOptions = DEFAULT_OPTIONS, bn: int | None = None,
-            engine: str = "mma", stages: int | None = None,
-            experts_per_task: int = 16) -> dict:
+            ctas_per_sm: int | None = None, bn: int | None = None, engine: str = "mma",
+            stages: int | None = None, experts_per_task: int = 16) -> dict:
     """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
     a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
-    64 rows; router tasks of ``experts_per_task`` experts) and of the baselines at
-    ``tokens``, and the errors."""
+    64 rows; router tasks of ``experts_per_task`` experts; ``ctas_per_sm`` persistent CTAs an
+    SM, by default 2 where the tiles run on wgmma, whose ring hand-offs then overlap the other
+    CTA's task, else 1) and of the baselines at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -119,6 +119,9 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         hf_router.copy_(wrt.t())
     runs, row = {}, {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens),
                      "error": {}, "skipped": {}}
+    engine = moe_layer.engine_for(row["tile_rows"], engine)
+    row["ctas_per_sm"] = ctas_per_sm or (2 if engine == "wgmma" else 1)
+    options = KernelOptions(ctas_per_sm=row["ctas_per_sm"])
     libraries = {}
     for label in ours:
         strategy, replay = label.split("+")[0], label.endswith("+graph")
@@ -127,8 +130,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
                 graph = moe_layer.make_moe_layer(
                     tile_rows=row["tile_rows"], bn=bn, stages=stages,
                     experts_per_task=experts_per_task,
-                    engine=moe_layer.engine_for(row["tile_rows"], engine),
-                    ctas_per_sm=options.ctas_per_sm)
+                    engine=engine, ctas_per_sm=options.ctas_per_sm)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -158,9 +160,9 @@ def main() -> None:
     parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
                         help="our variants to run (the baselines always run)")
     parser.add_argument("--ctas-per-sm", type=int,
-                        help="persistent CTAs per SM of the megakernels (default: 2 with the "
-                        "wgmma engine, whose hand-offs then overlap the other CTA's task; 1 "
-                        "with mma)")
+                        help="persistent CTAs per SM of the megakernels (default: 2 for rows "
+                        "whose tiles run on wgmma, whose hand-offs then overlap the other "
+                        "CTA's task; 1 on mma)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
@@ -176,13 +178,11 @@ def main() -> None:
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
     hf = hf_block(*weights["torch"])
     labels = args.ours + THEIRS
-    options = KernelOptions(ctas_per_sm=args.ctas_per_sm
-                            or (2 if args.engine == "wgmma" else 1))
     print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps, args.ours, options, args.bn,
+        r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm, args.bn,
                     args.engine, args.stages, args.experts_per_task)
         rows.append(r)
         us = r["us"]
@@ -191,7 +191,8 @@ def main() -> None:
                   for a, b in (("HF+graph", "dynamic"), ("barrier", "dynamic"))]
         print(f"{tokens:>6} {cells} {' '.join(ratios)}", flush=True)
         errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
-        print(f"        {r['tile_rows']}-row expert tiles; errors: {errors}"
+        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM; "
+              f"errors: {errors}"
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
               flush=True)
     with open(args.json, "w") as f:
