@@ -14,7 +14,8 @@ from ..graph_func import GraphFunc
 from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
-from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table
+from ..tir_sched.persistent import (DEFAULT_OPTIONS, WORKSPACE, WORKSPACE_ATTR, KernelOptions,
+                                    kernel_table, returned_tensors)
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -122,10 +123,11 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
     """Make ``name`` one ``call_tir`` of ``kernel``.
 
     The kernel takes the function's parameters and ``constants`` (read-only int32 tables);
-    its remaining parameters are what the call returns: its state (fresh every launch, among
-    it the watchdog record ``status`` and, when profiled, the task ``timeline``) and then
-    every call's outputs. The function returns its outputs, then the watchdog record, then
-    the timeline if there is one. A plain binding block: the s_tir-only dataflow passes
+    its remaining parameters are what the call returns: its state (fresh every launch: the
+    watchdog record ``status``, when profiled the task ``timeline``, and the ``Workspace``
+    that holds the counters and the internal tensors) and then the ``returned_tensors``. The
+    function returns its outputs, then the watchdog record, then the timeline if there is
+    one. A plain binding block: the s_tir-only dataflow passes
     (FuseOps, RewriteDataflowReshape) must not look into TIRx kernels.
 
     With ``variant``, ``name`` stays and a function of that name is added, keeping the
@@ -142,13 +144,14 @@ def replace_with_persistent_kernel(mod: tvm.IRModule, name: str, graph: TaskGrap
         func = func.bind_symbolic_vars(fresh)
 
     def out_type(buf) -> relax.TensorType:
+        shape = [kernel.attrs[WORKSPACE_ATTR]] if buf.name == WORKSPACE else buf.shape
         return relax.TensorType([int(d) if isinstance(d, tvm.tirx.IntImm) else substitute(d, fresh)
-                                 for d in buf.shape], str(buf.dtype))
+                                 for d in shape], str(buf.dtype))
 
     params = [relax.Var(p.name, p.ty) for p in func.params] if variant else list(func.params)
     outs = kernel.params[len(params) + len(constants):]
     names = [b.name for b in outs]
-    produced = [t for t in graph.tensors if t.producer is not None]
+    produced = returned_tensors(graph)
     state = len(outs) - len(produced)  # the kernel's state comes before the calls' outputs
     with bb.function(variant or name, params, attrs=dict(func.attrs) if func.attrs else None):
         args = [*params, *(relax.const(kernel_table(c)) for c in constants)]

@@ -72,7 +72,7 @@ class ReadyRing:
         self.triggered = plan.triggered
         n = max(1, self.graph.num_tasks)
         shapes = plan.state_sizes()
-        self.work = {k: tirx.decl_buffer((m,), "int32", k) for k, m in shapes.items()}
+        self.work = {k: kernel.state_buffer(k, m) for k, m in shapes.items()}
         self.initial = {k: tirx.decl_buffer((shapes[k],), "int32", f"{k}0")
                         for k in ("pending", "ring", "head_tail")}
         self.pending, self.ring = self.work["pending"], self.work["ring"]
@@ -437,13 +437,12 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
     task = tirx.Var("t", "int32")
     dispatch = kernel.dispatch(task)
-    tx, status = kernel.tx, kernel.status
+    tx = kernel.tx
 
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
-                                     kernel.counters, status, *ring.outputs,
-                                     *kernel.profile_outputs, *kernel.outputs],
+                                     *kernel.returned(ring.outputs)],
                               num_ctas, shared=(slot, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, num_ctas)

@@ -64,8 +64,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
-                                     *ring.inputs, kernel.counters, status, *ring.outputs,
-                                     *kernel.profile_outputs, *kernel.outputs],
+                                     *ring.inputs, *kernel.returned(ring.outputs)],
                               schedule.num_ctas, shared=(taken, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx, schedule.num_ctas)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tvm
 from tvm import tirx
 from tvm.tirx import buffer_data
 from tvm.backend.cuda import op as cuda_op
@@ -50,6 +51,63 @@ def kernel_table(values) -> np.ndarray:
     element, for a kernel argument cannot be empty (the kernel declares ``max(1, n)``)."""
     values = np.asarray(values, np.int32)
     return values if values.size else np.zeros(1, np.int32)
+
+
+WORKSPACE = "workspace"  # the kernel parameter's name
+WORKSPACE_ATTR = "etc.workspace_bytes"  # the kernel attribute of its size
+
+
+class Workspace:
+    """One global buffer of a kernel's working tensors: its internal tensors (what a call
+    writes and later calls read, the graph function not returning it) and its per-launch
+    state, each a view at an aligned offset. The call then allocates one buffer where it
+    allocated one per tensor, and each Relax VM allocation costs the host time (about 0.6 us,
+    timed on the CPU).
+
+    The parameter's length is a variable the launch binds; ``size`` (an expression of the
+    graph's symbolic dims where it has them) is what the call allocates, recorded in the
+    kernel's attribute ``WORKSPACE_ATTR``."""
+
+    ALIGN = 256  # bytes: what cudaMalloc promises, so a tile's vector loads stay aligned
+
+    def __init__(self):
+        self.param = tirx.decl_buffer((tirx.Var(f"{WORKSPACE}_bytes", "int64"),), "uint8",
+                                      WORKSPACE)
+        self.size = tirx.IntImm("int64", 0)
+        self.views = []
+
+    def carve(self, name: str, shape, dtype: str) -> tirx.Buffer:
+        """A fresh ``shape`` x ``dtype`` view of the workspace, after the previous ones."""
+        itemsize = tvm.DataType(dtype).bits // 8
+        elems = tirx.IntImm("int64", 1)
+        for d in shape:
+            elems = elems * d
+        # named as TVM names a parameter's pointer, so that the CUDA reads alike for both
+        view = tirx.decl_buffer(shape, dtype, f"{name}_ptr")
+        self.views.append((view, self.size))
+        self.size = tirx.floordiv(self.size + elems * itemsize + self.ALIGN - 1,
+                                  self.ALIGN) * self.ALIGN
+        return view
+
+    def declarations(self) -> list:
+        """The views, each bound to its bytes of the parameter (a pointer of its own)."""
+        return [tirx.DeclBuffer(v, data=self.param.ptr_to([offset])) for v, offset in self.views]
+
+
+def returned_tensors(graph: TaskGraph, rank: int | None = None) -> list:
+    """The tensors a persistent kernel's call returns, in graph order: those its calls
+    produce that the graph function returns, or that a tile loads through a tensor map (the
+    host encodes the map from the tensor's own address); for one ``rank`` of several, every
+    tensor the rank produces. The others are views of the kernel's ``Workspace``."""
+    own = [t for t in graph.tensors if t.producer is not None
+           and (rank is None or t.rank == rank)]
+    if rank is not None:
+        return own
+    keep = set(graph.outputs)
+    for call in graph.calls:
+        by_name = dict(zip((p.name for p in call.fn.buffer_params), call.tensor_args()))
+        keep.update(by_name[m.param] for m in call.fn.tensor_maps)
+    return [t for t in own if t.index in keep]
 
 
 def timeline_size(graph: TaskGraph) -> int:
@@ -112,16 +170,25 @@ class PersistentKernel:
         self.tx = self.scopes.tx
         self.source = runtime_source(ranks=self.rank is not None)
         self.symbolic = symbolic
-        self.buffers = [tirx.decl_buffer(t.sym_shape if symbolic else t.shape, t.dtype, t.name)
-                        for t in graph.tensors]
+        # one kernel of several ranks keeps every buffer where build_rank puts it
+        self.workspace = Workspace() if self.rank is None else None
+        returned = {t.index for t in returned_tensors(graph, self.rank)}
+
+        def buffer(t):
+            shape = t.sym_shape if symbolic else t.shape
+            if self.workspace is None or t.producer is None or t.index in returned:
+                return tirx.decl_buffer(shape, t.dtype, t.name)
+            return self.workspace.carve(t.name, shape, t.dtype)
+
+        self.buffers = [buffer(t) for t in graph.tensors]
         map_vars, self.map_encodes = encode_tensor_maps(
             [(c.fn, [self.buffers[t] for t in c.tensor_args()], c.name) for c in self.calls])
         self.map_vars = dict(zip((c.index for c in self.calls), map_vars))
         own = [t for t in graph.tensors if self.rank is None or t.rank == self.rank]
         self.inputs = [self.buffers[t.index] for t in own if t.param is not None]
-        self.outputs = [self.buffers[t.index] for t in own if t.producer is not None]
+        self.outputs = [self.buffers[t.index] for t in returned_tensors(graph, self.rank)]
         self.initial = tirx.decl_buffer((layout.size,), "int32", "initial")
-        self.counters = tirx.decl_buffer((layout.size,), "int32", "counters")
+        self.counters = self.state_buffer("counters", layout.size)
         self.status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
         self.timeline = tirx.decl_buffer((timeline_size(graph),), "int64", "timeline") \
             if options.profile else None
@@ -142,10 +209,22 @@ class PersistentKernel:
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
-    @property
-    def profile_outputs(self) -> list:
-        """The timeline buffer when profiling (the last state output, before the calls')."""
-        return [] if self.timeline is None else [self.timeline]
+    def state_buffer(self, name: str, size: int) -> tirx.Buffer:
+        """An int32 buffer of per-launch state (the kernel sets it before any task runs): a
+        view of the workspace, or with ranks a parameter of its own."""
+        if self.workspace is None:
+            return tirx.decl_buffer((size,), "int32", name)
+        return self.workspace.carve(name, (size,), "int32")
+
+    def returned(self, state=()) -> list:
+        """The kernel's parameters after its read-only tables, which its call returns: the
+        watchdog record, the timeline when profiling, the workspace, then the calls' returned
+        outputs. With ranks: the counters, the watchdog record, ``state`` (buffers of
+        ``state_buffer``), the timeline, the outputs."""
+        timeline = [] if self.timeline is None else [self.timeline]
+        if self.workspace is None:
+            return [self.counters, self.status, *state, *timeline, *self.outputs]
+        return [self.status, *timeline, self.workspace.param, *self.outputs]
 
     def runtime_call(self, name: str, *args, return_type="void"):
         """A call of a function of the device runtime (src/etc_runtime.cuh)."""
@@ -156,8 +235,11 @@ class PersistentKernel:
         ``params`` in order, its device entry for ``num_ctas`` CTAs, its scopes and the
         ``shared`` buffers, then the prologue (``initialise`` with ``state``); returns ``bx``."""
         Tb.func_name(name)
-        Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True,
-                      "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
+        attrs = {"global_symbol": name, "tirx.is_scheduled": True,
+                 "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]}
+        if self.workspace is not None:
+            attrs[WORKSPACE_ATTR] = tirx.max(self.workspace.size, 1)  # never an empty argument
+        Tb.func_attr(attrs)
         for b in params:
             Tb.arg(b.name, b)
         for stmt in self.map_encodes:  # host: the tensor maps of the tiles' TMA loads
@@ -175,6 +257,9 @@ class PersistentKernel:
         and the arena."""
         for d in self.scopes.defs:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+        if self.workspace is not None:
+            for stmt in self.workspace.declarations():
+                Tb.add_to_parent(stmt)
         for buf in (self.stop, self.skip, self.hooks, self.halt):
             Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:

@@ -55,8 +55,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
-                                     kernel.counters, kernel.status, *kernel.profile_outputs,
-                                     *kernel.outputs],
+                                     *kernel.returned()],
                               schedule.num_ctas)
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
