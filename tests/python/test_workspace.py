@@ -2,12 +2,14 @@
 views of one buffer, so the call allocates the watchdog record, the workspace and what the
 graph function returns, where it allocated every tensor and state buffer."""
 import pytest
+import tvm
 from tvm import relax
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.relax_passes import DynamicScheduleTransform, StaticScheduleTransform
 from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tir_sched.inline import substitute
 from etc_tvm.tir_sched.persistent import Workspace, returned_tensors
 
 import graphs
@@ -42,6 +44,23 @@ def test_a_call_returns_the_record_one_workspace_and_its_outputs(transform, stat
     outs = call_outputs(transform, graphs.gemm_reduce_scatter, {"M": 64, "K": 32, "N": 48})
     assert outs == [("int32", [8]), ("uint8", [64 * 48 * 4 + state * 256]),
                     ("float32", [64, 48])]
+
+
+def test_a_sampled_kernel_sizes_its_workspace_from_the_call_shapes():
+    """A kernel for every size up to a sample: its call allocates a workspace sized by the
+    function's own symbolic dims (C is M x N fp32, then the counters), not the sample's."""
+    mod = StaticScheduleTransform(num_sms=8, samples=[{"M": 64, "K": 32, "N": 48}])(
+        graphs.gemm_reduce_scatter.mod)
+    func = mod["gemm_reduce_scatter__sample0"]
+    (call,) = [b.value for blk in func.body.blocks for b in blk.bindings
+               if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"]
+    (size,) = call.ty_args[0].fields[1].shape.values
+    dims = {v.name: v for v in relax.analysis.defined_symbolic_vars(func)}
+    analyzer = tvm.sym.Analyzer()
+    for m, n in ((16, 48), (64, 40)):
+        value = analyzer.simplify(substitute(size, {
+            dims["M"]: tvm.tirx.IntImm("int64", m), dims["N"]: tvm.tirx.IntImm("int64", n)}))
+        assert int(value) == -(-m * n * 4 // 256) * 256 + 256
 
 
 @graph_func
