@@ -100,7 +100,8 @@ def relative_error(got, want) -> float:
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             ctas_per_sm: int | None = None, bn: int | None = None, engine: str = "mma",
-            stages: int | None = None, experts_per_task: int = 16) -> dict:
+            stages: int | None = None, experts_per_task: int = 16,
+            blocked_weights: bool = False) -> dict:
     """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
     a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
     64 rows; router tasks of ``experts_per_task`` experts; ``ctas_per_sm`` persistent CTAs an
@@ -109,7 +110,13 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
-    inputs = (x, w_router, *weights["ours"])
+    row = {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens), "error": {},
+           "skipped": {}, "blocked_weights": blocked_weights}
+    expert_weights = weights["ours"]
+    if blocked_weights:
+        expert_weights = moe_layer.blocked_expert_weights(
+            *expert_weights, bn or moe_layer.default_bn(row["tile_rows"]))
+    inputs = (x, w_router, *expert_weights)
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(a, dev) for a in inputs]
     xt, wrt = on_gpu(x), on_gpu(w_router)
@@ -117,8 +124,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     hf_run, hf_router = hf
     with torch.no_grad():
         hf_router.copy_(wrt.t())
-    runs, row = {}, {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens),
-                     "error": {}, "skipped": {}}
+    runs = {}
     engine = moe_layer.engine_for(row["tile_rows"], engine)
     row["ctas_per_sm"] = ctas_per_sm or (2 if engine == "wgmma" else 1)
     options = KernelOptions(ctas_per_sm=row["ctas_per_sm"])
@@ -129,8 +135,8 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             if strategy not in libraries:
                 graph = moe_layer.make_moe_layer(
                     tile_rows=row["tile_rows"], bn=bn, stages=stages,
-                    experts_per_task=experts_per_task,
-                    engine=engine, ctas_per_sm=options.ctas_per_sm)
+                    experts_per_task=experts_per_task, engine=engine,
+                    ctas_per_sm=options.ctas_per_sm, blocked_weights=blocked_weights)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -171,6 +177,9 @@ def main() -> None:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
+    parser.add_argument("--blocked-weights", action="store_true",
+                        help="expert weights laid out as moe.block_columns (each task's slab "
+                        "contiguous)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -183,7 +192,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm, args.bn,
-                    args.engine, args.stages, args.experts_per_task)
+                    args.engine, args.stages, args.experts_per_task, args.blocked_weights)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
@@ -191,7 +200,8 @@ def main() -> None:
                   for a, b in (("HF+graph", "dynamic"), ("barrier", "dynamic"))]
         print(f"{tokens:>6} {cells} {' '.join(ratios)}", flush=True)
         errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
-        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM; "
+        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM"
+              f"{', blocked weights' if r['blocked_weights'] else ''}; "
               f"errors: {errors}"
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
               flush=True)

@@ -37,7 +37,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    experts_per_task: int = 16,
                    bn: int | None = None, bk: int = 64, stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
-                   ctas_per_sm: int = 1):
+                   ctas_per_sm: int = 1, blocked_weights: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -52,9 +52,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
-    multiples)."""
+    multiples). ``blocked_weights``: the layer takes both expert weights as
+    ``moe.block_columns`` of ``bn`` lays them out (``blocked_expert_weights``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
-    bn = bn or (64 if BT <= 16 else 128)
+    bn = bn or default_bn(BT)
     wgmma = engine == "wgmma"
     stages = stages or gemm.deepest_stages(
         BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else None,
@@ -66,16 +67,19 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads)
     topk_tile = moe.make_topk_tile(E, K, block_tokens, threads)
     align = moe.make_align_tile(E, K, BT, threads)
-    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages, engine)
-    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages, engine)
+    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages, engine,
+                                    blocked_weights)
+    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages, engine, blocked_weights)
+    gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
+    down_shape = moe.grouped_weight_shape(E, F, H, bn, blocked_weights)
     combine = moe.make_combine_tile(H, K, combine_cols, threads)
     nb1, nb2, nc = 2 * F // bn, H // bn, H // combine_cols
     per_block = combine_cols // bn  # down column blocks per combine column block
 
     @graph_func
     def moe_layer(x: Tensor(("T", H), "bfloat16"), w_router: Tensor((H, E), "bfloat16"),
-                  w_gate_up: Tensor((E, H, 2 * F), "bfloat16"),
-                  w_down: Tensor((E, F, H), "bfloat16")):
+                  w_gate_up: Tensor(gate_up_shape, "bfloat16"),
+                  w_down: Tensor(down_shape, "bfloat16")):
         tokens = x.shape[0]
         tiles = max_tiles(tokens, E, K, BT)
         blocks = ceil_div(tokens, block_tokens)
@@ -114,6 +118,17 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                            in_edges={y_ready: "tc->pair_tile[t,:], c"})
 
     return moe_layer
+
+
+def default_bn(tile_rows: int) -> int:
+    """The grouped GEMM tasks' columns when ``make_moe_layer`` is given none."""
+    return 64 if tile_rows <= 16 else 128
+
+
+def blocked_expert_weights(w_gate_up, w_down, bn: int):
+    """The layer's expert weights for ``make_moe_layer(blocked_weights=True)`` with tasks of
+    ``bn`` columns (done once, when the weights are loaded)."""
+    return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, bn)
 
 
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:

@@ -421,6 +421,35 @@ def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
                           axis=3).reshape(E, H, 2 * F)
 
 
+def block_columns(w: np.ndarray, bn: int) -> np.ndarray:
+    """(E, K, N) expert weights -> (E, N/bn, K, bn): the K x bn slab that a grouped-GEMM task
+    of ``bn`` columns streams lies contiguous (``blocked`` tiles), so each ring stage reads
+    whole DRAM pages instead of one ``2 * bn``-byte run per weight row."""
+    E, K, N = w.shape
+    if N % bn:
+        raise EtcError(f"block_columns: {N} columns are no multiple of bn={bn}")
+    return np.ascontiguousarray(w.reshape(E, K, N // bn, bn).transpose(0, 2, 1, 3))
+
+
+def unblock_columns(w: np.ndarray) -> np.ndarray:
+    """The inverse of ``block_columns``."""
+    E, NB, K, bn = w.shape
+    return np.ascontiguousarray(w.transpose(0, 2, 1, 3).reshape(E, K, NB * bn))
+
+
+def grouped_weight_shape(experts: int, k: int, n: int, bn: int, blocked: bool) -> tuple:
+    """A grouped GEMM's (experts, K, N) weights as the tile reads them: in place, or as
+    ``block_columns`` lays them out."""
+    return (experts, n // bn, k, bn) if blocked else (experts, k, n)
+
+
+def _weight_src(w, e, n, bn: int, blocked: bool):
+    """``b_src(k, c)`` of expert ``e``'s column block ``n`` in weights of ``_weight_shape``."""
+    if blocked:
+        return lambda k, c: w.ptr_to([e, n, k, c])
+    return lambda k, c: w.ptr_to([e, k, n * bn + c])
+
+
 def split_gate_up(w_gate_up: np.ndarray):
     """The inverse of ``interleave_gate_up``: (w_gate, w_up)."""
     E, H, F2 = w_gate_up.shape
@@ -459,11 +488,12 @@ def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
 @functools.cache
 def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
                       bn: int = 64, bk: int = 64, threads: int = 128,
-                      stages: int = 2, engine: str = "mma") -> DeviceFunc:
+                      stages: int = 2, engine: str = "mma", blocked: bool = False) -> DeviceFunc:
     """The tile ``gate_up_<H>x<F>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes h columns
     n*bn/2 .. (n+1)*bn/2 of tile g's rows from x rows gathered by sorted_token and the
-    interleaved (E, H, 2F) weights; ``exp_indptr`` is read by the in-edge's trigger only.
-    ``engine``: "mma" or "wgmma" (``_engine``)."""
+    interleaved (E, H, 2F) weights (``blocked``: as ``block_columns`` lays them out);
+    ``exp_indptr`` is read by the in-edge's trigger only. ``engine``: "mma" or "wgmma"
+    (``_engine``)."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
@@ -473,7 +503,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 
     @T.prim_func
     def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-                w_gate_up: T.Buffer((E, H, 2 * F), "bfloat16"),
+                w_gate_up: T.Buffer(grouped_weight_shape(E, H, 2 * F, bn, blocked), "bfloat16"),
                 sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
                 exp_indptr: T.Buffer((E + 1,), "int32"), h: T.Buffer((rows, F), "bfloat16")):
         T.device_entry()
@@ -486,7 +516,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             mma = new_tile(tx, warp, lane)
             # padding rows (token -1) load token 0's row; their h rows are never read
             mma.run(lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
-                    lambda k, c: w_gate_up.ptr_to([e, k, n * bn + c]), H // bk)
+                    _weight_src(w_gate_up, e, n, bn, blocked), H // bk)
             for m in T.unroll(mma.mi):
                 for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
                     for hh in T.unroll(2):
@@ -498,7 +528,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                                   "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
                                   * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
-    name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}"
+    name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
+        "_blocked" if blocked else "")
     tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk)
 
     @tile.set_reference
@@ -508,7 +539,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             return
         rows_ = slice(g * BT, (g + 1) * BT)
         a = x[np.maximum(sorted_token[rows_], 0)].astype(np.float32)
-        both = a @ w_gate_up[e][:, n * bn:(n + 1) * bn].astype(np.float32)
+        slab = w_gate_up[e, n] if blocked else w_gate_up[e][:, n * bn:(n + 1) * bn]
+        both = a @ slab.astype(np.float32)
         pairs = both.reshape(BT, bn // (2 * INTERLEAVE), 2, INTERLEAVE)
         value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]
         h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(BT, bn // 2).astype(h.dtype)
@@ -519,9 +551,10 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 @functools.cache
 def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
                    bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2,
-                   engine: str = "mma") -> DeviceFunc:
+                   engine: str = "mma", blocked: bool = False) -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
-    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32 (``engine`` as gate_up's)."""
+    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32 (``engine`` and
+    ``blocked`` as gate_up's)."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     if F % bk or H % bn:
@@ -530,7 +563,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
 
     @T.prim_func
     def down(g: T.int32, n: T.int32, h: T.Buffer((rows, F), "bfloat16"),
-             w_down: T.Buffer((E, F, H), "bfloat16"), tile_expert: T.Buffer((tiles,), "int32"),
+             w_down: T.Buffer(grouped_weight_shape(E, F, H, bn, blocked), "bfloat16"),
+             tile_expert: T.Buffer((tiles,), "int32"),
              exp_indptr: T.Buffer((E + 1,), "int32"), y: T.Buffer((rows, H), "float32")):
         T.device_entry()
         tx = T.thread_id([threads])
@@ -541,10 +575,11 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         if e < E:
             mma = new_tile(tx, warp, lane)
             mma.run(lambda r, k: h.ptr_to([g * BT + r, k]),
-                    lambda k, c: w_down.ptr_to([e, k, n * bn + c]), F // bk)
+                    _weight_src(w_down, e, n, bn, blocked), F // bk)
             mma.store(y, g * BT, n * bn)
 
-    name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}"
+    name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
+        "_blocked" if blocked else "")
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
 
     @tile.set_reference
@@ -553,7 +588,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         if e >= E:
             return
         rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
-        y[rows_, cols] = h[rows_].astype(np.float32) @ w_down[e][:, cols].astype(np.float32)
+        slab = w_down[e, n] if blocked else w_down[e][:, cols]
+        y[rows_, cols] = h[rows_].astype(np.float32) @ slab.astype(np.float32)
 
     return tile
 
