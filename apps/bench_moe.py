@@ -101,12 +101,13 @@ def relative_error(got, want) -> float:
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             ctas_per_sm: int | None = None, bn: int | None = None, engine: str = "mma",
             stages: int | None = None, experts_per_task: int = 16,
-            blocked_weights: bool = False) -> dict:
+            blocked_weights: bool = True) -> dict:
     """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
     a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
     64 rows; router tasks of ``experts_per_task`` experts; ``ctas_per_sm`` persistent CTAs an
     SM, by default 2 where the tiles run on wgmma, whose ring hand-offs then overlap the other
-    CTA's task, else 1) and of the baselines at ``tokens``, and the errors."""
+    CTA's task, else 1; expert weights ``blocked_weights`` or in place) and of the baselines
+    at ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -177,9 +178,9 @@ def main() -> None:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
-    parser.add_argument("--blocked-weights", action="store_true",
-                        help="expert weights laid out as moe.block_columns (each task's slab "
-                        "contiguous)")
+    parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
+                        help="our expert weights' layout: moe.block_columns (each task's slab "
+                        "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
@@ -192,7 +193,8 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm, args.bn,
-                    args.engine, args.stages, args.experts_per_task, args.blocked_weights)
+                    args.engine, args.stages, args.experts_per_task,
+                    args.weights == "blocked")
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)

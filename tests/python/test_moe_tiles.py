@@ -166,6 +166,29 @@ def test_interleaved_weights_split_back():
         np.testing.assert_array_equal(got, want)
 
 
+def test_blocked_columns_round_trip():
+    w = np.arange(2 * 3 * 8).reshape(2, 3, 8)
+    blocked = moe.block_columns(w, 4)
+    assert blocked.shape == (2, 2, 3, 4)
+    np.testing.assert_array_equal(blocked[:, 1], w[:, :, 4:])
+    np.testing.assert_array_equal(moe.unblock_columns(blocked), w)
+    with pytest.raises(EtcError, match="8 columns are no multiple of bn=3"):
+        moe.block_columns(w, 3)
+
+
+@pytest.mark.parametrize("tile_rows, engine", [(16, "mma"), (64, "wgmma")])
+def test_blocked_weight_layer_is_the_same_layer(tile_rows, engine, rng):
+    """Blocked weights change where the tiles read, not what they compute: both layers give
+    the same bits."""
+    x, w_router, w_gate_up, w_down = make_inputs(rng, 9, H, E, F)
+    layers = [make_moe_layer(H, E, K, F, tile_rows=tile_rows, combine_cols=128, engine=engine,
+                             blocked_weights=blocked) for blocked in (False, True)]
+    blocked = moe_layer.blocked_expert_weights(w_gate_up, w_down,
+                                               moe_layer.default_bn(tile_rows))
+    np.testing.assert_array_equal(execute(layers[1], x, w_router, *blocked),
+                                  execute(layers[0], x, w_router, w_gate_up, w_down))
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, routing, rng):
@@ -327,6 +350,15 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_blocked_weight_layer_compiles_for_sm90a(tmp_path):
+    graph = make_moe_layer(blocked_weights=True)
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 16}).calls}
+    assert {"gate_up_2048x768_e128_16x64x64_s8_t128_blocked",
+            "down_768x2048_e128_16x64x64_s8_t128_blocked"} <= names, names
+    build_cubin(build(graph, {"T": 16}, strategy="dynamic", num_sms=132).cuda_source(),
+                tmp_path, allow_spills=True)
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])

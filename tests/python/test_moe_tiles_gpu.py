@@ -145,6 +145,16 @@ def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64):
     assert_within(run(*inputs), want, bound)
 
 
+@pytest.mark.parametrize("tokens, tile_rows, engine", [(16, 16, "mma"), (512, 64, "wgmma")])
+def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_weights,
+                                         expert_weights_f64):
+    graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine=engine, blocked_weights=True)
+    run = build(graph, {"T": tokens}, strategy="dynamic")
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, moe_layer.default_bn(tile_rows))
+    check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, "random", rng,
+                expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_wgmma_layer_megakernel(strategy, rng, expert_weights, expert_weights_f64):
     """64-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them."""
