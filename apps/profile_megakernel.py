@@ -35,6 +35,8 @@ def main() -> None:
                         help="the MoE layer's grouped-GEMM engine where its tiles have 64 rows")
     parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "
                         "(default: make_moe_layer's)")
+    parser.add_argument("--moe-weights", choices=("blocked", "in-place"), default="blocked",
+                        help="the MoE expert weights' layout (as apps/bench_moe.py)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share)")
     parser.add_argument("--out", default="timelines")
@@ -56,13 +58,17 @@ def main() -> None:
                                             [x, w1, w2])
     if "moe" in args.graphs:
         experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
+        blocked = args.moe_weights == "blocked"
         for tokens in args.moe_tokens:
             rows = moe_layer.tile_rows_for(tokens)
-            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=args.moe_bn,
+            bn = args.moe_bn or moe_layer.default_bn(rows)
+            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=bn,
                                              engine=moe_layer.engine_for(rows, args.moe_engine),
-                                             ctas_per_sm=args.ctas_per_sm)
+                                             ctas_per_sm=args.ctas_per_sm,
+                                             blocked_weights=blocked)
+            weights = moe_layer.blocked_expert_weights(*experts, bn) if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
-                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *experts])
+                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])
     for name, (graph, dims, inputs) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy,

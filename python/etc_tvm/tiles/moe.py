@@ -43,8 +43,9 @@ Choices, and why:
   most experts get 1-8 pairs, and padding stays below one m16 block per expert.
 - Expert weights are read in place, (E, K, N), or blocked by task columns (``block_columns``:
   (E, N/bn, K, bn)), so that a task's K x bn slab is one contiguous run and each ring stage
-  reads whole DRAM pages; at 1024 tokens on the H200 the layer's dynamic megakernel went from
-  683 to 646 us with it, and one token took the same time either way.
+  reads whole DRAM pages; at 1024 tokens on the H200 the layer's barrier megakernel went from
+  683 to 646 us with it and the dynamic one from 757 to 721, and one token took the same
+  time either way.
 - SiLU-and-multiply is fused in gate_up's epilogue: the gate and up weights are interleaved in
   blocks of 8 columns (``interleave_gate_up``), so accumulator blocks 2q and 2q+1 of a thread
   hold gate and up of the same h column; h is written once, in bf16, with no fp32 (rows, 2F)
