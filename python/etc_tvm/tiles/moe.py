@@ -449,7 +449,8 @@ def grouped_weight_shape(experts: int, k: int, n: int, bn: int, blocked: bool) -
 
 
 def _weight_src(w, e, n, bn: int, blocked: bool):
-    """``b_src(k, c)`` of expert ``e``'s column block ``n`` in weights of ``_weight_shape``."""
+    """``b_src(k, c)`` of expert ``e``'s column block ``n`` in weights of
+    ``grouped_weight_shape``."""
     if blocked:
         return lambda k, c: w.ptr_to([e, n, k, c])
     return lambda k, c: w.ptr_to([e, k, n * bn + c])
