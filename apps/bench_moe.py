@@ -99,15 +99,14 @@ def relative_error(got, want) -> float:
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            ctas_per_sm: int | None = None, bn: int | None = None, engine: str = "mma",
-            stages: int | None = None, experts_per_task: int = 16,
-            blocked_weights: bool = True) -> dict:
-    """One row: us per call of each of ``ours`` (grouped GEMM tasks ``bn`` columns wide with
-    a ``stages``-deep ring, by default the layer's choices, on ``engine`` where the tiles have
-    64 rows; router tasks of ``experts_per_task`` experts; ``ctas_per_sm`` persistent CTAs an
-    SM, by default 2 where the tiles run on wgmma, whose ring hand-offs then overlap the other
-    CTA's task, else 1; expert weights ``blocked_weights`` or in place) and of the baselines
-    at ``tokens``, and the errors."""
+            ctas_per_sm: int | None = None, engine: str = "mma", blocked_weights: bool = True,
+            **layer) -> dict:
+    """One row: us per call of each of ``ours`` (the grouped GEMMs on ``engine`` where their
+    tiles have 64 rows; ``ctas_per_sm`` persistent CTAs an SM, by default 2 where the tiles
+    run on wgmma, whose ring hand-offs then overlap the other CTA's task, else 1; expert
+    weights ``blocked_weights`` or in place; ``layer``: more of ``make_moe_layer``'s options,
+    such as bn, stages, experts_per_task and block_tokens) and of the baselines at
+    ``tokens``, and the errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -116,7 +115,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     expert_weights = weights["ours"]
     if blocked_weights:
         expert_weights = moe_layer.blocked_expert_weights(
-            *expert_weights, bn or moe_layer.default_bn(row["tile_rows"]))
+            *expert_weights, layer.get("bn") or moe_layer.default_bn(row["tile_rows"]))
     inputs = (x, w_router, *expert_weights)
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(a, dev) for a in inputs]
@@ -135,9 +134,8 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         try:
             if strategy not in libraries:
                 graph = moe_layer.make_moe_layer(
-                    tile_rows=row["tile_rows"], bn=bn, stages=stages,
-                    experts_per_task=experts_per_task, engine=engine,
-                    ctas_per_sm=options.ctas_per_sm, blocked_weights=blocked_weights)
+                    tile_rows=row["tile_rows"], engine=engine, ctas_per_sm=options.ctas_per_sm,
+                    blocked_weights=blocked_weights, **layer)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why
@@ -178,6 +176,8 @@ def main() -> None:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
+    parser.add_argument("--block-tokens", type=int, default=8,
+                        help="tokens a router and a top-k task take")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
@@ -192,9 +192,9 @@ def main() -> None:
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm, args.bn,
-                    args.engine, args.stages, args.experts_per_task,
-                    args.weights == "blocked")
+        r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm,
+                    args.engine, args.weights == "blocked", bn=args.bn, stages=args.stages,
+                    experts_per_task=args.experts_per_task, block_tokens=args.block_tokens)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
