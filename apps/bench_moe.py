@@ -113,9 +113,11 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     row = {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens), "error": {},
            "skipped": {}, "blocked_weights": blocked_weights}
     expert_weights = weights["ours"]
-    if blocked_weights:
-        expert_weights = moe_layer.blocked_expert_weights(
-            *expert_weights, layer.get("bn") or moe_layer.default_bn(row["tile_rows"]))
+    if blocked_weights:  # laid out once for each task width the rows take
+        key = ("blocked", row["tile_rows"], layer.get("bn"))
+        if key not in weights:
+            weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
+        expert_weights = weights[key]
     inputs = (x, w_router, *expert_weights)
     dev = tvm.cuda(0)
     on_device = [tvm.runtime.tensor(a, dev) for a in inputs]

@@ -125,9 +125,11 @@ def default_bn(tile_rows: int) -> int:
     return 64 if tile_rows <= 16 else 128
 
 
-def blocked_expert_weights(w_gate_up, w_down, bn: int):
-    """The layer's expert weights for ``make_moe_layer(blocked_weights=True)`` with tasks of
-    ``bn`` columns (done once, when the weights are loaded)."""
+def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = None):
+    """The layer's expert weights for ``make_moe_layer(blocked_weights=True)`` with tiles of
+    ``tile_rows`` and tasks of ``bn`` columns (by default the layer's, ``default_bn``): done
+    once, when the weights are loaded."""
+    bn = bn or default_bn(tile_rows)
     return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, bn)
 
 

@@ -61,12 +61,12 @@ def main() -> None:
         blocked = args.moe_weights == "blocked"
         for tokens in args.moe_tokens:
             rows = moe_layer.tile_rows_for(tokens)
-            bn = args.moe_bn or moe_layer.default_bn(rows)
-            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=bn,
+            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=args.moe_bn,
                                              engine=moe_layer.engine_for(rows, args.moe_engine),
                                              ctas_per_sm=args.ctas_per_sm,
                                              blocked_weights=blocked)
-            weights = moe_layer.blocked_expert_weights(*experts, bn) if blocked else experts
+            weights = moe_layer.blocked_expert_weights(*experts, rows, args.moe_bn) \
+                if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])
     for name, (graph, dims, inputs) in cases.items():

@@ -183,8 +183,7 @@ def test_blocked_weight_layer_is_the_same_layer(tile_rows, engine, rng):
     x, w_router, w_gate_up, w_down = make_inputs(rng, 9, H, E, F)
     layers = [make_moe_layer(H, E, K, F, tile_rows=tile_rows, combine_cols=128, engine=engine,
                              blocked_weights=blocked) for blocked in (False, True)]
-    blocked = moe_layer.blocked_expert_weights(w_gate_up, w_down,
-                                               moe_layer.default_bn(tile_rows))
+    blocked = moe_layer.blocked_expert_weights(w_gate_up, w_down, tile_rows)
     np.testing.assert_array_equal(execute(layers[1], x, w_router, *blocked),
                                   execute(layers[0], x, w_router, w_gate_up, w_down))
 

@@ -150,7 +150,7 @@ def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_
                                          expert_weights_f64):
     graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine=engine, blocked_weights=True)
     run = build(graph, {"T": tokens}, strategy="dynamic")
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, moe_layer.default_bn(tile_rows))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, tile_rows)
     check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, "random", rng,
                 expert_weights, expert_weights_f64)
 

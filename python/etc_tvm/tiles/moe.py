@@ -448,6 +448,12 @@ def grouped_weight_shape(experts: int, k: int, n: int, bn: int, blocked: bool) -
     return (experts, n // bn, k, bn) if blocked else (experts, k, n)
 
 
+def _reference_slab(w: np.ndarray, e: int, n: int, bn: int, blocked: bool) -> np.ndarray:
+    """Expert ``e``'s (K, bn) column block ``n`` of weights of ``grouped_weight_shape``: the
+    references' ``_weight_src``."""
+    return w[e, n] if blocked else w[e][:, n * bn:(n + 1) * bn]
+
+
 def _weight_src(w, e, n, bn: int, blocked: bool):
     """``b_src(k, c)`` of expert ``e``'s column block ``n`` in weights of
     ``grouped_weight_shape``."""
@@ -545,8 +551,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             return
         rows_ = slice(g * BT, (g + 1) * BT)
         a = x[np.maximum(sorted_token[rows_], 0)].astype(np.float32)
-        slab = w_gate_up[e, n] if blocked else w_gate_up[e][:, n * bn:(n + 1) * bn]
-        both = a @ slab.astype(np.float32)
+        both = a @ _reference_slab(w_gate_up, e, n, bn, blocked).astype(np.float32)
         pairs = both.reshape(BT, bn // (2 * INTERLEAVE), 2, INTERLEAVE)
         value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]
         h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(BT, bn // 2).astype(h.dtype)
@@ -594,8 +599,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         if e >= E:
             return
         rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
-        slab = w_down[e, n] if blocked else w_down[e][:, cols]
-        y[rows_, cols] = h[rows_].astype(np.float32) @ slab.astype(np.float32)
+        y[rows_, cols] = h[rows_].astype(np.float32) @ _reference_slab(
+            w_down, e, n, bn, blocked).astype(np.float32)
 
     return tile
 
