@@ -145,6 +145,13 @@ __device__ __noinline__ int etc_take(int* head_tail, const int* ring, int slot, 
   }
 }
 
+// The task of claimed slot ``slot`` if it is published now, else -1 (acquire, as etc_take). Read
+// while the current task's notifies wait for its stores, the next task's round trip overlaps
+// theirs; a -1 leaves the slot to etc_take. Called by the thread that claimed it.
+__device__ __forceinline__ int etc_peek(const int* ring, int slot, int capacity) {
+  return slot < capacity ? etc_load_acquire(ring + slot) : -1;
+}
+
 // Publish ``task`` in the next free slot of the ring (release). The lanes of a warp that push
 // together claim their slots with one atomic.
 __device__ __forceinline__ void etc_push(int* head_tail, int* ring, int task, int capacity,

@@ -4,9 +4,9 @@
     prologue: counters, pending counts, ring (seeds then -1), head/tail/expected and the
               release marks from their initial values; status cleared; grid-wide barrier
     CTA:  loop:
-              thread 0: t = the task held by the last round, else the task of the slot it
-                        claimed in the last round (or claims now): etc_take (-1: every task
-                        taken, -2: stopping)
+              thread 0: t = the task held by the last round, else the task the last round
+                        read from the slot it claimed, else that slot's (or a slot claimed
+                        now's) task: etc_take (-1: every task taken, -2: stopping)
               barrier; t broadcast through shared memory; leave the loop if t < 0
               all threads: for each consumer c of t: etc_count_down(pending[c])
                         (early push: c enters the ring once its last producer is
@@ -16,13 +16,18 @@
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
                         (etc_claim), so that the claim's round trip overlaps task t
-              run task t as the static kernel does: waits, inlined body, notifies
+              run task t as the static kernel does: waits, inlined body, barrier, then
+                        thread 0 reads the claimed slot (etc_peek: its load overlaps the
+                        notifies' wait for t's stores; if the task is there, the next round
+                        takes it without a round trip), then the notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
 (its last notify, or the arming that removes its bias) pushes the tasks the maps release;
-arming first *resolves* each triggered call: marks the tasks some element will release and
-dispatches the others as skipped (their static notifies and count-downs, and ``expected``, the
-number of tasks the ring will hold, lowered by their number).
+arming first marks the tasks of each triggered call that some element will release, then
+lifts the bias (pushing what the elements already complete release), and only then dispatches
+the others as skipped (their static notifies and count-downs, and ``expected``, the number of
+tasks the ring will hold, lowered by their number): the skip pass is off the path to the first
+released task, and until it ends ``expected`` only overstates, so no CTA leaves early.
 
 The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
 CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
@@ -131,6 +136,11 @@ class ReadyRing:
     def claim(self) -> tirx.Expr:
         """A claim on the ring's next slot (``etc_claim``), for ``take``."""
         return self._call("etc_claim", pointer(self.head_tail), return_type="int32")
+
+    def peek(self, slot: tirx.Expr) -> tirx.Expr:
+        """The task of claimed slot ``slot`` if published now, else -1 (``etc_peek``)."""
+        return self._call("etc_peek", pointer(self.ring), slot, i32(max(1, self.plan.capacity)),
+                          return_type="int32")
 
     def take(self, slot: tirx.Expr) -> tirx.Expr:
         """The task of claimed slot ``slot`` (``etc_take``: -1 past the end, -2 stopping)."""
@@ -280,13 +290,11 @@ class ReadyRing:
                                         pointer(self.ring), first, count,
                                         i32(self.plan.capacity), pointer(self.kernel.status)))
 
-    def resolve(self, call) -> tirx.Stmt:
+    def mark_released(self, call) -> tirx.Stmt:
         """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
-        element will release (twice is an error), then dispatch the unmarked ones as skipped,
-        and lower ``expected`` by their number. Marks are bits set a word of 32 tasks at a
-        time: the threads share the elements, or, for a trigger of one element, its words;
-        the skip pass gives each thread single tasks, so that a run of unreleased tasks is
-        skipped by all the threads at once."""
+        element will release (twice is an error). Marks are bits set a word of 32 tasks at a
+        time: the threads share the elements, or, for a trigger of one element, its words.
+        The caller fences and barriers before ``skip_unreleased`` reads them."""
         kernel, (edge,) = self.kernel, call.triggers
         shape = kernel.layout.shapes[edge.etensor]
         size = 1
@@ -302,6 +310,17 @@ class ReadyRing:
                                             lane, lanes, pointer(kernel.status)))
 
         mark = self._released_runs(call, edge, lowered, mark_run)
+        return tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(elem, unravel(i32(0), shape))],
+                             mark) if size == 1 else kernel.strided(
+            size, lambda i: tirx.stmt_seq(
+                *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark))
+
+    def skip_unreleased(self, call) -> tirx.Stmt:
+        """All threads of one CTA, after ``mark_released`` of ``call``, a fence and a barrier:
+        dispatch the unmarked tasks as skipped and lower ``expected`` by their number. Each
+        thread takes single tasks, so that a run of unreleased tasks is skipped by all the
+        threads at once."""
+        kernel, tx = self.kernel, self.kernel.tx
         coords = [tirx.Var(f"{c}_skip", "int32") for c in call.fn.coord_params]
         first_word = call.first_task // 32
         words = (call.first_task + call.num_tasks - 1) // 32 - first_word + 1
@@ -336,15 +355,8 @@ class ReadyRing:
             kernel.strided(count * i32(32), skip_task),
             tirx.Evaluate(Tb.cuda.cta_sync())))
 
-        marks = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(elem, unravel(i32(0), shape))],
-                              mark) if size == 1 else kernel.strided(
-            size, lambda i: tirx.stmt_seq(
-                *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark))
         return tirx.stmt_seq(
             tirx.IfThenElse(tx == 0, tirx.BufferStore(self.skipped, i32(0), [i32(0)]), None),
-            marks,
-            tirx.Evaluate(Tb.cuda.thread_fence()),
-            tirx.Evaluate(Tb.cuda.cta_sync()),
             skips,
             tirx.IfThenElse(tx == 0, tirx.Evaluate(self._call(
                 "etc_add", pointer(self.head_tail, 2), i32(0) - self.skipped[0])), None))
@@ -435,9 +447,12 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls})
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
+    peeked = tirx.decl_buffer((1,), "int32", "peeked", scope="local")  # its task, read early
     task = tirx.Var("t", "int32")
-    dispatch = kernel.dispatch(task)
     tx = kernel.tx
+    dispatch = kernel.dispatch(task, before_notifies=tirx.IfThenElse(
+        tirx.And(tx == 0, claim[0] >= 0),
+        tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None))
 
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -449,21 +464,28 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             if launch is not None:
                 Tb.add_to_parent(launch)
             Tb.add_to_parent(tirx.AllocBuffer(claim))
+            Tb.add_to_parent(tirx.AllocBuffer(peeked))
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
                     Tb.buffer_store(claim, i32(-1), [0])
+                    Tb.buffer_store(peeked, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         Tb.add_to_parent(ring.take_held(slot))
                         with Tb.If(slot[0] < 0):
                             with Tb.Then():
-                                with Tb.If(claim[0] < 0):
+                                with Tb.If(peeked[0] >= 0):
                                     with Tb.Then():
-                                        Tb.buffer_store(claim, ring.claim(), [0])
-                                Tb.buffer_store(slot, ring.take(claim[0]), [0])
+                                        Tb.buffer_store(slot, peeked[0], [0])
+                                    with Tb.Else():
+                                        with Tb.If(claim[0] < 0):
+                                            with Tb.Then():
+                                                Tb.buffer_store(claim, ring.claim(), [0])
+                                        Tb.buffer_store(slot, ring.take(claim[0]), [0])
                                 Tb.buffer_store(claim, i32(-1), [0])
+                        Tb.buffer_store(peeked, i32(-1), [0])
                 Tb.evaluate(Tb.cuda.cta_sync())
                 # every thread reads the slot before the barrier after the count-downs, and
                 # thread 0 rewrites it only past that barrier

@@ -6,9 +6,10 @@ the watchdog ``status`` record), its thread scopes and shared-memory arena, and 
 * ``begin``/``initialise``: the kernel's signature and prologue: counters from their read-only
   initial values, status cleared, a grid-wide barrier (the kernel is launched cooperatively),
   then the arming of the ETensors whose run-time counts read only the graph's inputs;
-* ``dispatch(task, skip_waits)``: the if/elif over calls that runs global task ``task``:
-  coordinates decoded, waits (thread 0, bounded, then a barrier; the loop is left if the grid
-  is stopping), the inlined body, then a barrier and thread 0's notifies; a task of a call
+* ``dispatch(task, skip_waits, before_notifies)``: the if/elif over calls that runs global
+  task ``task``: coordinates decoded, waits (thread 0, bounded, then a barrier; the loop is
+  left if the grid is stopping), the inlined body, then a barrier and thread 0's notifies
+  (after ``before_notifies``, whose loads then overlap the notifies' release); a task of a call
   whose completion others wait for counts it down, and the one completing it arms the
   ETensors that completion gates (``events.EventLayout``);
 * ``poll(task, calls)``: the same waits, without blocking (the mixed kernel's queue head).
@@ -294,16 +295,19 @@ class PersistentKernel:
         if arm is not None:
             Tb.add_to_parent(arm)
 
-    def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None) -> tirx.Stmt:
-        """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits."""
+    def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None,
+                 before_notifies: tirx.Stmt | None = None) -> tirx.Stmt:
+        """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits;
+        ``before_notifies`` runs after the body's closing barrier, before the notifies."""
         out = None
         for call in reversed([c for c in self.calls if c.num_tasks]):
             cond = task < i32(call.first_task + call.num_tasks)
-            out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits), out)
+            out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits, before_notifies),
+                                  out)
         return out
 
     # ------------------------------------------------------------------ one task
-    def _branch(self, call, task, skip_waits) -> tirx.Stmt:
+    def _branch(self, call, task, skip_waits, before_notifies=None) -> tirx.Stmt:
         coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
         values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
@@ -324,6 +328,7 @@ class PersistentKernel:
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+        stmts.append(before_notifies)
         notifies = self._notifies(call, task, coord_vars)
         if notifies is not None:
             cond = self.tx == 0
@@ -563,8 +568,10 @@ class PersistentKernel:
 
     def arm(self, name: str) -> tirx.Stmt:
         """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
-        its count tensor, or one per data-dependent notify its notifiers will make), then,
-        after a fence and a barrier, remove the bias: its elements can now complete."""
+        its count tensor, or one per data-dependent notify its notifiers will make) and mark
+        the tasks its trigger maps will release, then, after a fence and a barrier, remove
+        the bias: its elements can now complete, and those already complete push their
+        tasks. The tasks no element releases are skipped after that (``ReadyRing``)."""
         et, layout = self.graph.etensors[name], self.layout
         offset, size = layout.offsets[name], int(np.prod(et.shape, dtype=np.int64))
         status = self.status.ptr_to([0])
@@ -587,12 +594,13 @@ class PersistentKernel:
             steps += [self._count_notifies(call, e) for call in self.graph.calls
                       for e in call.out_edges
                       if e.etensor == name and e.map.is_data_dependent]
-        if self.ring is not None:
-            steps += [self.ring.resolve(c) for c in self.graph.calls
-                      if c.index in self.ring.triggered
-                      and any(e.etensor == name for e in c.triggers)]
+        triggered = [] if self.ring is None else [
+            c for c in self.graph.calls
+            if c.index in self.ring.triggered and any(e.etensor == name for e in c.triggers)]
+        steps += [self.ring.mark_released(c) for c in triggered]
         steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync()),
                   self.strided(size, lambda i: self._unbias(name, i32(offset) + i))]
+        steps += [self.ring.skip_unreleased(c) for c in triggered]
         return tirx.stmt_seq(*steps)
 
     def _unbias(self, name: str, flat) -> tirx.Stmt:
