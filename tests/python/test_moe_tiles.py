@@ -192,7 +192,7 @@ def test_blocked_weight_layer_is_the_same_layer(tile_rows, engine, rng):
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, routing, rng):
     """gate_up, down and combine over a real alignment: h, y and out against float64 of the
-    same inputs, padding rows and unused tiles untouched (left NaN)."""
+    same inputs, padding rows of used tiles zero and unused tiles untouched (left NaN)."""
     x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
     topk = routed(rng, tokens, routing)
     tiles = moe.max_tiles(tokens, E, K, BT)
@@ -208,6 +208,8 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
         mine = experts == e
         assert_within(h[rows[mine]], moe.gate_up_exact(x[tok[mine]], w_gate[e], w_up[e])[0],
                       moe.gate_up_bound(x[tok[mine]], w_gate[e], w_up[e]))
+    padding = np.flatnonzero(sorted_token[:indptr[E] * BT] < 0)  # read nothing: zero rows
+    assert len(padding) and (h[padding].astype(np.float32) == 0).all()
     assert np.isnan(h[indptr[E] * BT:].astype(np.float32)).all()
 
     y = poisoned((tiles * BT, H), "float32")

@@ -86,6 +86,18 @@ def store_fragments(tile, C, row0, col0):
                         T.Cast(C.dtype, tile.frag(m, n, h * 2 + v))
 
 
+@T.inline
+def copy_a_chunk(dst, src, valid, row):
+    # One 16-byte cp.async of A row ``row``. With ``valid`` (a predicate of the row), a row
+    # that is not reads nothing and lands as zeros: a gathered tile's padding rows, which at
+    # few tokens are most of its rows and would otherwise all read the same token's row.
+    if valid is None:
+        T.ptx.cp.async_.cg.shared.global_(dst, src, 16)
+    else:
+        T.ptx.cp.async_.cg.shared.global_(dst, src, 16,
+                                          T.Select(valid(row), T.uint32(16), T.uint32(0)))
+
+
 @T.meta_class
 class MmaTile:
     """One ``bm x bn`` fp32 accumulator tile on ``mma.sync.m16n8k16``, fed through a
@@ -123,15 +135,15 @@ class MmaTile:
         return self.acc[m, n, e]
 
     @T.inline
-    def load_stage(self, a_src, b_src, k_step):
+    def load_stage(self, a_src, b_src, k_step, a_valid=None):
         # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
         s = T.meta_var(k_step % self.stages)
         a_cols, b_cols = T.meta_var(self.bk // CHUNK), T.meta_var(self.bn // CHUNK)
         for r in T.unroll(self.bm * self.bk // CHUNK // self.threads):
             c = T.meta_var(r * self.threads + self.tx)
-            T.ptx.cp.async_.cg.shared.global_(
-                self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
-                a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK), 16)
+            copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
+                         a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK),
+                         a_valid, c // a_cols)
         for r in T.unroll(self.bk * self.bn // CHUNK // self.threads):
             c = T.meta_var(r * self.threads + self.tx)
             T.ptx.cp.async_.cg.shared.global_(
@@ -139,8 +151,8 @@ class MmaTile:
                 b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
 
     @T.inline
-    def run(self, a_src, b_src, num_k):
-        # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]
+    def run(self, a_src, b_src, num_k, a_valid=None):
+        # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]; a_valid: copy_a_chunk's
         for m in T.unroll(self.mi):
             for n in T.unroll(self.ni):
                 for e in T.unroll(4):
@@ -148,13 +160,13 @@ class MmaTile:
         # Prologue: slices 0 .. stages-2 in flight, one commit group each.
         for p in T.unroll(self.stages - 1):
             if p < num_k:
-                self.load_stage(a_src, b_src, p)
+                self.load_stage(a_src, b_src, p, a_valid)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             # Refill the slot freed at the end of the previous step; an empty group past the end
             # keeps "all but the newest stages-1 groups" meaning "slice ko has landed".
             if ko + self.stages - 1 < num_k:
-                self.load_stage(a_src, b_src, ko + self.stages - 1)
+                self.load_stage(a_src, b_src, ko + self.stages - 1, a_valid)
             T.ptx.cp.async_.commit_group()
             T.ptx.cp.async_.wait_group(self.stages - 1)
             T.cuda.cta_sync()

@@ -526,9 +526,11 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
         e = tile_expert[g]
         if e < E:  # CTA-uniform
             mma = new_tile(tx, warp, lane)
-            # padding rows (token -1) load token 0's row; their h rows are never read
+            # padding rows (token -1) read nothing: their A rows land as zeros, so their h
+            # rows are zero (and never read); at few tokens they are most rows of a tile
             mma.run(lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
-                    _weight_src(w_gate_up, e, n, bn, blocked), H // bk)
+                    _weight_src(w_gate_up, e, n, bn, blocked), H // bk,
+                    lambda r: sorted_token[g * BT + r] >= 0)
             for m in T.unroll(mma.mi):
                 for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
                     for hh in T.unroll(2):
@@ -550,7 +552,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
         if e >= E:
             return
         rows_ = slice(g * BT, (g + 1) * BT)
-        a = x[np.maximum(sorted_token[rows_], 0)].astype(np.float32)
+        token = sorted_token[rows_]
+        a = np.where(token[:, None] >= 0, x[np.maximum(token, 0)].astype(np.float32), 0)
         both = a @ _reference_slab(w_gate_up, e, n, bn, blocked).astype(np.float32)
         pairs = both.reshape(BT, bn // (2 * INTERLEAVE), 2, INTERLEAVE)
         value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]

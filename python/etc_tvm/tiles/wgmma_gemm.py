@@ -82,7 +82,7 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
-from .gemm import OUT_DTYPES, error_bound, store_fragments
+from .gemm import OUT_DTYPES, copy_a_chunk, error_bound, store_fragments
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -167,17 +167,16 @@ class SwizzledRing:
         return self.smem.ptr_to([self.base + byte // 2])
 
     @T.inline
-    def load_stage(self, slot, a_src, b_src, k0, tx):
+    def load_stage(self, slot, a_src, b_src, k0, tx, a_valid=None):
         # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
         # B rows k0:+bk into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
         a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // a_cols, c % a_cols))
-            T.ptx.cp.async_.cg.shared.global_(
-                self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES) + row * ROW_BYTES
-                        + (cc % 8 ^ row % 8) * 16),
-                a_src(row, k0 + cc * CHUNK), 16)
+            copy_a_chunk(self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES)
+                                 + row * ROW_BYTES + (cc % 8 ^ row % 8) * 16),
+                         a_src(row, k0 + cc * CHUNK), a_valid, row)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // b_cols, c % b_cols))
@@ -294,12 +293,13 @@ class WgmmaTile:
         self.issue(ko % self.stages)
 
     @T.inline
-    def run(self, a_src, b_src, num_k):
+    def run(self, a_src, b_src, num_k, a_valid=None):
+        # a_valid: gemm.copy_a_chunk's
         ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
         self.begin()
         for p in T.unroll(prefetch):
             if p < num_k:
-                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx)
+                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx, a_valid)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)
@@ -307,7 +307,7 @@ class WgmmaTile:
             self.mma_step(ko)
             if ko + prefetch < num_k:
                 ring.load_stage((ko + prefetch) % stages, a_src, b_src,
-                                (ko + prefetch) * self.bk, self.tx)
+                                (ko + prefetch) * self.bk, self.tx, a_valid)
             T.ptx.cp.async_.commit_group()
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
