@@ -68,7 +68,7 @@ def test_router_tile(tokens, rng):
 
 
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
-@pytest.mark.parametrize("tokens", TOKENS + (4096,))
+@pytest.mark.parametrize("tokens", TOKENS + (3, 4096))  # 3: 24 threads with pairs
 def test_align_tile(tokens, routing, rng):
     topk = routed(rng, tokens, routing, E, K)
     tiles = moe.max_tiles(tokens, E, K, BT)

@@ -308,22 +308,25 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         indptr = T.alloc_shared((E + 1,), "int32")
         count = T.alloc_shared((E,), "int32")
         chunk = T.meta_var((ntok * K + threads - 1) // threads)
+        used = T.meta_var((ntok * K + chunk - 1) // T.max(chunk, 1))  # the threads with pairs
         lo = T.meta_var(tx * chunk)
         mine = T.meta_var(T.max(T.min(chunk, ntok * K - tx * chunk), 0))
-        for e in T.serial(E):
-            hist[tx, e] = 0
+        if tx < used:
+            for e in T.serial(E):
+                hist[tx, e] = 0
         for p in T.serial(mine):
             hist[tx, topk[(lo + p) // K, (lo + p) % K]] = \
                 hist[tx, topk[(lo + p) // K, (lo + p) % K]] + 1
         T.cuda.cta_sync()
-        # Column scan: hist[th, e] becomes the pairs of e in the chunks before th's.
+        # Column scan: hist[th, e] becomes the pairs of e in the chunks before th's; only the
+        # rows of threads with pairs (8 of 128 for one token: a scan 16x shorter).
         for q in T.serial(ceil_div(E, threads)):
             e = T.meta_var(q * threads + tx)
             if e < E:
                 run = T.local_scalar("int32")
                 c = T.local_scalar("int32")
                 run = 0
-                for th in T.serial(threads):
+                for th in T.serial(used):
                     c = hist[th, e]
                     hist[th, e] = run
                     run = run + c
