@@ -353,6 +353,19 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     build_cubin(source, tmp_path, allow_spills=True)
 
 
+def test_dynamic_layer_pushes_gate_up_right_after_align_completes():
+    """Align's completion alone arms ``aligned`` and ``h_ready``, which add no counts: the bias
+    lifts (pushing every gate-up task) after one completion atomic and a barrier, with no
+    gate atomic, fence or mark before it; the marks and the skip pass come after."""
+    source = build(make_moe_layer(), {"T": 1}, strategy="dynamic", num_sms=132).cuda_source()
+    arming = source[source.index("__global__"):]
+    arming = arming[arming.index("etc_complete("):]
+    before = arming[:arming.index("etc_unbias(")]
+    assert before.count("etc_complete(") == 1
+    assert "thread_fence" not in before and "etc_mark_range(" not in before
+    assert arming.index("etc_mark_range(") < arming.index("etc_release_word(")
+
+
 def test_blocked_weight_layer_compiles_for_sm90a(tmp_path):
     graph = make_moe_layer(blocked_weights=True)
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 16}).calls}

@@ -23,11 +23,11 @@
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
 (its last notify, or the arming that removes its bias) pushes the tasks the maps release;
-arming first marks the tasks of each triggered call that some element will release, then
-lifts the bias (pushing what the elements already complete release), and only then dispatches
-the others as skipped (their static notifies and count-downs, and ``expected``, the number of
-tasks the ring will hold, lowered by their number): the skip pass is off the path to the first
-released task, and until it ends ``expected`` only overstates, so no CTA leaves early.
+arming first lifts the bias (pushing what the elements already complete release), then marks
+the tasks of each triggered call that some element will release and dispatches the others as
+skipped (their static notifies and count-downs, and ``expected``, the number of tasks the ring
+will hold, lowered by their number): the marks and the skip pass are off the path to the first
+released task, and until the pass ends ``expected`` only overstates, so no CTA leaves early.
 
 The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
 CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
@@ -294,7 +294,7 @@ class ReadyRing:
         """All threads of one CTA, once ``call``'s trigger maps can be read: mark each task an
         element will release (twice is an error). Marks are bits set a word of 32 tasks at a
         time: the threads share the elements, or, for a trigger of one element, its words.
-        The caller fences and barriers before ``skip_unreleased`` reads them."""
+        Only this CTA reads them (``skip_unreleased``, after a barrier)."""
         kernel, (edge,) = self.kernel, call.triggers
         shape = kernel.layout.shapes[edge.etensor]
         size = 1
@@ -316,7 +316,7 @@ class ReadyRing:
                 *[tirx.Bind(v, x) for v, x in zip(elem, unravel(i, shape))], mark))
 
     def skip_unreleased(self, call) -> tirx.Stmt:
-        """All threads of one CTA, after ``mark_released`` of ``call``, a fence and a barrier:
+        """All threads of one CTA, after ``mark_released`` of ``call`` and a barrier:
         dispatch the unmarked tasks as skipped and lower ``expected`` by their number. Each
         thread takes single tasks, so that a run of unreleased tasks is skipped by all the
         threads at once."""

@@ -554,6 +554,9 @@ class PersistentKernel:
         opened = [(k, name) for k, (name, (_, calls)) in enumerate(self.layout.gates.items())
                   if call.index in calls]
         for k, name in opened:
+            if self.layout.gates[name][1] == (call.index,):  # this call's completion arms it
+                steps.append(tirx.BufferStore(self.hooks, self.hooks[0], [i32(k + 1)]))
+                continue
             gate = self.runtime_call("etc_complete", self.counters.ptr_to([i32(
                 self.layout.gates[name][0])]), return_type="int32")
             steps.append(tirx.IfThenElse(self.hooks[0] != 0,
@@ -568,10 +571,11 @@ class PersistentKernel:
 
     def arm(self, name: str) -> tirx.Stmt:
         """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
-        its count tensor, or one per data-dependent notify its notifiers will make) and mark
-        the tasks its trigger maps will release, then, after a fence and a barrier, remove
-        the bias: its elements can now complete, and those already complete push their
-        tasks. The tasks no element releases are skipped after that (``ReadyRing``)."""
+        its count tensor, or one per data-dependent notify its notifiers will make), then,
+        after a fence and a barrier (where there were counts), remove the bias: its elements
+        can now complete, and those already complete push their tasks. Only then do they mark
+        the tasks its trigger maps release and skip the others (``ReadyRing``): nothing on the
+        way to the first push waits for more than the counts and the unbias."""
         et, layout = self.graph.etensors[name], self.layout
         offset, size = layout.offsets[name], int(np.prod(et.shape, dtype=np.int64))
         status = self.status.ptr_to([0])
@@ -594,13 +598,16 @@ class PersistentKernel:
             steps += [self._count_notifies(call, e) for call in self.graph.calls
                       for e in call.out_edges
                       if e.etensor == name and e.map.is_data_dependent]
+        if steps:  # every count lands before the bias lifts
+            steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync())]
+        steps.append(self.strided(size, lambda i: self._unbias(name, i32(offset) + i)))
         triggered = [] if self.ring is None else [
             c for c in self.graph.calls
             if c.index in self.ring.triggered and any(e.etensor == name for e in c.triggers)]
-        steps += [self.ring.mark_released(c) for c in triggered]
-        steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync()),
-                  self.strided(size, lambda i: self._unbias(name, i32(offset) + i))]
-        steps += [self.ring.skip_unreleased(c) for c in triggered]
+        if triggered:  # only this CTA's skip pass reads the marks: a barrier orders them
+            steps += [self.ring.mark_released(c) for c in triggered]
+            steps.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+            steps += [self.ring.skip_unreleased(c) for c in triggered]
         return tirx.stmt_seq(*steps)
 
     def _unbias(self, name: str, flat) -> tirx.Stmt:
