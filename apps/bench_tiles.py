@@ -4,11 +4,12 @@ Each tile runs as a one-call graph ("unfused": one grid launch; decode attention
 tiles, append -> split -> merge, and the MoE router its logits and top-K tiles), PyTorch runs
 the same operation (``torch.matmul`` for the GEMV and the GEMM, ``rms_norm``, ``silu * up``
 and ``+``, ``scaled_dot_product_attention`` after the cache append, per-head ``rms_norm`` and
-the neox rotation, fp32 logits and ``topk``), both on the same inputs in the same run. Each
-side is replayed from a CUDA graph of one call per input copy, so the times are the kernels'
-own (no host call path, no launch gaps), medians of CUDA events with the two sides taking
-turns. Inputs rotate through enough copies to exceed the 60 MiB L2 twice, so no call finds
-its operands in L2 from the previous one.
+the neox rotation, fp32 logits and ``topk``, one matmul per routed expert for the MoE grouped
+GEMMs), both on the same inputs in the same run. Each side is replayed from a CUDA graph of
+one call per input copy, so the times are the kernels' own (no host call path, no launch
+gaps), medians of CUDA events with the two sides taking turns. Inputs rotate through enough
+copies to exceed the 60 MiB L2 twice, so no call finds its operands in L2 from the previous
+one.
 
 Bandwidth is the bytes the operation must move (weights, activations in, results out) over
 the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
@@ -21,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -29,20 +31,37 @@ import tvm
 
 from etc_tvm import ETensor, Tensor, build, call_device, graph_func
 from etc_tvm.runtime import cuda_graph
-from etc_tvm.tiles import attention, gemm, gemv, wgmma_gemm
+from etc_tvm.tiles import attention, gemm, gemv, moe, wgmma_gemm
+from moe_layer import QWEN3_30B_A3B
 from timing import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
 from attention_graph import decode_attention_graph  # noqa: E402
 from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
                            rmsnorm_only, silu_mul_only, split_gemv_graph)
-from moe_tile_graphs import one_call_graphs  # noqa: E402
+from moe_tile_graphs import BT, one_call_dims, one_call_graphs  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
 SMS = 132
 MMA_BN = 64
 GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "threads": 256, "out_dtype": "bfloat16"}
+
+
+class Case(NamedTuple):
+    """One row: ``graph`` at ``dims`` on ``inputs(rng)`` against ``torch_op``; ``amount`` bytes
+    (or FLOPs) over the time gives the rate in ``unit``; ``pick``, where an output holds rows
+    that only one side writes (a grouped GEMM's padding and unused tiles), selects the rows
+    both compare."""
+    tile: str
+    label: str
+    graph: object
+    dims: dict
+    inputs: Callable
+    torch_op: Callable
+    amount: float
+    unit: str
+    pick: Callable | None = None
 
 
 def mma_graph(split_k: int):
@@ -104,24 +123,24 @@ def cases(rows, hidden_sizes, vocab):
             for K, N in [(H, H), (H, 2 * F), (F, H), (H, vocab)]:
                 s = split_for(K, N)
                 graph = gemv_graph() if s == 1 else split_gemv_graph(s)
-                yield ("gemv", f"M={M} {K}x{N} k{s}", graph, {"M": M, "K": K, "N": N},
-                       gaussian((M, K), (K, N)), torch.matmul, 2 * (K * N + M * K + M * N),
-                       "TB/s")
+                yield Case("gemv", f"M={M} {K}x{N} k{s}", graph, {"M": M, "K": K, "N": N},
+                           gaussian((M, K), (K, N)), torch.matmul, 2 * (K * N + M * K + M * N),
+                           "TB/s")
                 if M == 16:
                     s = mma_split_for(K, N)
-                    yield ("mma16", f"M={M} {K}x{N} k{s}", mma_graph(s),
-                           {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
-                           2 * (K * N + M * K + M * N), "TB/s")
-            yield ("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H},
-                   gaussian((M, H), (H,)),
-                   lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
-                   2 * (2 * M * H + H), "TB/s")
-            yield ("silu_mul", f"M={M} F={F}", silu_mul_only, {"M": M, "F2": 2 * F},
-                   gaussian((M, 2 * F)),
-                   lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2])
-                   * h[:, h.shape[1] // 2:], 2 * 3 * M * F, "TB/s")
-            yield ("residual_add", f"M={M} N={H}", residual_add_only, {"M": M, "N": H},
-                   gaussian((M, H), (M, H)), torch.add, 2 * 3 * M * H, "TB/s")
+                    yield Case("mma16", f"M={M} {K}x{N} k{s}", mma_graph(s),
+                               {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
+                               2 * (K * N + M * K + M * N), "TB/s")
+            yield Case("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H},
+                       gaussian((M, H), (H,)),
+                       lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[1],), w, EPS),
+                       2 * (2 * M * H + H), "TB/s")
+            yield Case("silu_mul", f"M={M} F={F}", silu_mul_only, {"M": M, "F2": 2 * F},
+                       gaussian((M, 2 * F)),
+                       lambda h: torch.nn.functional.silu(h[:, :h.shape[1] // 2])
+                       * h[:, h.shape[1] // 2:], 2 * 3 * M * F, "TB/s")
+            yield Case("residual_add", f"M={M} N={H}", residual_add_only, {"M": M, "N": H},
+                       gaussian((M, H), (M, H)), torch.add, 2 * 3 * M * H, "TB/s")
 
 
 def torch_decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens):
@@ -169,18 +188,91 @@ def decode_cases(rows, batches, contexts):
                     return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
                 return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
                         normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
-            yield ("attention", f"B={B} L={L}", graph, {"B": B, "L": L}, inputs,
-                   torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
+            yield Case("attention", f"B={B} L={L}", graph, {"B": B, "L": L}, inputs,
+                       torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
     moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
     for M in rows:
         def rope_inputs(rng, M=M):
             q, k, qw, kw = gaussian((M, Hq * D), (M, Hk * D), (D,), (D,))(rng)
             return [q, k, qw, kw, rng.integers(0, 100_000, M, dtype=np.int32)]
-        yield ("qk_norm_rope", f"M={M}", moe_graphs["qk_norm_rope"], {"T": M}, rope_inputs,
-               torch_qk_norm_rope, 2 * (2 * M * (Hq + Hk) * D + 2 * D), "TB/s")
-        yield ("router", f"M={M} 2048x128 top8", moe_graphs["router"], {"T": M},
-               gaussian((M, 2048), (2048, 128)), torch_route,
-               2 * (2048 * 128 + M * 2048) + 8 * M * 8, "TB/s")
+        yield Case("qk_norm_rope", f"M={M}", moe_graphs["qk_norm_rope"], {"T": M}, rope_inputs,
+                   torch_qk_norm_rope, 2 * (2 * M * (Hq + Hk) * D + 2 * D), "TB/s")
+        yield Case("router", f"M={M} 2048x128 top8", moe_graphs["router"], {"T": M},
+                   gaussian((M, 2048), (2048, 128)), torch_route,
+                   2 * (2048 * 128 + M * 2048) + 8 * M * 8, "TB/s")
+
+
+def grouped_cases(rows):
+    """The MoE grouped GEMMs (gate_up, down) at Qwen3-30B-A3B sizes on the layer's decode
+    tiles (16 rows, 64 columns, the deepest ring within gemm.SMEM_LIMIT), for one random
+    routing of each count of tokens in ``rows``."""
+    H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
+    graphs = one_call_graphs(H, E, K, F, grouped_stages=gemm.deepest_stages(BT, MMA_BN, 64))
+    for tokens in rows:
+        yield from routed_grouped_cases(tokens, graphs)
+
+
+def routed_grouped_cases(tokens, graphs):
+    """gate_up and down over one random routing of ``tokens`` tokens; PyTorch runs one
+    matmul per routed expert. Bytes: the routed experts' weights and the rows in and out.
+    Only the pairs' rows are compared: padding rows and unused tiles are ours alone."""
+    H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
+    pick_rng = np.random.default_rng(tokens)
+    topk = np.stack([pick_rng.choice(E, K, replace=False) for _ in range(tokens)])
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
+    routed = np.unique(topk)
+    plan = []  # (expert, its tokens, their pair rows)
+    for e in routed:
+        token, k = np.nonzero(topk == e)
+        plan.append((int(e), token.tolist(), pair_row[token, k].tolist()))
+    pairs = sorted(pair_row.ravel().tolist())
+    on_device = {}  # device -> the plan with its rows as index tensors, made before a capture
+
+    def plan_on(device):
+        if device not in on_device:
+            on_device[device] = [(e, *(torch.tensor(r, device=device) for r in rows))
+                                 for e, *rows in plan]
+        return on_device[device]
+
+    def weights(rng, shape):
+        w = np.zeros((E, *shape), BF16)
+        w[routed] = (rng.standard_normal((len(routed), *shape), dtype=np.float32)
+                     / np.float32(np.sqrt(shape[0]))).astype(BF16)
+        return w
+
+    def gate_up_inputs(rng):
+        x = rng.standard_normal((tokens, H), dtype=np.float32).astype(BF16)
+        return [x, weights(rng, (H, 2 * F)), sorted_token, tile_expert, indptr]
+
+    def torch_gate_up(x, w, *_):
+        h = torch.zeros((tiles * BT, F), dtype=torch.bfloat16, device=x.device)
+        for e, rows_in, rows_out in plan_on(x.device):
+            n = rows_in.shape[0]
+            both = (x[rows_in] @ w[e]).float().view(n, -1, 2, moe.INTERLEAVE)
+            h[rows_out] = (torch.nn.functional.silu(both[:, :, 0]) * both[:, :, 1]) \
+                .reshape(n, F).to(torch.bfloat16)
+        return h
+
+    def down_inputs(rng):
+        h = np.zeros((tiles * BT, F), BF16)
+        h[pairs] = rng.standard_normal((len(pairs), F), dtype=np.float32).astype(BF16)
+        return [h, weights(rng, (F, H)), tile_expert, indptr]
+
+    def torch_down(h, w, *_):
+        y = torch.zeros((tiles * BT, H), dtype=torch.float32, device=h.device)
+        for e, _rows_in, rows_out in plan_on(h.device):
+            y[rows_out] = (h[rows_out] @ w[e]).float()
+        return y
+
+    label, expert_bytes = f"T={tokens} {len(routed)} experts", len(routed) * H * F * 2
+    yield Case("gate_up", label, graphs["gate_up"], one_call_dims("gate_up", tokens),
+               gate_up_inputs, torch_gate_up,
+               2 * expert_bytes + 2 * (tokens * H + len(pairs) * F), "TB/s",
+               lambda out: out[pairs])
+    yield Case("down", label, graphs["down"], one_call_dims("down", tokens), down_inputs,
+               torch_down, expert_bytes + len(pairs) * (2 * F + 4 * H), "TB/s",
+               lambda out: out[pairs])
 
 
 def gemm_graph(tile):
@@ -202,8 +294,8 @@ def gemm_cases(shapes, stages):
             graph = gemm_graph(wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE, stages=depth,
                                                                loads=loads))
             for M, K, N in shapes:
-                yield (name, f"{M}x{K}x{N} s{depth}", graph, {"M": M, "K": K, "N": N},
-                       gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
+                yield Case(name, f"{M}x{K}x{N} s{depth}", graph, {"M": M, "K": K, "N": N},
+                           gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
 
 
 def to_torch(x: np.ndarray):
@@ -219,25 +311,26 @@ def flat(out) -> np.ndarray:
                            .astype(np.float64).ravel() for p in parts])
 
 
-def measure(label, graph, dims, inputs, torch_op, rng, reps):
+def measure(case: Case, rng, reps):
     """Median us of one call of the tile and of PyTorch, after a check of the tile against
     PyTorch.
 
     Each side is captured into a CUDA graph of one call per input copy, so that neither the
     host's call path nor the launch gaps count: the numbers are the kernels' own."""
     dev = tvm.cuda(0)
-    host = [inputs(rng)]
+    host = [case.inputs(rng)]
     copies = max(1, -(-2 * L2_BYTES // sum(x.nbytes for x in host[0])))
-    host += [inputs(rng) for _ in range(copies - 1)]
+    host += [case.inputs(rng) for _ in range(copies - 1)]
     on_tvm = [[tvm.runtime.tensor(x, dev) for x in arrays] for arrays in host]
     on_torch = [[to_torch(x) for x in arrays] for arrays in host]
-    compiled = build(graph, dims, strategy="unfused")
-    got = flat(compiled(*host[0]))
-    want = flat(torch_op(*on_torch[0]))
+    compiled = build(case.graph, case.dims, strategy="unfused")
+    pick = case.pick or (lambda out: out)
+    got = flat(pick(compiled(*host[0])))
+    want = flat(pick(case.torch_op(*on_torch[0])))
     error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-    assert error < 2e-2, f"{label}: relative error {error:.2e} against PyTorch"
+    assert error < 2e-2, f"{case.tile} {case.label}: relative error {error:.2e} against PyTorch"
     etc, _ = cuda_graph(lambda: [compiled.run(*inputs) for inputs in on_tvm])
-    reference, _ = cuda_graph(lambda: [torch_op(*inputs) for inputs in on_torch])
+    reference, _ = cuda_graph(lambda: [case.torch_op(*inputs) for inputs in on_torch])
     times = time_interleaved({"etc": etc, "torch": reference}, reps=reps)
     return {k: t / copies for k, t in times.items()}
 
@@ -257,7 +350,8 @@ def main() -> None:
                         help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
-                        "residual_add, attention, qk_norm_rope, router, gemm, gemm_tma)")
+                        "residual_add, attention, qk_norm_rope, router, gate_up, down, gemm, "
+                        "gemm_tma)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()
@@ -266,13 +360,14 @@ def main() -> None:
     results = []
     print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc rate':>9} "
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
-    for tile, label, graph, dims, shapes, op, amount, unit in (
-            *cases(args.rows, args.hidden, args.vocab),
-            *decode_cases(args.rows, args.batches, args.contexts),
-            *gemm_cases(gemms, args.gemm_stages)):
-        if args.tiles and tile not in args.tiles:
+    for case in (*cases(args.rows, args.hidden, args.vocab),
+                 *decode_cases(args.rows, args.batches, args.contexts),
+                 *grouped_cases(args.rows),
+                 *gemm_cases(gemms, args.gemm_stages)):
+        if args.tiles and case.tile not in args.tiles:
             continue
-        t = measure(f"{tile} {label}", graph, dims, shapes, op, rng, args.reps)
+        t = measure(case, rng, args.reps)
+        tile, label, amount, unit = case.tile, case.label, case.amount, case.unit
         row = {"tile": tile, "shape": label, "unit": unit, "etc_us": t["etc"],
                "torch_us": t["torch"], "etc_rate": amount / t["etc"] / 1e6,
                "torch_rate": amount / t["torch"] / 1e6}

@@ -6,13 +6,15 @@ from etc_tvm.tiles import moe, rope
 BT = 16  # the grouped GEMMs' tile rows
 
 
-def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4)):
-    """name -> the tile alone as a graph function, at these layer sizes."""
+def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
+                    grouped_stages=2):
+    """name -> the tile alone as a graph function, at these layer sizes (the grouped GEMMs
+    with a ring of ``grouped_stages``)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
     router, topk_tile = moe.make_router_tile(Hd, Ex), moe.make_topk_tile(Ex, Kk)
     align = moe.make_align_tile(Ex, Kk, BT)
-    gate_up = moe.make_gate_up_tile(Hd, Fi, Ex)
-    down = moe.make_down_tile(Fi, Hd, Ex)
+    gate_up = moe.make_gate_up_tile(Hd, Fi, Ex, stages=grouped_stages)
+    down = moe.make_down_tile(Fi, Hd, Ex, stages=grouped_stages)
     combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
     qk = rope.make_qk_norm_rope_tile(*qwen_heads)
     Hq, Hk = qwen_heads
