@@ -4,12 +4,13 @@ Each tile runs as a one-call graph ("unfused": one grid launch; decode attention
 tiles, append -> split -> merge, and the MoE router its logits and top-K tiles), PyTorch runs
 the same operation (``torch.matmul`` for the GEMV and the GEMM, ``rms_norm``, ``silu * up``
 and ``+``, ``scaled_dot_product_attention`` after the cache append, per-head ``rms_norm`` and
-the neox rotation, fp32 logits and ``topk``, one matmul per routed expert for the MoE grouped
-GEMMs), both on the same inputs in the same run. Each side is replayed from a CUDA graph of
-one call per input copy, so the times are the kernels' own (no host call path, no launch
-gaps), medians of CUDA events with the two sides taking turns. Inputs rotate through enough
-copies to exceed the 60 MiB L2 twice, so no call finds its operands in L2 from the previous
-one.
+the neox rotation, fp32 logits and ``topk``, a stable sort for the MoE alignment, one matmul
+per routed expert for the grouped GEMMs, a weighted sum for the combine), both on the same
+inputs in the same run. Each side is replayed from a CUDA graph of one call per input copy,
+so the times are the kernels' own (no host call path, no launch gaps), medians of CUDA events
+with the two sides taking turns. Inputs rotate through enough copies to exceed the 60 MiB L2
+twice, so no call finds its operands in L2 from the previous one (but the alignment's routing,
+which a layer finds in L2).
 
 Bandwidth is the bytes the operation must move (weights, activations in, results out) over
 the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
@@ -52,7 +53,8 @@ class Case(NamedTuple):
     """One row: ``graph`` at ``dims`` on ``inputs(rng)`` against ``torch_op``; ``amount`` bytes
     (or FLOPs) over the time gives the rate in ``unit``; ``pick``, where an output holds rows
     that only one side writes (a grouped GEMM's padding and unused tiles), selects the rows
-    both compare."""
+    both compare; ``copies``, where the inputs are a few bytes, how many input copies the
+    calls rotate through (else enough to exceed the L2 twice)."""
     tile: str
     label: str
     graph: object
@@ -62,6 +64,7 @@ class Case(NamedTuple):
     amount: float
     unit: str
     pick: Callable | None = None
+    copies: int | None = None
 
 
 def mma_graph(split_k: int):
@@ -202,20 +205,41 @@ def decode_cases(rows, batches, contexts):
                    2 * (2048 * 128 + M * 2048) + 8 * M * 8, "TB/s")
 
 
-def grouped_cases(rows):
-    """The MoE grouped GEMMs (gate_up, down) at Qwen3-30B-A3B sizes on the layer's decode
-    tiles (16 rows, 64 columns, the deepest ring within gemm.SMEM_LIMIT), for one random
-    routing of each count of tokens in ``rows``."""
+def routed_cases(rows):
+    """The MoE tiles after the router at Qwen3-30B-A3B sizes (align, the grouped GEMMs on the
+    layer's decode tiles: 16 rows, 64 columns, the deepest ring within gemm.SMEM_LIMIT, and
+    combine), for one random routing of each count of tokens in ``rows``."""
     H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
     graphs = one_call_graphs(H, E, K, F, grouped_stages=gemm.deepest_stages(BT, MMA_BN, 64))
     for tokens in rows:
-        yield from routed_grouped_cases(tokens, graphs)
+        yield from routing_cases(tokens, graphs)
 
 
-def routed_grouped_cases(tokens, graphs):
-    """gate_up and down over one random routing of ``tokens`` tokens; PyTorch runs one
-    matmul per routed expert. Bytes: the routed experts' weights and the rows in and out.
-    Only the pairs' rows are compared: padding rows and unused tiles are ours alone."""
+def torch_align(topk, experts, tile_rows, tiles):
+    """The align tile's outputs in PyTorch (no host sync, so that a CUDA graph captures it):
+    counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert."""
+    dev, pairs = topk.device, topk.numel()
+    flat = topk.reshape(-1).long()
+    counts = torch.zeros(experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    indptr = torch.zeros(experts + 1, dtype=torch.long, device=dev)
+    indptr[1:] = torch.cumsum((counts + tile_rows - 1) // tile_rows, 0)
+    order = torch.argsort(flat, stable=True)  # pairs of an expert in (t, k) order
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    row = indptr[flat] * tile_rows + rank
+    sorted_token = torch.full((tiles * tile_rows,), -1, dtype=torch.int32, device=dev)
+    sorted_token[row] = (torch.arange(pairs, device=dev) // topk.shape[1]).int()
+    tile_expert = torch.searchsorted(indptr[1:], torch.arange(tiles, device=dev), right=True)
+    return (counts.int(), indptr.int(), row.view(topk.shape).int(),
+            (row // tile_rows).view(topk.shape).int(), sorted_token, tile_expert.int())
+
+
+def routing_cases(tokens, graphs):
+    """align, gate_up, down and combine over one random routing of ``tokens`` tokens (align
+    on fresh routings of that size); PyTorch runs one matmul per routed expert. Bytes: the
+    routed experts' weights and the rows in and out. Of the grouped GEMMs only the pairs'
+    rows are compared: padding rows and unused tiles are ours alone."""
     H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
     pick_rng = np.random.default_rng(tokens)
     topk = np.stack([pick_rng.choice(E, K, replace=False) for _ in range(tokens)])
@@ -265,7 +289,23 @@ def routed_grouped_cases(tokens, graphs):
             y[rows_out] = (h[rows_out] @ w[e]).float()
         return y
 
+    def align_inputs(rng):
+        return [np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
+                .astype(np.int32)]
+
+    def combine_inputs(rng):
+        topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
+        y = rng.standard_normal((tiles * BT, H), dtype=np.float32)
+        return [topw, pair_row, pair_row // BT, y]
+
+    def torch_combine(topw, rows, _tiles, y):
+        return (y[rows.long()] * topw[..., None]).sum(1).to(torch.bfloat16)
+
     label, expert_bytes = f"T={tokens} {len(routed)} experts", len(routed) * H * F * 2
+    yield Case("align", f"T={tokens}", graphs["align"], one_call_dims("align", tokens),
+               align_inputs, lambda t: torch_align(t, E, BT, tiles),
+               4 * (tokens * K * 3 + 2 * E + 1 + tiles * (BT + 1)), "TB/s",
+               copies=64)  # the routing of a layer's call is in L2: top-k just wrote it
     yield Case("gate_up", label, graphs["gate_up"], one_call_dims("gate_up", tokens),
                gate_up_inputs, torch_gate_up,
                2 * expert_bytes + 2 * (tokens * H + len(pairs) * F), "TB/s",
@@ -273,6 +313,8 @@ def routed_grouped_cases(tokens, graphs):
     yield Case("down", label, graphs["down"], one_call_dims("down", tokens), down_inputs,
                torch_down, expert_bytes + len(pairs) * (2 * F + 4 * H), "TB/s",
                lambda out: out[pairs])
+    yield Case("combine", f"T={tokens}", graphs["combine"], one_call_dims("combine", tokens),
+               combine_inputs, torch_combine, tokens * (K * (4 * H + 12) + 2 * H), "TB/s")
 
 
 def gemm_graph(tile):
@@ -319,7 +361,7 @@ def measure(case: Case, rng, reps):
     host's call path nor the launch gaps count: the numbers are the kernels' own."""
     dev = tvm.cuda(0)
     host = [case.inputs(rng)]
-    copies = max(1, -(-2 * L2_BYTES // sum(x.nbytes for x in host[0])))
+    copies = case.copies or max(1, -(-2 * L2_BYTES // sum(x.nbytes for x in host[0])))
     host += [case.inputs(rng) for _ in range(copies - 1)]
     on_tvm = [[tvm.runtime.tensor(x, dev) for x in arrays] for arrays in host]
     on_torch = [[to_torch(x) for x in arrays] for arrays in host]
@@ -350,8 +392,8 @@ def main() -> None:
                         help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
-                        "residual_add, attention, qk_norm_rope, router, gate_up, down, gemm, "
-                        "gemm_tma)")
+                        "residual_add, attention, qk_norm_rope, router, align, gate_up, down, "
+                        "combine, gemm, gemm_tma)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()
@@ -362,7 +404,7 @@ def main() -> None:
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
     for case in (*cases(args.rows, args.hidden, args.vocab),
                  *decode_cases(args.rows, args.batches, args.contexts),
-                 *grouped_cases(args.rows),
+                 *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:
             continue
