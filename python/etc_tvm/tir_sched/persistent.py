@@ -551,14 +551,15 @@ class PersistentKernel:
         done = self.runtime_call("etc_complete", self.counters.ptr_to([i32(self.layout.done[
             call.index])]), return_type="int32")
         steps = [tirx.BufferStore(self.hooks, done, [i32(0)])]
-        opened = [(k, name) for k, (name, (_, calls)) in enumerate(self.layout.gates.items())
+        opened = [(k, name, at, calls)
+                  for k, (name, (at, calls)) in enumerate(self.layout.gates.items())
                   if call.index in calls]
-        for k, name in opened:
-            if self.layout.gates[name][1] == (call.index,):  # this call's completion arms it
+        for k, _, at, calls in opened:
+            if calls == (call.index,):  # this call's completion alone arms it
                 steps.append(tirx.BufferStore(self.hooks, self.hooks[0], [i32(k + 1)]))
                 continue
-            gate = self.runtime_call("etc_complete", self.counters.ptr_to([i32(
-                self.layout.gates[name][0])]), return_type="int32")
+            gate = self.runtime_call("etc_complete", self.counters.ptr_to([i32(at)]),
+                                     return_type="int32")
             steps.append(tirx.IfThenElse(self.hooks[0] != 0,
                                          tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
                                          tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
@@ -566,7 +567,7 @@ class PersistentKernel:
         if opened:
             out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
             out += [tirx.IfThenElse(self.hooks[k + 1] != 0, self.arm(name), None)
-                    for k, name in opened]
+                    for k, name, _, _ in opened]
         return tirx.stmt_seq(*out)
 
     def arm(self, name: str) -> tirx.Stmt:
