@@ -102,11 +102,12 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
             ctas_per_sm: int | None = None, engine: str = "mma", blocked_weights: bool = True,
             **layer) -> dict:
     """One row: us per call of each of ``ours`` (the grouped GEMMs on ``engine`` where their
-    tiles have 64 rows; ``ctas_per_sm`` persistent CTAs an SM, by default 2 where the tiles
-    run on wgmma, whose ring hand-offs then overlap the other CTA's task, else 1; expert
-    weights ``blocked_weights`` or in place; ``layer``: more of ``make_moe_layer``'s options,
-    such as bn, stages, experts_per_task and block_tokens) and of the baselines at
-    ``tokens``, and the errors."""
+    tiles have 64 rows; ``ctas_per_sm`` persistent CTAs an SM, by default 2: one CTA's ring
+    hand-offs and memory latency overlap the other's task; expert weights
+    ``blocked_weights`` or in place; ``layer``: more of ``make_moe_layer``'s options, such as
+    bn, stages, experts_per_task, block_tokens and router_splits, the last by default
+    ``moe_layer.router_splits_for`` the tokens) and of the baselines at ``tokens``, and the
+    errors."""
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -128,7 +129,9 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
         hf_router.copy_(wrt.t())
     runs = {}
     engine = moe_layer.engine_for(row["tile_rows"], engine)
-    row["ctas_per_sm"] = ctas_per_sm or (2 if engine == "wgmma" else 1)
+    row["ctas_per_sm"] = ctas_per_sm or 2
+    layer["router_splits"] = row["router_splits"] = layer.get("router_splits") or \
+        moe_layer.router_splits_for(tokens, layer.get("block_tokens", 8))
     options = KernelOptions(ctas_per_sm=row["ctas_per_sm"])
     libraries = {}
     for label in ours:
@@ -167,9 +170,8 @@ def main() -> None:
     parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
                         help="our variants to run (the baselines always run)")
     parser.add_argument("--ctas-per-sm", type=int,
-                        help="persistent CTAs per SM of the megakernels (default: 2 for rows "
-                        "whose tiles run on wgmma, whose hand-offs then overlap the other "
-                        "CTA's task; 1 on mma)")
+                        help="persistent CTAs per SM of the megakernels (default: 2, whose "
+                        "hand-offs and memory latency overlap the other CTA's task)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
@@ -178,6 +180,8 @@ def main() -> None:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
+    parser.add_argument("--router-splits", type=int, help="splits of the hidden rows over "
+                        "router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--block-tokens", type=int, default=8,
                         help="tokens a router and a top-k task take")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
@@ -196,7 +200,8 @@ def main() -> None:
     for tokens in args.tokens:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm,
                     args.engine, args.weights == "blocked", bn=args.bn, stages=args.stages,
-                    experts_per_task=args.experts_per_task, block_tokens=args.block_tokens)
+                    experts_per_task=args.experts_per_task, block_tokens=args.block_tokens,
+                    router_splits=args.router_splits)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
@@ -204,7 +209,8 @@ def main() -> None:
                   for a, b in (("HF+graph", "dynamic"), ("barrier", "dynamic"))]
         print(f"{tokens:>6} {cells} {' '.join(ratios)}", flush=True)
         errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
-        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM"
+        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM, "
+              f"router over {r['router_splits']} splits"
               f"{', blocked weights' if r['blocked_weights'] else ''}; "
               f"errors: {errors}"
               + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),

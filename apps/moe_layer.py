@@ -1,6 +1,6 @@
 """Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference.
 
-    router (ceil(T/TB) x E/EB)  --logits_ready "bj->b"-->  topk (ceil(T/TB))
+    router (ceil(T/TB) x S x E/EB)  --logits_ready "bsj->b"-->  topk (ceil(T/TB))
         --routed "b->0"-->  align (1)
         --aligned, trigger "a=>0:exp_indptr[E], 0:NB1"-->  gate_up (tiles x NB1)
         --h_ready "gn->g", trigger "g=>g:g+1, 0:NB2 if g < exp_indptr[E]"-->  down (tiles x NB2)
@@ -34,7 +34,7 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 @functools.cache
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
-                   experts_per_task: int = 16,
+                   experts_per_task: int = 16, router_splits: int = 1,
                    bn: int | None = None, bk: int = 64, stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False):
@@ -42,6 +42,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
 
+    ``experts_per_task`` and ``router_splits``: a router task's experts and the splits of
+    the hidden rows over router tasks (``moe.make_router_tile``; ``router_splits_for``).
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``stages``: their cp.async ring,
@@ -64,8 +66,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     combine_cols = min(combine_cols, H)
     if combine_cols % bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
-    router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads)
-    topk_tile = moe.make_topk_tile(E, K, block_tokens, threads)
+    router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
+                                  splits=router_splits)
+    topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     align = moe.make_align_tile(E, K, BT, threads)
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages, engine,
                                     blocked_weights)
@@ -84,9 +87,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         tiles = max_tiles(tokens, E, K, BT)
         blocks = ceil_div(tokens, block_tokens)
         logits_ready = ETensor((blocks,), name="logits_ready")
-        logits = call_device(router, tile_num=(blocks, E // experts_per_task),
-                             args=[x, w_router], out=Tensor((tokens, E), "float32", name="logits"),
-                             out_edges={logits_ready: "bj->b"})
+        logits = call_device(router, tile_num=(blocks, router_splits, E // experts_per_task),
+                             args=[x, w_router],
+                             out=Tensor((router_splits, tokens, E), "float32", name="logits"),
+                             out_edges={logits_ready: "bsj->b"})
         routed = ETensor((1,), name="routed")
         topk, topw = call_device(topk_tile, tile_num=(blocks,), args=[logits],
                                  out=[Tensor((tokens, K), "int32", name="topk"),
@@ -131,6 +135,13 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
     once, when the weights are loaded."""
     bn = bn or default_bn(tile_rows)
     return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, bn)
+
+
+def router_splits_for(tokens: int, block_tokens: int = 8) -> int:
+    """Splits of the hidden rows over router tasks for ``tokens``: 8 while one block of
+    ``block_tokens`` holds them all (the router's 512 KB then reads on 64 SMs, not 8), else 1,
+    where the blocks alone fill the SMs and partial logits would only add traffic."""
+    return 8 if tokens <= block_tokens else 1
 
 
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:

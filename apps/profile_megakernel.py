@@ -37,6 +37,10 @@ def main() -> None:
                         "(default: make_moe_layer's)")
     parser.add_argument("--moe-weights", choices=("blocked", "in-place"), default="blocked",
                         help="the MoE expert weights' layout (as apps/bench_moe.py)")
+    parser.add_argument("--moe-experts-per-task", type=int, default=16,
+                        help="experts a MoE router task scores")
+    parser.add_argument("--moe-router-splits", type=int, help="splits of the hidden rows over "
+                        "MoE router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share)")
     parser.add_argument("--out", default="timelines")
@@ -61,7 +65,10 @@ def main() -> None:
         blocked = args.moe_weights == "blocked"
         for tokens in args.moe_tokens:
             rows = moe_layer.tile_rows_for(tokens)
+            splits = args.moe_router_splits or moe_layer.router_splits_for(tokens)
             graph = moe_layer.make_moe_layer(tile_rows=rows, bn=args.moe_bn,
+                                             experts_per_task=args.moe_experts_per_task,
+                                             router_splits=splits,
                                              engine=moe_layer.engine_for(rows, args.moe_engine),
                                              ctas_per_sm=args.ctas_per_sm,
                                              blocked_weights=blocked)

@@ -24,8 +24,8 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
         n = x.shape[0]
         blocks = moe.ceil_div(n, 8)
         ready = ETensor((blocks,), name="logits_ready")
-        logits = call_device(router, tile_num=(blocks, Ex // 16), args=[x, w],
-                             out=Tensor((n, Ex), "float32"), out_edges={ready: "bj->b"})
+        logits = call_device(router, tile_num=(blocks, 1, Ex // 16), args=[x, w],
+                             out=Tensor((1, n, Ex), "float32"), out_edges={ready: "bsj->b"})
         return call_device(topk_tile, tile_num=(blocks,), args=[logits],
                            out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
                            in_edges={ready: "b->b"})

@@ -68,25 +68,33 @@ def gaussian_routing_inputs(rng, tokens):
 
 
 # ------------------------------------------------------------------ references vs float64
-def route_with_tiles(x, w, experts_per_task=8):
+def route_with_tiles(x, w, experts_per_task=8, splits=1):
     """topk, topw of the router and top-k tiles' references, on poisoned outputs."""
     tokens, blocks = x.shape[0], moe.ceil_div(x.shape[0], 8)
-    logits = poisoned((tokens, E), "float32")
-    run_tasks(moe.make_router_tile(H, E, 8, experts_per_task), (blocks, E // experts_per_task),
-              x, w, logits)
+    logits = poisoned((splits, tokens, E), "float32")
+    run_tasks(moe.make_router_tile(H, E, 8, experts_per_task, splits=splits),
+              (blocks, splits, E // experts_per_task), x, w, logits)
     topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
-    run_tasks(moe.make_topk_tile(E, K), (blocks,), logits, topk, topw)
+    run_tasks(moe.make_topk_tile(E, K, splits=splits), (blocks,), logits, topk, topw)
     return topk, topw
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_router_reference_is_within_its_bound(tokens, rng):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_router_reference_is_within_its_bound(tokens, splits, rng):
     x, w = gaussian_routing_inputs(rng, tokens)
-    topk, topw = route_with_tiles(x, w)
+    topk, topw = route_with_tiles(x, w, splits=splits)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
     np.testing.assert_allclose(topw.sum(axis=1), 1, rtol=1e-6)
+
+
+def test_router_splits_must_divide_the_hidden_rows():
+    with pytest.raises(EtcError, match="3 splits must divide hidden 128"):
+        moe.make_router_tile(H, E, splits=3)
+    with pytest.raises(EtcError, match="split's 4 hidden rows must be a multiple of 8"):
+        moe.make_router_tile(H, E, splits=32)
 
 
 def test_router_breaks_ties_by_lower_index():
@@ -95,7 +103,7 @@ def test_router_breaks_ties_by_lower_index():
     w = np.zeros((H, E))
     w[:, [2, 5]] = 1 / H
     w[:, 9] = 0.5 / H
-    topk, topw = route_with_tiles(x, w.astype(BF16))
+    topk, topw = route_with_tiles(x, w.astype(BF16), splits=2)
     np.testing.assert_array_equal(topk[:, :3], [[2, 5, 9]] * 3)
     np.testing.assert_array_equal(topk[:, 3], [0] * 3)  # the lowest of the zero logits
 
@@ -287,6 +295,18 @@ def test_layer_matches_float64_under_every_order(tokens, routing, order):
     assert_within(out, want, bound)
 
 
+@pytest.mark.parametrize("tokens", (1, 7))
+def test_layer_with_split_router_matches_float64(tokens, rng):
+    """Router tasks over 4 splits of the hidden rows, their partial logits summed by top-K."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=4)
+    router = next(c for c in TaskGraph.build(graph, {"T": tokens}).calls
+                  if c.fn.name.startswith("router"))
+    assert router.grid == (1, 4, E // 16)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(3)), want, bound)
+
+
 def test_layer_routings_are_what_they_say(rng):
     for routing in ROUTINGS:
         topk, _ = moe.route(*make_inputs(rng, 20, H, E, F, routing)[:2], K)
@@ -351,6 +371,15 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_split_router_layer_compiles_for_sm90a(tmp_path):
+    """One token's router over 8 splits of the 2048 hidden rows: 64 tasks of 256 rows."""
+    graph = make_moe_layer(router_splits=moe_layer.router_splits_for(1))
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1}).calls}
+    assert {"router_2048x128_b8_e16_s8_u4_t128", "topk_128_top8_b8_s8_t128"} <= names, names
+    build_cubin(build(graph, {"T": 1}, strategy="barrier", num_sms=132).cuda_source(),
+                tmp_path, allow_spills=True)
 
 
 def test_dynamic_layer_pushes_gate_up_right_after_align_completes():

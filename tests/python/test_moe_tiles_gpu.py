@@ -7,6 +7,7 @@ import pytest
 
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 from moe_tile_graphs import one_call_dims, one_call_graphs
 from test_moe_tiles import BF16, _load_app, routed
@@ -145,6 +146,20 @@ def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64):
         moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64, K),
         want, rtol=1e-9, atol=1e-9)
     assert_within(run(*inputs), want, bound)
+
+
+@pytest.mark.parametrize("tokens", (1, 7))
+@pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
+@pytest.mark.parametrize("splits", (8, 32))
+def test_split_router_layer_megakernel(splits, strategy, tokens, rng, expert_weights,
+                                       expert_weights_f64):
+    """The router over splits of the hidden rows, 8 experts a task, two CTAs an SM, as
+    bench_moe runs one token: 8 splits are 128 tasks of 256 rows; 32 splits, of 64 rows,
+    leave half of a task's threads idle in the sums."""
+    graph = moe_layer.make_moe_layer(experts_per_task=8, router_splits=splits, ctas_per_sm=2)
+    run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
+    for routing in moe_layer.ROUTINGS:
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
 @pytest.mark.parametrize("tokens, tile_rows, engine", [(16, 16, "mma"), (512, 64, "wgmma")])

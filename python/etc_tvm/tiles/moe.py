@@ -3,9 +3,10 @@
 The layer, for T tokens (symbolic), hidden H, E experts, top-K, expert intermediate F, and
 expert tiles of BT rows::
 
-    router   task (b, j)         logits[TB tokens, EB experts] = x @ w_router (fp32)
-    topk     task b (TB tokens)  top-K experts per token, their softmax weights renormalised
-                                 to sum to 1
+    router   task (b, s, j)      logits[s, TB tokens, EB experts] = x[:, split s] @
+                                 w_router[split s] (fp32 partial logits over S splits of H)
+    topk     task b (TB tokens)  top-K experts per token of the summed logits, their softmax
+                                 weights renormalised to sum to 1
     align    task 0 (one CTA)    per-expert counts, the CSR of expert tiles exp_indptr [E+1],
                                  each (t, k) pair's row (pair_row) and tile, each row's token
     gate_up  task (g, n)         h[rows of g, cols n] = silu(x[tok] @ Wg[e]) * (x[tok] @ Wu[e])
@@ -26,7 +27,10 @@ Choices, and why:
   experts are split over tasks (EB = 16: 8 tasks, 64 KB each), so that one token's routing
   is not one SM's 512 KB read and 2 M FMAs (38 us on the H200); top-K is a task of its own.
   Thread (group of 8 experts, contiguous slice of H) issues 16-byte loads of ``unroll``
-  weight rows before it uses them; the slices are summed in shared memory.
+  weight rows before it uses them; the slices are summed in shared memory. At few tokens
+  the hidden rows are split too (S splits: 8 x S tasks of 64/S KB), since one token's
+  logits are a 512 KB read on 8 SMs while the rest wait; each split writes its partial
+  logits and top-K sums the S of them.
   Top-K runs one warp per token: K rounds of warp max, then warp min of the lanes' indices that
   reach it, so ties go to the lower expert index, as ``np.argsort(kind="stable")`` does.
   The softmax over all E cancels under renormalisation: ``w_k = exp(l_k - l_1) / sum_j
@@ -93,98 +97,110 @@ def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
 @functools.cache
 def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
                      experts_per_task: int = 16, threads: int = 128,
-                     unroll: int = 16) -> DeviceFunc:
-    """The tile ``router_<H>x<E>_b<TB>_e<EB>``: task (b, j) writes the fp32 logits of tokens
-    b*TB .. b*TB + TB - 1 (those below T) for experts j*EB .. j*EB + EB - 1 into logits (T, E).
-    A thread keeps ``unroll`` 16-byte weight loads in flight."""
-    H, E, TB, EB = hidden, experts, block_tokens, experts_per_task
+                     unroll: int = 16, splits: int = 1) -> DeviceFunc:
+    """The tile ``router_<H>x<E>_b<TB>_e<EB>_s<S>``: task (b, s, j) writes the fp32 partial
+    logits of tokens b*TB .. b*TB + TB - 1 (those below T) for experts j*EB .. j*EB + EB - 1
+    over hidden rows s*H/S .. (s+1)*H/S - 1 into logits[s] of (S, T, E); the top-k tile sums
+    the S partials. A thread keeps ``unroll`` 16-byte weight loads in flight."""
+    H, E, TB, EB, S = hidden, experts, block_tokens, experts_per_task, splits
     groups = EB // VEC
     if EB % VEC or E % EB or threads % groups or threads % WARP:
         raise EtcError(f"router tile: {EB} experts a task must be groups of {VEC} that divide "
                        f"{threads} threads and the {E} experts")
-    slices = threads // groups
-    span = H // slices
+    if S < 1 or H % S:
+        raise EtcError(f"router tile: {S} splits must divide hidden {H}")
+    HS = H // S  # hidden rows of a task
+    slices = min(threads // groups, HS)
+    all_busy = slices * groups == threads  # else the threads past them idle in the sums
+    span = HS // slices
     U = min(unroll, span)  # weight rows a thread loads before it uses them
-    if H % VEC or H % slices or span % U:
-        raise EtcError(f"router tile: hidden {H} must be a multiple of {VEC} and split into "
-                       f"{slices} slices of whole {U}-row steps")
+    if HS % VEC or HS % slices or span == 0 or span % U:
+        raise EtcError(f"router tile: a split's {HS} hidden rows must be a multiple of {VEC} "
+                       f"and split into {slices} slices of whole {U}-row steps")
     xvec = math.gcd(U, VEC)
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
-    def router(b: T.int32, j0: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-               w_router: T.Buffer((H, E), "bfloat16"), logits: T.Buffer((ntok, E), "float32")):
+    def router(b: T.int32, s0: T.int32, j0: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+               w_router: T.Buffer((H, E), "bfloat16"),
+               logits: T.Buffer((S, ntok, E), "float32")):
         T.device_entry()
         tx = T.thread_id([threads])
-        xs = T.alloc_shared((TB, H), "bfloat16")
+        xs = T.alloc_shared((TB, HS), "bfloat16")
         part = T.alloc_shared((slices, TB, EB), "float32")
         acc = T.alloc_local((TB, VEC), "float32")
         wv = T.alloc_local((U, VEC), "bfloat16")
         xv = T.alloc_local((U,), "bfloat16")
         eg = T.meta_var(tx % groups)
-        hs = T.meta_var(tx // groups)  # thread rows hs*span .. (hs+1)*span - 1 of w_router
-        for q in T.serial(ceil_div(TB * H // VEC, threads)):
+        hs = T.meta_var(tx // groups)  # thread rows hs*span .. (hs+1)*span - 1 of the split
+        for q in T.serial(ceil_div(TB * HS // VEC, threads)):
             v = T.meta_var(q * threads + tx)
-            if v < TB * H // VEC:
+            if v < TB * HS // VEC:
                 # rows past T copy the last token; their logits are never stored
                 for j in T.vectorized(VEC):
-                    xs[v // (H // VEC), v % (H // VEC) * VEC + j] = x[
-                        T.min(b * TB + v // (H // VEC), ntok - 1), v % (H // VEC) * VEC + j]
+                    xs[v // (HS // VEC), v % (HS // VEC) * VEC + j] = x[
+                        T.min(b * TB + v // (HS // VEC), ntok - 1),
+                        s0 * HS + v % (HS // VEC) * VEC + j]
         for t in T.unroll(TB):
             for j in T.unroll(VEC):
                 acc[t, j] = T.float32(0)
         T.cuda.cta_sync()
-        for ho in T.serial(span // U):
-            k0 = T.meta_var(hs * span + ho * U)
-            for u in T.unroll(U):
-                for j in T.vectorized(VEC):
-                    wv[u, j] = w_router[k0 + u, j0 * EB + eg * VEC + j]
-            for t in T.unroll(TB):
-                for uo in T.unroll(U // xvec):
-                    for j in T.vectorized(xvec):
-                        xv[uo * xvec + j] = xs[t, k0 + uo * xvec + j]
+        if all_busy or hs < slices:
+            for ho in T.serial(span // U):
+                k0 = T.meta_var(hs * span + ho * U)
                 for u in T.unroll(U):
-                    for j in T.unroll(VEC):
-                        acc[t, j] = acc[t, j] + T.Cast("float32", xv[u]) * T.Cast(
-                            "float32", wv[u, j])
-        for t in T.unroll(TB):
-            for j in T.unroll(VEC):
-                part[hs, t, eg * VEC + j] = acc[t, j]
+                    for j in T.vectorized(VEC):
+                        wv[u, j] = w_router[s0 * HS + k0 + u, j0 * EB + eg * VEC + j]
+                for t in T.unroll(TB):
+                    for uo in T.unroll(U // xvec):
+                        for j in T.vectorized(xvec):
+                            xv[uo * xvec + j] = xs[t, k0 + uo * xvec + j]
+                    for u in T.unroll(U):
+                        for j in T.unroll(VEC):
+                            acc[t, j] = acc[t, j] + T.Cast("float32", xv[u]) * T.Cast(
+                                "float32", wv[u, j])
+        if all_busy or hs < slices:
+            for t in T.unroll(TB):
+                for j in T.unroll(VEC):
+                    part[hs, t, eg * VEC + j] = acc[t, j]
         T.cuda.cta_sync()
         for q in T.serial(ceil_div(TB * EB, threads)):
             v = T.meta_var(q * threads + tx)
             if v < TB * EB and b * TB + v // EB < ntok:
                 total = T.local_scalar("float32")
                 total = T.float32(0)
-                for s in T.serial(slices):
-                    total = total + part[s, v // EB, v % EB]
-                logits[b * TB + v // EB, j0 * EB + v % EB] = total
+                for sl in T.serial(slices):
+                    total = total + part[sl, v // EB, v % EB]
+                logits[s0, b * TB + v // EB, j0 * EB + v % EB] = total
 
-    name = f"router_{H}x{E}_b{TB}_e{EB}_u{U}_t{threads}"
+    name = f"router_{H}x{E}_b{TB}_e{EB}_s{S}_u{U}_t{threads}"
     tile = device_func(router.with_attr("global_symbol", name), cost=span // 64 + 1)
 
     @tile.set_reference
-    def _(b, j0, x, w_router, logits):
+    def _(b, s0, j0, x, w_router, logits):
         rows, cols = slice(b * TB, min((b + 1) * TB, x.shape[0])), slice(j0 * EB, (j0 + 1) * EB)
-        logits[rows, cols] = x[rows].astype(np.float32) @ w_router[:, cols].astype(np.float32)
+        ks = slice(s0 * HS, (s0 + 1) * HS)
+        logits[s0, rows, cols] = x[rows, ks].astype(np.float32) @ w_router[ks, cols].astype(
+            np.float32)
 
     return tile
 
 
 @functools.cache
 def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
-                   threads: int = 128) -> DeviceFunc:
-    """The tile ``topk_<E>_top<K>_b<TB>``: task b picks the top-K experts of tokens
-    b*TB .. b*TB + TB - 1 (those below T) from logits (T, E), writing topk (T, K) int32 and
-    their renormalised softmax weights topw (T, K) fp32."""
-    E, K, TB = experts, top_k, block_tokens
+                   threads: int = 128, splits: int = 1) -> DeviceFunc:
+    """The tile ``topk_<E>_top<K>_b<TB>_s<S>``: task b picks the top-K experts of tokens
+    b*TB .. b*TB + TB - 1 (those below T) from the router's S partial logits (S, T, E), summed
+    in s order, writing topk (T, K) int32 and their renormalised softmax weights topw (T, K)
+    fp32."""
+    E, K, TB, S = experts, top_k, block_tokens, splits
     if threads % WARP or not 1 <= K <= E:
         raise EtcError(f"top-k tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
     warps, per_lane = threads // WARP, ceil_div(E, WARP)
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
-    def topk_of(b: T.int32, logits: T.Buffer((ntok, E), "float32"),
+    def topk_of(b: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
                 topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32")):
         T.device_entry()
         T.thread_id([threads])
@@ -198,7 +214,9 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                 for v in T.unroll(per_lane):
                     vals[v] = T.float32(FLT_LOWEST)
                     if lane + v * WARP < E:
-                        vals[v] = logits[b * TB + t, lane + v * WARP]
+                        vals[v] = logits[0, b * TB + t, lane + v * WARP]
+                        for s in T.unroll(1, S):
+                            vals[v] = vals[v] + logits[s, b * TB + t, lane + v * WARP]
                 best = T.local_scalar("float32")
                 mine = T.local_scalar("float32")
                 arg = T.local_scalar("int32")
@@ -231,13 +249,16 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                     for k in T.unroll(K):
                         topw[b * TB + t, k] = weight[k] / lsum
 
-    name = f"topk_{E}_top{K}_b{TB}_t{threads}"
+    name = f"topk_{E}_top{K}_b{TB}_s{S}_t{threads}"
     tile = device_func(topk_of.with_attr("global_symbol", name), cost=1)
 
     @tile.set_reference
     def _(b, logits, topk, topw):
-        rows = slice(b * TB, min((b + 1) * TB, logits.shape[0]))
-        ids, weights = top_k_of(logits[rows], K)
+        rows = slice(b * TB, min((b + 1) * TB, logits.shape[1]))
+        total = logits[0, rows]
+        for s in range(1, S):  # in the device's order: fp32 sums do not reassociate
+            total = total + logits[s, rows]
+        ids, weights = top_k_of(total, K)
         topk[rows], topw[rows] = ids, weights.astype(np.float32)
 
     return tile
