@@ -105,7 +105,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     tiles have 64 rows; ``ctas_per_sm`` persistent CTAs an SM, by default 2: one CTA's ring
     hand-offs and memory latency overlap the other's task; expert weights
     ``blocked_weights`` or in place; ``layer``: more of ``make_moe_layer``'s options, such as
-    bn, stages, experts_per_task, block_tokens and router_splits, the last by default
+    bn, stages, threads, experts_per_task, block_tokens and router_splits, the last by default
     ``moe_layer.router_splits_for`` the tokens) and of the baselines at ``tokens``, and the
     errors."""
     import tvm
@@ -180,6 +180,8 @@ def main() -> None:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, default=16,
                         help="experts a router task scores (a multiple of 8)")
+    parser.add_argument("--threads", type=int, default=128,
+                        help="threads of every tile (and of the megakernels' CTAs)")
     parser.add_argument("--router-splits", type=int, help="splits of the hidden rows over "
                         "router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--block-tokens", type=int, default=8,
@@ -201,7 +203,7 @@ def main() -> None:
         r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm,
                     args.engine, args.weights == "blocked", bn=args.bn, stages=args.stages,
                     experts_per_task=args.experts_per_task, block_tokens=args.block_tokens,
-                    router_splits=args.router_splits)
+                    router_splits=args.router_splits, threads=args.threads)
         rows.append(r)
         us = r["us"]
         cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
