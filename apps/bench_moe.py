@@ -111,8 +111,10 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     import tvm
 
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
-    row = {"tokens": tokens, "tile_rows": moe_layer.tile_rows_for(tokens), "error": {},
-           "skipped": {}, "blocked_weights": blocked_weights}
+    layer = moe_layer.options_for(tokens, engine=engine, ctas_per_sm=ctas_per_sm or 2,
+                                  blocked_weights=blocked_weights, **layer)
+    row = {"tokens": tokens, "error": {}, "skipped": {}, **{k: layer[k] for k in (
+        "tile_rows", "ctas_per_sm", "router_splits", "blocked_weights")}}
     expert_weights = weights["ours"]
     if blocked_weights:  # laid out once for each task width the rows take
         key = ("blocked", row["tile_rows"], layer.get("bn"))
@@ -128,19 +130,13 @@ def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
     with torch.no_grad():
         hf_router.copy_(wrt.t())
     runs = {}
-    engine = moe_layer.engine_for(row["tile_rows"], engine)
-    row["ctas_per_sm"] = ctas_per_sm or 2
-    layer["router_splits"] = row["router_splits"] = layer.get("router_splits") or \
-        moe_layer.router_splits_for(tokens, layer.get("block_tokens", 8))
     options = KernelOptions(ctas_per_sm=row["ctas_per_sm"])
     libraries = {}
     for label in ours:
         strategy, replay = label.split("+")[0], label.endswith("+graph")
         try:
             if strategy not in libraries:
-                graph = moe_layer.make_moe_layer(
-                    tile_rows=row["tile_rows"], engine=engine, ctas_per_sm=options.ctas_per_sm,
-                    blocked_weights=blocked_weights, **layer)
+                graph = moe_layer.make_moe_layer(**layer)
                 libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
                                              options=options)
         except EtcError as err:  # a strategy that cannot run this graph says why

@@ -137,6 +137,17 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
     return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, bn)
 
 
+def options_for(tokens: int, **options) -> dict:
+    """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
+    rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "mma" if none
+    is asked for) and the router splits (``router_splits_for``) filled in where missing or
+    None."""
+    rows = options.get("tile_rows") or tile_rows_for(tokens)
+    return {**options, "tile_rows": rows, "engine": engine_for(rows, options.get("engine", "mma")),
+            "router_splits": options.get("router_splits")
+            or router_splits_for(tokens, options.get("block_tokens", 8))}
+
+
 def router_splits_for(tokens: int, block_tokens: int = 8) -> int:
     """Splits of the hidden rows over router tasks for ``tokens``: 8 while one block of
     ``block_tokens`` holds them all (the router's 512 KB then reads on 64 SMs, not 8), else 1,

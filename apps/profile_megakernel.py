@@ -64,16 +64,13 @@ def main() -> None:
         experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
         blocked = args.moe_weights == "blocked"
         for tokens in args.moe_tokens:
-            rows = moe_layer.tile_rows_for(tokens)
-            splits = args.moe_router_splits or moe_layer.router_splits_for(tokens)
-            graph = moe_layer.make_moe_layer(tile_rows=rows, bn=args.moe_bn,
-                                             experts_per_task=args.moe_experts_per_task,
-                                             router_splits=splits,
-                                             engine=moe_layer.engine_for(rows, args.moe_engine),
-                                             ctas_per_sm=args.ctas_per_sm,
-                                             blocked_weights=blocked)
-            weights = moe_layer.blocked_expert_weights(*experts, rows, args.moe_bn) \
-                if blocked else experts
+            options = moe_layer.options_for(
+                tokens, engine=args.moe_engine, router_splits=args.moe_router_splits,
+                bn=args.moe_bn, experts_per_task=args.moe_experts_per_task,
+                ctas_per_sm=args.ctas_per_sm, blocked_weights=blocked)
+            graph = moe_layer.make_moe_layer(**options)
+            weights = moe_layer.blocked_expert_weights(*experts, options["tile_rows"],
+                                                       args.moe_bn) if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])
     for name, (graph, dims, inputs) in cases.items():
