@@ -241,8 +241,11 @@ def routing_cases(tokens, graphs):
     routed experts' weights and the rows in and out. Of the grouped GEMMs only the pairs'
     rows are compared: padding rows and unused tiles are ours alone."""
     H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
-    pick_rng = np.random.default_rng(tokens)
-    topk = np.stack([pick_rng.choice(E, K, replace=False) for _ in range(tokens)])
+
+    def random_topk(rng):  # each token's K distinct experts
+        return np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
+
+    topk = random_topk(np.random.default_rng(tokens))
     tiles = moe.max_tiles(tokens, E, K, BT)
     _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, BT, tiles)
     routed = np.unique(topk)
@@ -290,8 +293,7 @@ def routing_cases(tokens, graphs):
         return y
 
     def align_inputs(rng):
-        return [np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])
-                .astype(np.int32)]
+        return [random_topk(rng).astype(np.int32)]
 
     def combine_inputs(rng):
         topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
