@@ -366,6 +366,14 @@ def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     build_cubin(source, tmp_path, allow_spills=True)
 
 
+def compile_layer(graph, tokens, tmp_path, strategy="barrier", ctas_per_sm=1) -> set:
+    """Compile the layer's megakernel for sm_90a at ``tokens`` tokens; its tiles' names."""
+    build_cubin(build(graph, {"T": tokens}, strategy=strategy, num_sms=132,
+                      options=KernelOptions(ctas_per_sm=ctas_per_sm)).cuda_source(),
+                tmp_path, allow_spills=True)
+    return {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
+
+
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "unfused"])
 def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
@@ -375,11 +383,9 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
 
 def test_split_router_layer_compiles_for_sm90a(tmp_path):
     """One token's router over 8 splits of the 2048 hidden rows: 64 tasks of 256 rows."""
-    graph = make_moe_layer(router_splits=moe_layer.router_splits_for(1))
-    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1}).calls}
+    names = compile_layer(make_moe_layer(router_splits=moe_layer.router_splits_for(1)), 1,
+                          tmp_path)
     assert {"router_2048x128_b8_e16_s8_u4_t128", "topk_128_top8_b8_s8_t128"} <= names, names
-    build_cubin(build(graph, {"T": 1}, strategy="barrier", num_sms=132).cuda_source(),
-                tmp_path, allow_spills=True)
 
 
 def test_dynamic_layer_pushes_gate_up_right_after_align_completes():
@@ -396,12 +402,9 @@ def test_dynamic_layer_pushes_gate_up_right_after_align_completes():
 
 
 def test_blocked_weight_layer_compiles_for_sm90a(tmp_path):
-    graph = make_moe_layer(blocked_weights=True)
-    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 16}).calls}
+    names = compile_layer(make_moe_layer(blocked_weights=True), 16, tmp_path, "dynamic")
     assert {"gate_up_2048x768_e128_16x64x64_s8_t128_blocked",
             "down_768x2048_e128_16x64x64_s8_t128_blocked"} <= names, names
-    build_cubin(build(graph, {"T": 16}, strategy="dynamic", num_sms=132).cuda_source(),
-                tmp_path, allow_spills=True)
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
