@@ -60,7 +60,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     bn = bn or default_bn(BT)
     wgmma = engine == "wgmma"
     stages = stages or gemm.deepest_stages(
-        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else None,
+        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
+            gemm.shared_bytes, threads=threads),
         limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
                   SM_SHARED_BYTES // ctas_per_sm))
     combine_cols = min(combine_cols, H)

@@ -407,6 +407,16 @@ def test_blocked_weight_layer_compiles_for_sm90a(tmp_path):
             "down_768x2048_e128_16x64x64_s8_t128_blocked"} <= names, names
 
 
+def test_narrow_task_layer_compiles_for_sm90a(tmp_path):
+    """Grouped-GEMM tasks of 32 columns: four warps split each K slice over two warp groups
+    (``gemm.warp_grid``), twice the tasks of 64 columns."""
+    graph = make_moe_layer(bn=32, blocked_weights=True, ctas_per_sm=2)
+    compile_layer(graph, 1, tmp_path, ctas_per_sm=2)
+    calls = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": 1}).calls}
+    assert calls["gate_up_2048x768_e128_16x32x64_s8_t128_blocked"] == 8 * 1536 // 32
+    assert calls["down_768x2048_e128_16x32x64_s8_t128_blocked"] == 8 * 2048 // 32
+
+
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     """64-row expert tiles on warpgroup MMA: the gathered rows and the fused SiLU epilogue."""
@@ -417,6 +427,14 @@ def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     assert {"gate_up_2048x768_e128_64x128x64_s8_t128_wgmma",  # the deepest rings in 200 KB
             "down_768x2048_e128_64x128x64_s8_t128_wgmma"} <= names, names
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_128_row_wgmma_layer_compiles_for_sm90a(tmp_path):
+    """128-row expert tiles (two m64 blocks a warpgroup), two CTAs an SM: 3-stage rings."""
+    graph = make_moe_layer(tile_rows=128, engine="wgmma", ctas_per_sm=2, blocked_weights=True)
+    names = compile_layer(graph, 1024, tmp_path, ctas_per_sm=2)
+    assert {"gate_up_2048x768_e128_128x128x64_s3_t128_wgmma_blocked",
+            "down_768x2048_e128_128x128x64_s3_t128_wgmma_blocked"} <= names, names
 
 
 def test_rings_share_the_sm_among_its_ctas():
@@ -468,9 +486,10 @@ def test_layer_with_64_row_tiles_compiles_for_sm90a(strategy, tmp_path):
     build_cubin(source, tmp_path, allow_spills=True)
 
 
+@pytest.mark.parametrize("tile_rows", (64, 128))
 @pytest.mark.parametrize("tokens", (1, 20))
-def test_layer_with_64_row_tiles_matches_float64(tokens, rng):
-    graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=128)
+def test_layer_with_large_tiles_matches_float64(tokens, tile_rows, rng):
+    graph = make_moe_layer(H, E, K, F, tile_rows=tile_rows, combine_cols=128)
     inputs = make_inputs(rng, tokens, H, E, F)
     want, bound = moe_layer_reference(*inputs, K)
     assert_within(execute(graph, *inputs, order=RandomOrder(1)), want, bound)

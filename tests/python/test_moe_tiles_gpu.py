@@ -162,6 +162,20 @@ def test_split_router_layer_megakernel(splits, strategy, tokens, rng, expert_wei
         check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens", (1, 16))
+@pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
+def test_narrow_task_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                      expert_weights_f64):
+    """Grouped-GEMM tasks of 32 columns (warps splitting K), blocked weights, two CTAs an SM."""
+    graph = moe_layer.make_moe_layer(bn=32, router_splits=moe_layer.router_splits_for(tokens),
+                                     ctas_per_sm=2, blocked_weights=True)
+    run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, 16, 32)
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
+                    expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens, tile_rows, engine", [(16, 16, "mma"), (512, 64, "wgmma")])
 def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_weights,
                                          expert_weights_f64):
@@ -172,9 +186,11 @@ def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_
                 expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tile_rows", [64, 128])
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
-def test_wgmma_layer_megakernel(strategy, rng, expert_weights, expert_weights_f64):
-    """64-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them."""
-    graph = moe_layer.make_moe_layer(tile_rows=64, engine="wgmma")
+def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert_weights_f64):
+    """64- and 128-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them
+    (--tile-rows 128: at 1024 tokens most experts' pairs fit one tile)."""
+    graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine="wgmma")
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
                 expert_weights, expert_weights_f64)

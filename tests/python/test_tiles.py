@@ -32,6 +32,8 @@ GEMMS = {  # make_gemm_tile configurations
     "128x128x32_f32": {"bm": 128, "bn": 128, "bk": 32},
     "128x128x32_f32_256threads": {"bm": 128, "bn": 128, "bk": 32, "threads": 256},
     "128x128x64_f32": {"bm": 128, "bn": 128, "bk": 64},
+    "16x32x64_f32_warps_split_k": {"bm": 16, "bn": 32, "bk": 64, "stages": 4},
+    "16x16x64_bf16_warps_split_k": {"bm": 16, "bn": 16, "bk": 64, "out_dtype": "bfloat16"},
 }
 ACTIVATIONS = [(a, o) for a in ("relu", "gelu", "silu") for o in ("float32", "bfloat16")]
 
@@ -158,9 +160,23 @@ def test_tile_compiles_for_sm90a(case, tmp_path):
 def test_gemm_shared_memory_fits_a_task(config):
     cfg = GEMMS[config]
     tile = gemm.make_gemm_tile(**cfg)
-    assert shared_bytes(tile) == gemm.shared_bytes(cfg["bm"], cfg["bn"], cfg["bk"],
-                                                   cfg.get("stages", 2)) <= gemm.SMEM_LIMIT
+    assert shared_bytes(tile) == gemm.shared_bytes(
+        cfg["bm"], cfg["bn"], cfg["bk"], cfg.get("stages", 2), cfg.get("threads", 128)) \
+        <= gemm.SMEM_LIMIT
     assert tile.num_threads == cfg.get("threads", 128)
+
+
+@pytest.mark.parametrize("bm, bn, bk, warps, grid", [
+    (64, 64, 32, 4, (2, 2, 1)), (16, 64, 64, 4, (1, 4, 1)), (128, 128, 32, 8, (2, 4, 1)),
+    (16, 32, 64, 4, (1, 2, 2)), (16, 16, 64, 4, (1, 1, 4)), (16, 16, 32, 4, None)])
+def test_warps_split_k_only_where_the_tile_is_too_small_for_them(bm, bn, bk, warps, grid):
+    """(wm, wn, wk): a 16 x 32 tile on four warps splits each K slice's k16 steps over two
+    warp groups; one of 16 x 16 over four, which a 32-deep slice cannot feed."""
+    if grid is None:
+        with pytest.raises(EtcError, match="cannot split it"):
+            gemm.warp_grid(bm, bn, warps, bk)
+    else:
+        assert gemm.warp_grid(bm, bn, warps, bk) == grid
 
 
 def test_default_tiles_share_one_thread_count():

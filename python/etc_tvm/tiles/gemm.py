@@ -17,6 +17,11 @@ Inside a task (``threads`` threads, one warp tile of ``(bm/wm) x (bn/wn)`` per w
         mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 into fp32 registers
     registers -> C (cast to bf16 for the bf16 variant)
 
+A tile too small to give each warp its own m16 x n16 blocks (16 x 32 on four warps) gives
+groups of warps the same warp tiles and splits each K slice's k16 steps over the groups
+(``warp_grid``'s wk); the groups' partial sums meet in shared memory at the end, added in
+group order. Tasks of few columns then keep every thread issuing loads.
+
 Shared rows are padded by 8 elements (16 bytes): cp.async destinations stay 16-byte aligned and
 the eight row addresses of one ldmatrix phase fall into distinct bank groups.
 
@@ -43,21 +48,28 @@ SMEM_LIMIT = 100 * 1024  # bytes per task; the megakernel's arena holds the larg
 OUT_DTYPES = ("float32", "bfloat16")
 
 
-def warp_grid(bm: int, bn: int, warps: int) -> tuple[int, int]:
-    """(wm, wn): the warps along M and N. Each warp tile must be a whole number of m16 x n16
-    blocks (ldmatrix.x4.trans loads B for two n8 mmas); among the fits, the squarest warp tile
-    wins, as it loads the fewest fragments per mma."""
-    fits = [(wm, warps // wm) for wm in range(1, warps + 1) if warps % wm == 0
-            and bm % (16 * wm) == 0 and bn % (16 * (warps // wm)) == 0]
-    if not fits:
-        raise EtcError(f"gemm tile {bm}x{bn}: {warps} warps cannot split it into m16 x n16 "
-                       "warp tiles")
-    return min(fits, key=lambda f: abs(bm // f[0] - bn // f[1]))
+def warp_grid(bm: int, bn: int, warps: int, bk: int = 16) -> tuple[int, int, int]:
+    """(wm, wn, wk): the warps along M, N and K. Each warp tile must be a whole number of
+    m16 x n16 blocks (ldmatrix.x4.trans loads B for two n8 mmas); among the fits, the
+    squarest warp tile wins, as it loads the fewest fragments per mma. Only a tile too small
+    for its warps (16 x 32 on four) splits the k16 steps of a K slice over wk warp groups,
+    whose partial sums ``MmaTile.run`` adds at the end: then tasks of few columns keep all
+    their threads loading."""
+    for wk in (w for w in range(1, warps + 1) if warps % w == 0 and bk % (16 * w) == 0):
+        rest = warps // wk
+        fits = [(wm, rest // wm) for wm in range(1, rest + 1) if rest % wm == 0
+                and bm % (16 * wm) == 0 and bn % (16 * (rest // wm)) == 0]
+        if fits:
+            return (*min(fits, key=lambda f: abs(bm // f[0] - bn // f[1])), wk)
+    raise EtcError(f"gemm tile {bm}x{bn}x{bk}: {warps} warps cannot split it into m16 x n16 "
+                   "warp tiles and k16 steps")
 
 
-def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
-    """Bytes of shared memory one task of the tile uses (the bf16 A and B rings)."""
-    return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2
+def shared_bytes(bm: int, bn: int, bk: int, stages: int, threads: int = 128) -> int:
+    """Bytes of shared memory one task of the tile uses: the bf16 A and B rings, and the
+    fp32 partial sums where its ``threads`` split K (``warp_grid``)."""
+    wk = warp_grid(bm, bn, threads // 32, bk)[2]
+    return stages * (bm * (bk + PAD) + bk * (bn + PAD)) * 2 + (wk > 1) * wk * bm * bn * 4
 
 
 def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None,
@@ -113,12 +125,18 @@ class MmaTile:
 
     def __init__(self, bm, bn, bk, threads, stages, tx, warp, lane):
         self.bm, self.bn, self.bk, self.threads, self.stages = bm, bn, bk, threads, stages
-        self.wm, self.wn = warp_grid(bm, bn, threads // 32)
+        self.wm, self.wn, self.wk = warp_grid(bm, bn, threads // 32, bk)
         self.tm, self.tn = bm // self.wm, bn // self.wn  # the warp tile
         self.mi, self.ni = self.tm // 16, self.tn // 8  # m16 and n8 blocks per warp tile
-        self.tx, self.warp, self.lane = tx, warp, lane
+        self.tx, self.lane = tx, lane
+        # warp = (kw, tile warp): tile warp picks the warp tile, kw its k16 steps of a slice
+        self.warp = warp if self.wk == 1 else warp % (self.wm * self.wn)
+        self.kw = 0 if self.wk == 1 else warp // (self.wm * self.wn)
         self.As = T.alloc_shared((stages, bm, bk + PAD), "bfloat16")
         self.Bs = T.alloc_shared((stages, bk, bn + PAD), "bfloat16")
+        if self.wk > 1:
+            self.partial = T.alloc_shared(
+                (self.wk, self.wm * self.wn * 32, self.mi * self.ni * 4), "float32")
         self.acc = T.alloc_local((self.mi, self.ni, 4), "float32")
         self.a_frag = T.alloc_local((self.mi, 4), "uint32")
         self.b_frag = T.alloc_local((self.ni, 2), "uint32")
@@ -171,7 +189,8 @@ class MmaTile:
             T.ptx.cp.async_.wait_group(self.stages - 1)
             T.cuda.cta_sync()
             s = T.meta_var(ko % self.stages)
-            for kk in T.unroll(self.bk // 16):
+            for kq in T.unroll(self.bk // 16 // self.wk):
+                kk = T.meta_var(kq * self.wk + self.kw if self.wk > 1 else kq)
                 # Lane l addresses row l % 16, column block l // 16 of a 16x16 block: the
                 # x4 load's four 8x8 matrices are then exactly the mma fragment registers.
                 for m in T.unroll(self.mi):
@@ -197,6 +216,26 @@ class MmaTile:
                             self.acc[m, n, 0], self.acc[m, n, 1], self.acc[m, n, 2],
                             self.acc[m, n, 3])
             T.cuda.cta_sync()  # every warp is done with slot ko before it is refilled
+        if self.wk > 1:
+            self.add_k_partials()
+
+    @T.inline
+    def add_k_partials(self):
+        # Every warp of a warp tile ends with the sum of its wk groups' partials, added in kw
+        # order: the same bits in each, so any of them may run the epilogue (all do).
+        me = T.meta_var(self.warp * 32 + self.lane)
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for e in T.unroll(4):
+                    self.partial[self.kw, me, (m * self.ni + n) * 4 + e] = self.acc[m, n, e]
+        T.cuda.cta_sync()
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for e in T.unroll(4):
+                    self.acc[m, n, e] = self.partial[0, me, (m * self.ni + n) * 4 + e]
+                    for j in T.unroll(1, self.wk):
+                        self.acc[m, n, e] = self.acc[m, n, e] + self.partial[
+                            j, me, (m * self.ni + n) * 4 + e]
 
     @T.inline
     def store(self, C, row0, col0):
@@ -208,12 +247,12 @@ def check_geometry(bm: int, bn: int, bk: int, threads: int, stages: int) -> None
     if threads % 32 or bk % 16 or stages < 1:
         raise EtcError(f"gemm tile: threads must be whole warps, bk a multiple of 16 and "
                        f"stages >= 1, got threads={threads}, bk={bk}, stages={stages}")
-    warp_grid(bm, bn, threads // 32)
+    warp_grid(bm, bn, threads // 32, bk)
     a_loads, b_loads = bm * bk // CHUNK, bk * bn // CHUNK
     if a_loads % threads or b_loads % threads:
         raise EtcError(f"gemm tile {bm}x{bn}x{bk}: its {a_loads} + {b_loads} 16-byte chunks per "
                        f"stage do not divide among {threads} threads")
-    smem = shared_bytes(bm, bn, bk, stages)
+    smem = shared_bytes(bm, bn, bk, stages, threads)
     if smem > SMEM_LIMIT:
         raise EtcError(f"gemm tile {bm}x{bn}x{bk} x{stages} stages needs {smem} bytes of shared "
                        f"memory, more than {SMEM_LIMIT}")

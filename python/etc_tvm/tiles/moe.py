@@ -159,7 +159,6 @@ def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
                         for j in T.unroll(VEC):
                             acc[t, j] = acc[t, j] + T.Cast("float32", xv[u]) * T.Cast(
                                 "float32", wv[u, j])
-        if all_busy or hs < slices:
             for t in T.unroll(TB):
                 for j in T.unroll(VEC):
                     part[hs, t, eg * VEC + j] = acc[t, j]
