@@ -12,12 +12,13 @@ backend by itself, so it is opened first.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -179,9 +180,23 @@ class CompiledGraph:
         same buffers, refreshing ``outputs``. This is how the unfused baseline is replayed
         without launch overhead (see ``cuda_graph``).
         """
-        replay, outputs = cuda_graph(lambda: self.run(*inputs))
-        # the captured launches use this library's kernels: it lives as long as the replay
-        replay.compiled = self
+        import torch
+
+        held = []
+
+        def work():
+            if not torch.cuda.is_current_stream_capturing():
+                return self.run(*inputs)  # a warm-up run: its memory goes back to the pool
+            with holding_allocations(self.vm) as allocated:
+                result = self.run(*inputs)
+            held.extend(allocated)
+            return result
+
+        replay, outputs = cuda_graph(work)
+        # the captured launches use this library's kernels and the VM's intermediates of the
+        # captured run (a megakernel's workspace, the tensors between unfused launches):
+        # they live as long as the replay
+        replay.compiled, replay.held = self, held
         return replay, outputs
 
     def cuda_source(self) -> str:
@@ -220,6 +235,29 @@ def load(path: str | os.PathLike, device=None) -> CompiledGraph:
     return CompiledGraph(tvm.runtime.load_module(str(path)), meta, device)
 
 
+@contextlib.contextmanager
+def holding_allocations(vm) -> Iterator[list]:
+    """Within the block, every storage and tensor that ``vm``'s calls allocate is kept in the
+    list it yields.
+
+    The VM hands a call's intermediates back to TVM's memory pool when the call ends, and the
+    pool lends them to the next allocation: another VM's constants, say. A CUDA graph
+    captured from the call keeps launching on them, so each replay would overwrite whatever
+    holds them now. Held, they stay the graph's."""
+    held = []
+
+    def keep(_func, _symbol, before_run, result, *_args):
+        if not before_run and result is not None:
+            held.append(result)
+        return 0  # VMInstrumentReturnKind.NO_OP: run on
+
+    vm.set_instrument(keep)
+    try:
+        yield held
+    finally:
+        vm.set_instrument(None)
+
+
 def cuda_graph(work: Callable[[], object]):
     """``work()`` captured into a CUDA graph: ``(replay, what work returned)``.
 
@@ -244,5 +282,6 @@ def cuda_graph(work: Callable[[], object]):
     def replay() -> None:
         graph.replay()
 
-    replay.result = result  # buffers the graph writes live as long as the replay
+    # the buffers the graph reads (held by work) and writes live as long as the replay
+    replay.work, replay.result = work, result
     return replay, result

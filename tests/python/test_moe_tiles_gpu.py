@@ -4,6 +4,7 @@ per call (unfused: the grouped GEMM tiles no trigger releases skipped), on fresh
 routings, against a PyTorch float64 reference within the bounds the tiles state."""
 import numpy as np
 import pytest
+import tvm
 
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
@@ -194,3 +195,29 @@ def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert
     graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine="wgmma")
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
                 expert_weights, expert_weights_f64)
+
+
+def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):
+    """Two task widths of the layer, barrier and unfused, each built and captured before the
+    next is built (as bench_moe --configs does), then replayed in turns, each replay checked:
+    a later build's constants and a later capture's buffers must not land in the memory an
+    earlier graph launches on (its VM call handed it back to the pool)."""
+    x, w_router = moe_layer.make_routing_inputs(rng, 1, H, E)
+    want, bound = moe_layer.moe_layer_reference(x, w_router, *expert_weights, K)
+    replays = {}
+    for bn in (64, 32):
+        graph = moe_layer.make_moe_layer(bn=bn, router_splits=8, ctas_per_sm=2,
+                                         blocked_weights=True)
+        weights = moe_layer.blocked_expert_weights(*expert_weights, 16, bn)
+        on_device = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in (x, w_router, *weights)]
+        for strategy in ("barrier", "unfused"):
+            run = build(graph, {"T": 1}, strategy=strategy,
+                        options=KernelOptions(ctas_per_sm=2, timeout_s=0.5))
+            replays[bn, strategy] = (run.meta, *run.capture(*on_device))
+    for _ in range(3):
+        for meta, replay, outputs in replays.values():
+            replay()
+            torch.cuda.synchronize()
+            if meta.has_status:
+                meta.check(outputs[len(outputs) - 1].numpy())
+            assert_within(outputs[0].numpy(), want, bound)
