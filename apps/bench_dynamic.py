@@ -95,7 +95,7 @@ def measure(graph, dims, inputs, want, strategies, rtol) -> dict:
         strategy, _, ctas = label.replace("+graph", "").partition("-")
         compiled = build(graph, dims, strategy=strategy,
                          options=KernelOptions(ctas_per_sm=int(ctas or 1)))
-        runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol,
+        runs[label] = checked_run(label, compiled, on_device, want, rtol,
                                   replay=label.endswith("+graph"))
     return time_interleaved(runs, reps=50, warmup=5)
 

@@ -15,11 +15,15 @@ exact; ``moe_layer.make_routing_inputs``). Our variants must be within ``RTOL``;
 rounds its router logits to bf16, so near ties may pick other experts: its error is printed,
 not asserted. Times are medians of CUDA events around one call, the variants taking turns
 (``timing.time_interleaved``); "+graph" variants replay a CUDA graph of one call, the others
-include the host's call path. Prints one table (us; the last columns are ratios of HF+graph
-and of our barrier megakernel over our dynamic one) and writes JSON (``--json``).
+include the host's call path. ``--configs`` puts several layer configurations (task widths,
+router splits, CTAs an SM, ...) in the same timing loop, so that they compare on one machine
+at one moment. Prints one table (us: a line per configuration and token count, whose last
+columns are the ratios of HF+graph and of our barrier megakernel over our dynamic one, then
+the baselines) and writes JSON (``--json``).
 """
 import argparse
 import json
+import shlex
 
 import ml_dtypes
 import numpy as np
@@ -98,76 +102,15 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
-def measure(tokens: int, weights, hf, rng, reps: int, ours=tuple(OURS),
-            ctas_per_sm: int | None = None, engine: str = "mma", blocked_weights: bool = True,
-            **layer) -> dict:
-    """One row: us per call of each of ``ours`` (the grouped GEMMs on ``engine`` where their
-    tiles have 64 rows; ``ctas_per_sm`` persistent CTAs an SM, by default 2: one CTA's ring
-    hand-offs and memory latency overlap the other's task; expert weights
-    ``blocked_weights`` or in place; ``layer``: more of ``make_moe_layer``'s options, such as
-    bn, stages, threads, experts_per_task, block_tokens and router_splits, the last by default
-    ``moe_layer.router_splits_for`` the tokens) and of the baselines at ``tokens``, and the
-    errors."""
-    import tvm
-
-    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
-    layer = moe_layer.options_for(tokens, engine=engine, ctas_per_sm=ctas_per_sm or 2,
-                                  blocked_weights=blocked_weights, **layer)
-    row = {"tokens": tokens, "error": {}, "skipped": {}, **{k: layer[k] for k in (
-        "tile_rows", "ctas_per_sm", "router_splits", "blocked_weights")}}
-    expert_weights = weights["ours"]
-    if blocked_weights:  # laid out once for each task width the rows take
-        key = ("blocked", row["tile_rows"], layer.get("bn"))
-        if key not in weights:
-            weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
-        expert_weights = weights[key]
-    inputs = (x, w_router, *expert_weights)
-    dev = tvm.cuda(0)
-    on_device = [tvm.runtime.tensor(a, dev) for a in inputs]
-    xt, wrt = on_gpu(x), on_gpu(w_router)
-    want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
-    hf_run, hf_router = hf
-    with torch.no_grad():
-        hf_router.copy_(wrt.t())
-    runs = {}
-    options = KernelOptions(ctas_per_sm=row["ctas_per_sm"])
-    libraries = {}
-    for label in ours:
-        strategy, replay = label.split("+")[0], label.endswith("+graph")
-        try:
-            if strategy not in libraries:
-                graph = moe_layer.make_moe_layer(**layer)
-                libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
-                                             options=options)
-        except EtcError as err:  # a strategy that cannot run this graph says why
-            row["skipped"][label] = str(err).splitlines()[0]
-            continue
-        try:
-            runs[label] = checked_run(label, libraries[strategy], inputs, on_device, want,
-                                      RTOL, replay)
-        except (AssertionError, EtcError) as err:  # wrong results are reported, not timed
-            row["skipped"][label] = f"FAILED: {err}"
-    runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"])
-    row["error"]["torch loop"] = relative_error(runs["torch loop"](), want)
-    runs["HF"] = lambda: hf_run(xt)
-    row["error"]["HF"] = relative_error(hf_run(xt), want)
-    runs["HF+graph"], out = cuda_graph(lambda: hf_run(xt))
-    runs["HF+graph"]()
-    row["error"]["HF+graph"] = relative_error(out, want)
-    row["us"] = time_interleaved(runs, reps=reps)
-    return row
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--json", default="bench_moe.json")
-    parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
-                        help="our variants to run (the baselines always run)")
-    parser.add_argument("--ctas-per-sm", type=int,
+def layer_parser() -> argparse.ArgumentParser:
+    """The options that shape our layer: the command line's, and each of ``--configs``'
+    over them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--ctas-per-sm", type=int, default=2,
                         help="persistent CTAs per SM of the megakernels (default: 2, whose "
                         "hand-offs and memory latency overlap the other CTA's task)")
+    parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
+                        "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
@@ -185,34 +128,138 @@ def main() -> None:
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
+    return parser
+
+
+def parse_configs(specs, base: argparse.Namespace) -> dict[str, argparse.Namespace]:
+    """``NAME=FLAGS`` specs -> name -> layer options: ``base`` with FLAGS (``layer_parser``'s
+    options, as on a command line) over it; no specs: ``{"": base}``."""
+    configs = {}
+    for spec in specs or ():
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in configs:
+            raise SystemExit(f"--configs: {spec!r} is not a new NAME=FLAGS")
+        configs[name] = layer_parser().parse_args(shlex.split(flags),
+                                                  argparse.Namespace(**vars(base)))
+    return configs or {"": base}
+
+
+def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,
+             prefix: str = "") -> tuple[dict, dict]:
+    """(runs, description) of one layer configuration at ``tokens``: ``prefix`` + label ->
+    a checked run of each of ``ours`` (the grouped GEMMs on ``options.engine`` where their
+    tiles have 64 rows), and what the configuration resolved to, with the variants not run
+    and why."""
+    import tvm
+
+    layer = moe_layer.options_for(
+        tokens, tile_rows=options.tile_rows, engine=options.engine,
+        router_splits=options.router_splits, block_tokens=options.block_tokens, bn=options.bn,
+        stages=options.stages, threads=options.threads,
+        experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
+        blocked_weights=options.weights == "blocked")
+    about = {**layer, "skipped": {}}
+    expert_weights = weights["ours"]
+    if layer["blocked_weights"]:  # laid out once for each task width the rows take
+        key = ("blocked", layer["tile_rows"], options.bn)
+        if key not in weights:
+            weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
+        expert_weights = weights[key]
+    inputs = (*inputs, *expert_weights)
+    on_device = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in inputs]
+    kernel_options = KernelOptions(ctas_per_sm=options.ctas_per_sm)
+    runs, libraries = {}, {}
+    for label in ours:
+        strategy, replay = label.split("+")[0], label.endswith("+graph")
+        try:
+            if strategy not in libraries:
+                graph = moe_layer.make_moe_layer(**layer)
+                libraries[strategy] = build(graph, {"T": tokens}, strategy=strategy,
+                                             options=kernel_options)
+        except EtcError as err:  # a strategy that cannot run this graph says why
+            about["skipped"][label] = str(err).splitlines()[0]
+            continue
+        try:
+            runs[prefix + label] = checked_run(label, libraries[strategy], on_device, want,
+                                               RTOL, replay)
+        except (AssertionError, EtcError) as err:  # wrong results are reported, not timed
+            about["skipped"][label] = f"FAILED: {err}"
+    return runs, about
+
+
+def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(OURS)) -> dict:
+    """One row: us per call of each of ``ours`` under each of ``configs`` (name -> layer
+    options; a named one's labels are ``name:label``) and of the baselines at ``tokens``, all
+    taking turns in one timing loop, and the errors."""
+    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    xt, wrt = on_gpu(x), on_gpu(w_router)
+    want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
+    row = {"tokens": tokens, "configs": {}, "error": {}}
+    runs = {}
+    for name, options in configs.items():
+        mine, row["configs"][name] = our_runs(tokens, options, weights, (x, w_router), want,
+                                              ours, f"{name}:" if name else "")
+        runs |= mine
+    hf_run, hf_router = hf
+    with torch.no_grad():
+        hf_router.copy_(wrt.t())
+    runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"])
+    row["error"]["torch loop"] = relative_error(runs["torch loop"](), want)
+    runs["HF"] = lambda: hf_run(xt)
+    row["error"]["HF"] = relative_error(hf_run(xt), want)
+    runs["HF+graph"], out = cuda_graph(lambda: hf_run(xt))
+    runs["HF+graph"]()
+    row["error"]["HF+graph"] = relative_error(out, want)
+    row["us"] = time_interleaved(runs, reps=reps)
+    return row
+
+
+def print_row(row: dict, ours) -> None:
+    """A line per configuration (its variants, and the ratios of HF+graph and of our barrier
+    megakernel over our dynamic one), then the baselines and what each configuration was."""
+    us = row["us"]
+    for name in row["configs"]:
+        mine = {v: us.get(f"{name}:{v}" if name else v) for v in ours}
+        cells = " ".join(f"{mine[v]:13.1f}" if mine[v] else f"{'n/a':>13}" for v in ours)
+        ratios = [f"{a / b:12.2f}x" if a and b else f"{'n/a':>13}"
+                  for a, b in ((us["HF+graph"], mine.get("dynamic")),
+                               (mine.get("barrier"), mine.get("dynamic")))]
+        print(f"{row['tokens']:>6} {name or '-':>10} {cells} {' '.join(ratios)}", flush=True)
+    print(f"{'':>17} " + ", ".join(f"{v} {us[v]:.1f}" for v in THEIRS) + "; errors: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in row["error"].items()), flush=True)
+    for name, about in row["configs"].items():
+        print(f"{'':>17} {name or '-'}: {about['tile_rows']}-row expert tiles on "
+              f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router over "
+              f"{about['router_splits']} splits"
+              f"{', blocked weights' if about['blocked_weights'] else ''}"
+              + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(parents=[layer_parser()])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", default="bench_moe.json")
+    parser.add_argument("--ours", nargs="+", default=OURS, choices=OURS,
+                        help="our variants to run (the baselines always run)")
+    parser.add_argument("--configs", nargs="+", metavar="NAME=FLAGS",
+                        help="layer configurations that take turns in one timing loop, each "
+                        "the layer options above over the command line's, e.g. "
+                        "base= narrow='--bn 32'")
     args = parser.parse_args()
+    configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
     w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
     w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
     hf = hf_block(*weights["torch"])
-    labels = args.ours + THEIRS
-    print(f"{'tokens':>6} " + " ".join(f"{v:>13}" for v in labels)
+    print(f"{'tokens':>6} {'config':>10} " + " ".join(f"{v:>13}" for v in args.ours)
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        r = measure(tokens, weights, hf, rng, args.reps, args.ours, args.ctas_per_sm,
-                    args.engine, args.weights == "blocked", bn=args.bn, stages=args.stages,
-                    experts_per_task=args.experts_per_task, block_tokens=args.block_tokens,
-                    router_splits=args.router_splits, threads=args.threads)
-        rows.append(r)
-        us = r["us"]
-        cells = " ".join(f"{us[v]:13.1f}" if v in us else f"{'n/a':>13}" for v in labels)
-        ratios = [f"{us[a] / us[b]:12.2f}x" if a in us and b in us else f"{'n/a':>13}"
-                  for a, b in (("HF+graph", "dynamic"), ("barrier", "dynamic"))]
-        print(f"{tokens:>6} {cells} {' '.join(ratios)}", flush=True)
-        errors = ", ".join(f"{k} {v:.1e}" for k, v in r["error"].items())
-        print(f"        {r['tile_rows']}-row expert tiles, {r['ctas_per_sm']} CTAs an SM, "
-              f"router over {r['router_splits']} splits"
-              f"{', blocked weights' if r['blocked_weights'] else ''}; "
-              f"errors: {errors}"
-              + "".join(f"; {k} not run: {why}" for k, why in r["skipped"].items()),
-              flush=True)
+        rows.append(measure(tokens, weights, hf, rng, args.reps, configs, args.ours))
+        print_row(rows[-1], args.ours)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
 

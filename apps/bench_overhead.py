@@ -158,7 +158,7 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
         strategy, scheduler, ctas, replay = VARIANTS[label]
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
                          options=KernelOptions(ctas_per_sm=ctas))
-        runs[label] = checked_run(label, compiled, inputs, on_device, want, rtol, replay)
+        runs[label] = checked_run(label, compiled, on_device, want, rtol, replay)
     medians = time_interleaved(runs)
     print(f"{graph.name} {dims}: "
           + ", ".join(f"{label} {us:.1f}" for label, us in medians.items()), flush=True)

@@ -5,23 +5,38 @@ import statistics
 import numpy as np
 import torch
 
+from etc_tvm.errors import EtcError
 
-def checked_run(label: str, compiled, inputs, on_device, want, rtol: float, replay: bool):
+
+def checked_run(label: str, compiled, on_device, want, rtol: float, replay: bool):
     """A function running ``compiled`` on the device tensors ``on_device`` (through the VM,
-    or replayed from a CUDA graph), after one run on ``inputs`` that the watchdog and
-    ``want`` (relative L2 error under ``rtol``) accept."""
+    or replayed from a CUDA graph). Its ``check()`` runs it once more and holds the outputs
+    to the watchdog and to ``want`` (relative L2 error under ``rtol``): here, before it is
+    timed, and in ``time_interleaved`` after, so that no time stands for runs that went
+    wrong."""
     if replay:
         run, outputs = compiled.capture(*on_device)
-        run()
-        torch.cuda.synchronize()
-        got = outputs[0].numpy()
-        if compiled.meta.has_status:
-            compiled.meta.check(outputs[len(outputs) - 1].numpy())
+
+        def result():
+            run()
+            torch.cuda.synchronize()
+            if compiled.meta.has_status:
+                compiled.meta.check(outputs[len(outputs) - 1].numpy())
+            return outputs[0].numpy()
     else:
-        got = compiled(*inputs)
-        run = lambda: compiled.run(*on_device)  # noqa: E731
-    error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
-    assert error < rtol, f"{label}: relative error {error:.2e}"
+        def run():
+            compiled.run(*on_device)
+
+        def result():
+            return compiled(*on_device)
+
+    def check():
+        got = result()
+        error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
+        assert error < rtol, f"{label}: relative error {error:.2e}"
+
+    check()
+    run.check = check
     return run
 
 
@@ -30,7 +45,8 @@ def time_interleaved(runs: dict, reps: int = 200, warmup: int = 20) -> dict:
     events.
 
     The variants take turns, one call each per round, so that a drift of the GPU's clocks or
-    of its neighbours' load over the measurement falls on every variant alike."""
+    of its neighbours' load over the measurement falls on every variant alike. Runs that
+    ``checked_run`` made are checked again at the end."""
     for fn in runs.values():
         for _ in range(warmup):
             fn()
@@ -43,4 +59,10 @@ def time_interleaved(runs: dict, reps: int = 200, warmup: int = 20) -> dict:
             end.record()
             end.synchronize()
             times[label].append(start.elapsed_time(end) * 1e3)
+    for label, fn in runs.items():
+        if hasattr(fn, "check"):
+            try:
+                fn.check()
+            except (AssertionError, EtcError) as err:
+                raise AssertionError(f"{label}, checked after its timing: {err}") from err
     return {label: statistics.median(t) for label, t in times.items()}
