@@ -177,8 +177,10 @@ class CompiledGraph:
         """Capture one run on ``inputs`` (device tensors) into a CUDA graph.
 
         Returns ``(replay, outputs)``: each ``replay()`` re-runs the captured launches on the
-        same buffers, refreshing ``outputs``. This is how the unfused baseline is replayed
-        without launch overhead (see ``cuda_graph``).
+        same buffers, refreshing ``outputs``; the replay holds them all (the inputs, the
+        outputs, the VM's intermediates of the captured run), so that no later allocation
+        takes their memory. This is how the unfused baseline is replayed without launch
+        overhead (see ``cuda_graph``).
         """
         import torch
 
