@@ -15,14 +15,12 @@ def checked_run(label: str, compiled, on_device, want, rtol: float, replay: bool
     timed, and in ``time_interleaved`` after, so that no time stands for runs that went
     wrong."""
     if replay:
-        run, outputs = compiled.capture(*on_device)
+        run, _ = compiled.capture(*on_device)
 
         def result():
             run()
             torch.cuda.synchronize()
-            if compiled.meta.has_status:
-                compiled.meta.check(outputs[len(outputs) - 1].numpy())
-            return outputs[0].numpy()
+            return run.checked()
     else:
         def run():
             compiled.run(*on_device)

@@ -165,7 +165,12 @@ class CompiledGraph:
         return outs, Timeline(meta, timeline)
 
     def _checked(self, inputs):
-        result, meta = self._run(inputs)
+        return self._read(*self._run(inputs))
+
+    @staticmethod
+    def _read(result, meta):
+        """(outputs as ``__call__`` returns them, meta, timeline or None) of a run's result,
+        its watchdog record checked."""
         n = len(result) - meta.has_status - meta.profiled
         if meta.has_status:
             meta.check(result[n].numpy())
@@ -179,8 +184,9 @@ class CompiledGraph:
         Returns ``(replay, outputs)``: each ``replay()`` re-runs the captured launches on the
         same buffers, refreshing ``outputs``; the replay holds them all (the inputs, the
         outputs, the VM's intermediates of the captured run), so that no later allocation
-        takes their memory. This is how the unfused baseline is replayed without launch
-        overhead (see ``cuda_graph``).
+        takes their memory. ``replay.checked()`` reads ``outputs`` after a replay (and a
+        synchronisation) as ``__call__`` returns them, the watchdog record checked. This is
+        how the unfused baseline is replayed without launch overhead (see ``cuda_graph``).
         """
         import torch
 
@@ -195,10 +201,9 @@ class CompiledGraph:
             return result
 
         replay, outputs = cuda_graph(work)
-        # the captured launches use this library's kernels and the VM's intermediates of the
-        # captured run (a megakernel's workspace, the tensors between unfused launches):
-        # they live as long as the replay
-        replay.compiled, replay.held = self, held
+        replay.compiled, replay.held = self, held  # the kernels, the intermediates
+        meta = self.meta.select(inputs)[1] if isinstance(self.meta, SampledMeta) else self.meta
+        replay.checked = lambda: self._read(outputs, meta)[0]
         return replay, outputs
 
     def cuda_source(self) -> str:
