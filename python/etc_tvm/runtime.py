@@ -193,11 +193,13 @@ class CompiledGraph:
         held = []
 
         def work():
-            if not torch.cuda.is_current_stream_capturing():
-                return self.run(*inputs)  # a warm-up run: its memory goes back to the pool
+            # Held, a call's intermediates are not lent again within the call either, so the
+            # captured call needs more memory than a plain one: the warm-up runs hold theirs
+            # too, and hand them back to the pool for the capture, which may not allocate.
             with holding_allocations(self.vm) as allocated:
                 result = self.run(*inputs)
-            held.extend(allocated)
+            if torch.cuda.is_current_stream_capturing():
+                held.extend(allocated)
             return result
 
         replay, outputs = cuda_graph(work)
