@@ -113,6 +113,7 @@ def layer_parser() -> argparse.ArgumentParser:
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
+    parser.add_argument("--down-bn", type=int, help="the down tasks' columns (default: --bn)")
     parser.add_argument("--engine", choices=moe.ENGINES, default="mma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
@@ -155,13 +156,13 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     layer = moe_layer.options_for(
         tokens, tile_rows=options.tile_rows, engine=options.engine,
         router_splits=options.router_splits, block_tokens=options.block_tokens, bn=options.bn,
-        stages=options.stages, threads=options.threads,
+        down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         blocked_weights=options.weights == "blocked")
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
-        key = ("blocked", layer["tile_rows"], options.bn)
+        key = ("blocked", layer["tile_rows"], options.bn, options.down_bn)
         if key not in weights:
             weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
         expert_weights = weights[key]
@@ -231,7 +232,9 @@ def print_row(row: dict, ours) -> None:
         print(f"{'':>17} {name or '-'}: {about['tile_rows']}-row expert tiles on "
               f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router over "
               f"{about['router_splits']} splits"
-              f"{', blocked weights' if about['blocked_weights'] else ''}"
+              + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
+                 "(down) columns" if about["bn"] else "")
+              + f"{', blocked weights' if about['blocked_weights'] else ''}"
               + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),
               flush=True)
 

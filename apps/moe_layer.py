@@ -35,7 +35,8 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
                    experts_per_task: int = 16, router_splits: int = 1,
-                   bn: int | None = None, bk: int = 64, stages: int | None = None,
+                   bn: int | None = None, down_bn: int | None = None, bk: int = 64,
+                   stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
@@ -46,39 +47,49 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     the hidden rows over router tasks (``moe.make_router_tile``; ``router_splits_for``).
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
-    on the H200 the static layer went from 1504 to 1149 us). ``stages``: their cp.async ring,
-    by default the deepest that fits (``gemm.deepest_stages``) the shared memory of one of
-    the ``ctas_per_sm`` persistent CTAs an SM runs (``KernelOptions.ctas_per_sm``), within
-    100 KB for "mma" tiles and ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones. For 64 x 128
+    on the H200 the static layer went from 1504 to 1149 us). ``down_bn``: the down tasks'
+    columns where they differ from gate_up's, for gate_up widths that do not divide the
+    hidden size (48 columns: at one token 256 gate_up tasks, one round of two CTAs on 132
+    SMs, against 192 of 64 columns; on the H200 no faster). ``stages``: each grouped GEMM's
+    cp.async ring, by default the deepest that fits (``gemm.deepest_stages``) the shared
+    memory of one of the ``ctas_per_sm`` persistent CTAs an SM runs
+    (``KernelOptions.ctas_per_sm``), within 100 KB for "mma" tiles and
+    ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones. For 64 x 128
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
     multiples). ``blocked_weights``: the layer takes both expert weights as
-    ``moe.block_columns`` of ``bn`` lays them out (``blocked_expert_weights``)."""
+    ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
+    (``blocked_expert_weights``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
+    down_bn = down_bn or bn
     wgmma = engine == "wgmma"
-    stages = stages or gemm.deepest_stages(
-        BT, bn, bk, footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
-            gemm.shared_bytes, threads=threads),
-        limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
-                  SM_SHARED_BYTES // ctas_per_sm))
+
+    def ring(columns: int) -> int:
+        return stages or gemm.deepest_stages(
+            BT, columns, bk, footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
+                gemm.shared_bytes, threads=threads),
+            limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
+                      SM_SHARED_BYTES // ctas_per_sm))
+
     combine_cols = min(combine_cols, H)
-    if combine_cols % bn:
-        raise ValueError(f"combine_cols {combine_cols} must be a multiple of bn {bn}")
+    if combine_cols % down_bn:
+        raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
                                   splits=router_splits)
     topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     align = moe.make_align_tile(E, K, BT, threads)
-    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, stages, engine,
+    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
                                     blocked_weights)
-    down = moe.make_down_tile(F, H, E, BT, bn, bk, threads, stages, engine, blocked_weights)
+    down = moe.make_down_tile(F, H, E, BT, down_bn, bk, threads, ring(down_bn), engine,
+                              blocked_weights)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
-    down_shape = moe.grouped_weight_shape(E, F, H, bn, blocked_weights)
+    down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
     combine = moe.make_combine_tile(H, K, combine_cols, threads)
-    nb1, nb2, nc = 2 * F // bn, H // bn, H // combine_cols
-    per_block = combine_cols // bn  # down column blocks per combine column block
+    nb1, nb2, nc = 2 * F // bn, H // down_bn, H // combine_cols
+    per_block = combine_cols // down_bn  # down column blocks per combine column block
 
     @graph_func
     def moe_layer(x: Tensor(("T", H), "bfloat16"), w_router: Tensor((H, E), "bfloat16"),
@@ -130,12 +141,13 @@ def default_bn(tile_rows: int) -> int:
     return 64 if tile_rows <= 16 else 128
 
 
-def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = None):
+def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = None,
+                           down_bn: int | None = None):
     """The layer's expert weights for ``make_moe_layer(blocked_weights=True)`` with tiles of
-    ``tile_rows`` and tasks of ``bn`` columns (by default the layer's, ``default_bn``): done
-    once, when the weights are loaded."""
+    ``tile_rows`` and tasks of ``bn`` and ``down_bn`` columns (by default the layer's,
+    ``default_bn`` and ``bn``): done once, when the weights are loaded."""
     bn = bn or default_bn(tile_rows)
-    return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, bn)
+    return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, down_bn or bn)
 
 
 def options_for(tokens: int, **options) -> dict:

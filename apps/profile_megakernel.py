@@ -35,6 +35,8 @@ def main() -> None:
                         help="the MoE layer's grouped-GEMM engine where its tiles have 64 rows")
     parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "
                         "(default: make_moe_layer's)")
+    parser.add_argument("--moe-down-bn", type=int, help="the MoE down tasks' columns "
+                        "(default: --moe-bn)")
     parser.add_argument("--moe-weights", choices=("blocked", "in-place"), default="blocked",
                         help="the MoE expert weights' layout (as apps/bench_moe.py)")
     parser.add_argument("--moe-experts-per-task", type=int, default=16,
@@ -66,11 +68,13 @@ def main() -> None:
         for tokens in args.moe_tokens:
             options = moe_layer.options_for(
                 tokens, engine=args.moe_engine, router_splits=args.moe_router_splits,
-                bn=args.moe_bn, experts_per_task=args.moe_experts_per_task,
-                ctas_per_sm=args.ctas_per_sm, blocked_weights=blocked)
+                bn=args.moe_bn, down_bn=args.moe_down_bn,
+                experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
+                blocked_weights=blocked)
             graph = moe_layer.make_moe_layer(**options)
-            weights = moe_layer.blocked_expert_weights(*experts, options["tile_rows"],
-                                                       args.moe_bn) if blocked else experts
+            weights = moe_layer.blocked_expert_weights(
+                *experts, options["tile_rows"], args.moe_bn, args.moe_down_bn) \
+                if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])
     for name, (graph, dims, inputs) in cases.items():

@@ -407,14 +407,30 @@ def test_blocked_weight_layer_compiles_for_sm90a(tmp_path):
             "down_768x2048_e128_16x64x64_s8_t128_blocked"} <= names, names
 
 
-def test_narrow_task_layer_compiles_for_sm90a(tmp_path):
-    """Grouped-GEMM tasks of 32 columns: four warps split each K slice over two warp groups
-    (``gemm.warp_grid``), twice the tasks of 64 columns."""
-    graph = make_moe_layer(bn=32, blocked_weights=True, ctas_per_sm=2)
+@pytest.mark.parametrize("bn, down_bn", [(32, None), (48, 64)])
+def test_narrow_task_layer_compiles_for_sm90a(bn, down_bn, tmp_path):
+    """Grouped-GEMM tasks of 32 or 48 columns: four warps split each K slice over warp groups
+    (``gemm.warp_grid``); 48-column gate_up tasks with 64-column down tasks (2048 hidden
+    columns are no multiple of 48)."""
+    graph = make_moe_layer(bn=bn, down_bn=down_bn, blocked_weights=True, ctas_per_sm=2)
     compile_layer(graph, 1, tmp_path, ctas_per_sm=2)
     calls = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": 1}).calls}
-    assert calls["gate_up_2048x768_e128_16x32x64_s8_t128_blocked"] == 8 * 1536 // 32
-    assert calls["down_768x2048_e128_16x32x64_s8_t128_blocked"] == 8 * 2048 // 32
+    down_bn = down_bn or bn
+    assert calls[f"gate_up_2048x768_e128_16x{bn}x64_s8_t128_blocked"] == 8 * 1536 // bn
+    assert calls[f"down_768x2048_e128_16x{down_bn}x64_s8_t128_blocked"] == 8 * 2048 // down_bn
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_layer_with_other_down_task_width_matches_float64(blocked, rng):
+    """gate_up tasks of 32 columns, down tasks of 64: each GEMM's weights are laid out, its
+    tasks counted and its y blocks gathered by the combine with its own width."""
+    inputs = make_inputs(rng, 9, H, E, F)
+    graph = make_moe_layer(H, E, K, F, bn=32, down_bn=64, combine_cols=128,
+                           blocked_weights=blocked)
+    weights = moe_layer.blocked_expert_weights(*inputs[2:], BT, 32, 64) if blocked \
+        else inputs[2:]
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs[:2], *weights), want, bound)
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])

@@ -163,15 +163,18 @@ def test_split_router_layer_megakernel(splits, strategy, tokens, rng, expert_wei
         check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("bn, down_bn", [(32, None), (48, 64)])
 @pytest.mark.parametrize("tokens", (1, 16))
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
-def test_narrow_task_layer_megakernel(strategy, tokens, rng, expert_weights,
+def test_narrow_task_layer_megakernel(strategy, tokens, bn, down_bn, rng, expert_weights,
                                       expert_weights_f64):
-    """Grouped-GEMM tasks of 32 columns (warps splitting K), blocked weights, two CTAs an SM."""
-    graph = moe_layer.make_moe_layer(bn=32, router_splits=moe_layer.router_splits_for(tokens),
-                                     ctas_per_sm=2, blocked_weights=True)
+    """Grouped-GEMM tasks of 32 or 48 columns (warps splitting K; down tasks of 64 columns
+    with 48), blocked weights, two CTAs an SM."""
+    graph = moe_layer.make_moe_layer(bn=bn, down_bn=down_bn, ctas_per_sm=2,
+                                     router_splits=moe_layer.router_splits_for(tokens),
+                                     blocked_weights=True)
     run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, 16, 32)
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, 16, bn, down_bn)
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
                     expert_weights, expert_weights_f64)
