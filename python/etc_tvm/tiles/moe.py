@@ -338,8 +338,7 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
 
         @T.inline
         def load_experts(batch):
-            # The batch's experts in flight together: one at a time, each pair waited an L2
-            # round trip (at 1024 tokens the task took 40 us on the H200).
+            # the batch's experts in flight together, not an L2 round trip a pair
             for u in T.unroll(LOADS_AHEAD):
                 if batch * LOADS_AHEAD + u < mine:
                     expert[u] = topk[(lo + batch * LOADS_AHEAD + u) // K,
