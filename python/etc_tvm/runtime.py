@@ -197,14 +197,13 @@ class CompiledGraph:
             # captured call needs more memory than a plain one: the warm-up runs hold theirs
             # too, and hand them back to the pool for the capture, which may not allocate.
             with holding_allocations(self.vm) as allocated:
-                result = self.run(*inputs)
+                ran = self._run(inputs)  # (outputs, the meta of the function that ran)
             if torch.cuda.is_current_stream_capturing():
                 held.extend(allocated)
-            return result
+            return ran
 
-        replay, outputs = cuda_graph(work)
+        replay, (outputs, meta) = cuda_graph(work)
         replay.compiled, replay.held = self, held  # the kernels, the intermediates
-        meta = self.meta.select(inputs)[1] if isinstance(self.meta, SampledMeta) else self.meta
         replay.checked = lambda: self._read(outputs, meta)[0]
         return replay, outputs
 
