@@ -118,14 +118,17 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="the grouped GEMMs' MMA where their tiles have 64 rows")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
-    parser.add_argument("--experts-per-task", type=int, default=16,
-                        help="experts a router task scores (a multiple of 8)")
+    parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
+                        "(default: moe_layer.ROUTER_BLOCKS of the router's engine)")
     parser.add_argument("--threads", type=int, default=128,
                         help="threads of every tile (and of the megakernels' CTAs)")
     parser.add_argument("--router-splits", type=int, help="splits of the hidden rows over "
                         "router tasks (default: moe_layer.router_splits_for the tokens)")
-    parser.add_argument("--block-tokens", type=int, default=8,
-                        help="tokens a router and a top-k task take")
+    parser.add_argument("--block-tokens", type=int, help="tokens a router and a top-k task "
+                        "take (default: moe_layer.ROUTER_BLOCKS of the router's engine)")
+    parser.add_argument("--router-engine", choices=moe.ROUTER_ENGINES,
+                        help="the router's engine (default: moe_layer.router_engine_for the "
+                        "tokens)")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
@@ -155,7 +158,8 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
 
     layer = moe_layer.options_for(
         tokens, tile_rows=options.tile_rows, engine=options.engine,
-        router_splits=options.router_splits, block_tokens=options.block_tokens, bn=options.bn,
+        router_splits=options.router_splits, router_engine=options.router_engine,
+        block_tokens=options.block_tokens, bn=options.bn,
         down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         blocked_weights=options.weights == "blocked")
@@ -231,7 +235,7 @@ def print_row(row: dict, ours) -> None:
     for name, about in row["configs"].items():
         print(f"{'':>17} {name or '-'}: {about['tile_rows']}-row expert tiles on "
               f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router over "
-              f"{about['router_splits']} splits"
+              f"{about['router_splits']} splits on {about['router_engine']}"
               + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
                  "(down) columns" if about["bn"] else "")
               + f"{', blocked weights' if about['blocked_weights'] else ''}"

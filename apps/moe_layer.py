@@ -35,6 +35,7 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
                    experts_per_task: int = 16, router_splits: int = 1,
+                   router_engine: str = "fma",
                    bn: int | None = None, down_bn: int | None = None, bk: int = 64,
                    stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
@@ -43,8 +44,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
 
-    ``experts_per_task`` and ``router_splits``: a router task's experts and the splits of
-    the hidden rows over router tasks (``moe.make_router_tile``; ``router_splits_for``).
+    ``experts_per_task``, ``router_splits`` and ``router_engine``: a router task's experts,
+    the splits of the hidden rows over router tasks and their engine
+    (``moe.make_router_tile``; ``router_splits_for``, ``router_engine_for``).
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``down_bn``: the down tasks'
@@ -78,7 +80,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
-                                  splits=router_splits)
+                                  splits=router_splits, engine=router_engine)
     topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     align = moe.make_align_tile(E, K, BT, threads)
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
@@ -153,12 +155,29 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "mma" if none
-    is asked for) and the router splits (``router_splits_for``) filled in where missing or
-    None."""
+    is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
+    experts (``ROUTER_BLOCKS``) and its splits (``router_splits_for``) filled in where
+    missing or None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
+    router_engine = options.get("router_engine") or router_engine_for(tokens)
+    block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
+    block_tokens = options.get("block_tokens") or block_tokens
     return {**options, "tile_rows": rows, "engine": engine_for(rows, options.get("engine", "mma")),
+            "router_engine": router_engine, "block_tokens": block_tokens,
+            "experts_per_task": options.get("experts_per_task") or experts_per_task,
             "router_splits": options.get("router_splits")
-            or router_splits_for(tokens, options.get("block_tokens", 8))}
+            or router_splits_for(tokens, block_tokens)}
+
+
+# A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
+# m16 block of tokens, and 32 experts, so that 1024 tokens make 256 tasks.
+ROUTER_BLOCKS = {"fma": (8, 16), "mma": (16, 32)}
+
+
+def router_engine_for(tokens: int) -> str:
+    """The router's engine for ``tokens``: CUDA cores while one block of 8 tokens holds them
+    all (at one token the logits are a GEMV), tensor cores past that."""
+    return "fma" if tokens <= ROUTER_BLOCKS["fma"][0] else "mma"
 
 
 def router_splits_for(tokens: int, block_tokens: int = 8) -> int:

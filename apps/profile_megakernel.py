@@ -39,8 +39,11 @@ def main() -> None:
                         "(default: --moe-bn)")
     parser.add_argument("--moe-weights", choices=("blocked", "in-place"), default="blocked",
                         help="the MoE expert weights' layout (as apps/bench_moe.py)")
-    parser.add_argument("--moe-experts-per-task", type=int, default=16,
-                        help="experts a MoE router task scores")
+    parser.add_argument("--moe-experts-per-task", type=int, help="experts a MoE router task "
+                        "scores (default: moe_layer.ROUTER_BLOCKS of the router's engine)")
+    parser.add_argument("--moe-router-engine", choices=moe.ROUTER_ENGINES,
+                        help="the MoE router's engine (default: moe_layer.router_engine_for "
+                        "the tokens)")
     parser.add_argument("--moe-router-splits", type=int, help="splits of the hidden rows over "
                         "MoE router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
@@ -68,6 +71,7 @@ def main() -> None:
         for tokens in args.moe_tokens:
             options = moe_layer.options_for(
                 tokens, engine=args.moe_engine, router_splits=args.moe_router_splits,
+                router_engine=args.moe_router_engine,
                 bn=args.moe_bn, down_bn=args.moe_down_bn,
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
                 blocked_weights=blocked)

@@ -11,7 +11,6 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
     """name -> the tile alone as a graph function, at these layer sizes (the grouped GEMMs
     with a ring of ``grouped_stages``)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
-    router, topk_tile = moe.make_router_tile(Hd, Ex), moe.make_topk_tile(Ex, Kk)
     align = moe.make_align_tile(Ex, Kk, BT)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex, stages=grouped_stages)
     down = moe.make_down_tile(Fi, Hd, Ex, stages=grouped_stages)
@@ -19,16 +18,23 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
     qk = rope.make_qk_norm_rope_tile(*qwen_heads)
     Hq, Hk = qwen_heads
 
-    @graph_func
-    def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
-        n = x.shape[0]
-        blocks = moe.ceil_div(n, 8)
-        ready = ETensor((blocks,), name="logits_ready")
-        logits = call_device(router, tile_num=(blocks, 1, Ex // 16), args=[x, w],
-                             out=Tensor((1, n, Ex), "float32"), out_edges={ready: "bsj->b"})
-        return call_device(topk_tile, tile_num=(blocks,), args=[logits],
-                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
-                           in_edges={ready: "b->b"})
+    def routing_only(engine, block_tokens, experts_per_task):
+        router = moe.make_router_tile(Hd, Ex, block_tokens, experts_per_task, engine=engine)
+        topk_tile = moe.make_topk_tile(Ex, Kk, block_tokens)
+
+        @graph_func
+        def router_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Hd, Ex), "bfloat16")):
+            n = x.shape[0]
+            blocks = moe.ceil_div(n, block_tokens)
+            ready = ETensor((blocks,), name="logits_ready")
+            logits = call_device(router, tile_num=(blocks, 1, Ex // experts_per_task),
+                                 args=[x, w], out=Tensor((1, n, Ex), "float32"),
+                                 out_edges={ready: "bsj->b"})
+            return call_device(topk_tile, tile_num=(blocks,), args=[logits],
+                               out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")],
+                               in_edges={ready: "b->b"})
+
+        return router_only
 
     @graph_func
     def align_only(topk: Tensor(("T", Kk), "int32")):
@@ -73,14 +79,16 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
                            out=[Tensor((n, Hq * 128), "bfloat16"),
                                 Tensor((n, Hk * 128), "bfloat16")])
 
-    return {"router": router_only, "align": align_only, "gate_up": gate_up_only,
+    return {"router": routing_only("fma", 8, 16), "router_mma": routing_only("mma", 16, 32),
+            "align": align_only, "gate_up": gate_up_only,
             "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
 
 
 def one_call_dims(name, tokens, experts=128, top_k=8):
     """The sizes the graph ``name`` of ``one_call_graphs`` takes for ``tokens`` tokens."""
     tiles = moe.max_tiles(tokens, experts, top_k, BT)
-    return {"router": {"T": tokens}, "align": {"T": tokens}, "qk_norm_rope": {"T": tokens},
+    return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "align": {"T": tokens},
+            "qk_norm_rope": {"T": tokens},
             "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
             "down": {"R": tiles * BT, "G": tiles},
             "combine": {"T": tokens, "R": tiles * BT}}[name]

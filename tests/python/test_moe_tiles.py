@@ -68,22 +68,27 @@ def gaussian_routing_inputs(rng, tokens):
 
 
 # ------------------------------------------------------------------ references vs float64
-def route_with_tiles(x, w, experts_per_task=8, splits=1):
+def route_with_tiles(x, w, experts_per_task=8, splits=1, engine="fma", block_tokens=8):
     """topk, topw of the router and top-k tiles' references, on poisoned outputs."""
-    tokens, blocks = x.shape[0], moe.ceil_div(x.shape[0], 8)
+    tokens, blocks = x.shape[0], moe.ceil_div(x.shape[0], block_tokens)
     logits = poisoned((splits, tokens, E), "float32")
-    run_tasks(moe.make_router_tile(H, E, 8, experts_per_task, splits=splits),
+    run_tasks(moe.make_router_tile(H, E, block_tokens, experts_per_task, splits=splits,
+                                   engine=engine),
               (blocks, splits, E // experts_per_task), x, w, logits)
     topk, topw = np.full((tokens, K), -1, np.int32), poisoned((tokens, K), "float32")
-    run_tasks(moe.make_topk_tile(E, K, splits=splits), (blocks,), logits, topk, topw)
+    run_tasks(moe.make_topk_tile(E, K, block_tokens, splits=splits), (blocks,), logits, topk,
+              topw)
     return topk, topw
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_router_reference_is_within_its_bound(tokens, splits, rng):
+@pytest.mark.parametrize("splits, engine, block_tokens, experts_per_task",
+                         [(1, "fma", 8, 8), (4, "fma", 8, 8), (1, "mma", 16, 16),
+                          (2, "mma", 16, 16)])
+def test_router_reference_is_within_its_bound(tokens, splits, engine, block_tokens,
+                                              experts_per_task, rng):
     x, w = gaussian_routing_inputs(rng, tokens)
-    topk, topw = route_with_tiles(x, w, splits=splits)
+    topk, topw = route_with_tiles(x, w, experts_per_task, splits, engine, block_tokens)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
@@ -95,6 +100,10 @@ def test_router_splits_must_divide_the_hidden_rows():
         moe.make_router_tile(H, E, splits=3)
     with pytest.raises(EtcError, match="split's 4 hidden rows must be a multiple of 8"):
         moe.make_router_tile(H, E, splits=32)
+    with pytest.raises(EtcError, match="4 splits must divide hidden 128 into multiples of 64"):
+        moe.make_router_tile(H, E, 16, 16, splits=4, engine="mma")
+    with pytest.raises(EtcError, match="engine must be one of"):
+        moe.make_router_tile(H, E, engine="wgmma")
 
 
 def test_router_breaks_ties_by_lower_index():
@@ -356,12 +365,12 @@ def test_layer_graph_is_valid_for_qwen3_sizes():
 
 
 # ------------------------------------------------------------------ CUDA for sm_90a
-@pytest.mark.parametrize("name", ["router", "align", "gate_up", "down", "combine",
-                                  "qk_norm_rope"])
+@pytest.mark.parametrize("name", ["router", "router_mma", "align", "gate_up", "down",
+                                  "combine", "qk_norm_rope"])
 def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     graph = one_call_graphs(2048, 128, 8, 768)[name]
     source = build(graph, one_call_dims(name, 16), strategy="unfused").cuda_source()
-    if name in ("gate_up", "down"):
+    if name in ("router_mma", "gate_up", "down"):
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     build_cubin(source, tmp_path, allow_spills=True)
 
@@ -379,6 +388,35 @@ def test_layer_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = build(make_moe_layer(), {"T": 16}, strategy=strategy, num_sms=132).cuda_source()
     assert "__global__" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("tokens", (9, 20))
+def test_layer_with_mma_router_matches_float64(tokens, rng):
+    """The router on tensor cores: blocks of 16 tokens, rows past T read as zeros."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_engine="mma", block_tokens=16,
+                           router_splits=2)
+    router = next(c for c in TaskGraph.build(graph, {"T": tokens}).calls
+                  if c.fn.name.startswith("router"))
+    assert "_mma_" in router.fn.name and router.grid == (-(-tokens // 16), 2, 1)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(5)), want, bound)
+
+
+def test_layer_options_pick_the_router_engine_by_tokens():
+    one, many = moe_layer.options_for(1), moe_layer.options_for(1024)
+    assert (one["router_engine"], one["block_tokens"], one["experts_per_task"],
+            one["router_splits"]) == ("fma", 8, 16, 8)
+    assert (many["router_engine"], many["block_tokens"], many["experts_per_task"],
+            many["router_splits"]) == ("mma", 16, 32, 1)
+    assert moe_layer.options_for(1024, router_engine="fma")["block_tokens"] == 8
+
+
+def test_mma_router_layer_compiles_for_sm90a(tmp_path):
+    """1024 tokens: 64 blocks x 4 expert groups of router tasks on tensor cores."""
+    graph = make_moe_layer(**moe_layer.options_for(1024, engine="wgmma", ctas_per_sm=2))
+    names = compile_layer(graph, 1024, tmp_path, ctas_per_sm=2)
+    assert "router_2048x128_b16_e32_s1_mma_s4_t128" in names, names
 
 
 def test_split_router_layer_compiles_for_sm90a(tmp_path):

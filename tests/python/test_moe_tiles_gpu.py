@@ -54,8 +54,9 @@ def expert_weights_f64(expert_weights):
     return (*(f64(w) for w in moe.split_gate_up(w_gate_up)), f64(w_down))
 
 
+@pytest.mark.parametrize("name", ("router", "router_mma"))
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_router_tile(tokens, rng):
+def test_router_tile(tokens, name, rng):
     for _ in range(100):  # redraw until no token has a near tie at its K-th place
         x = rng.standard_normal((tokens, H)).astype(BF16)
         w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(BF16)
@@ -63,7 +64,7 @@ def test_router_tile(tokens, rng):
             break
     else:
         pytest.skip("no tie-free draw")
-    topk, topw = compiled("router", tokens)(x, w)
+    topk, topw = compiled(name, tokens)(x, w)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
@@ -159,6 +160,17 @@ def test_split_router_layer_megakernel(splits, strategy, tokens, rng, expert_wei
     leave half of a task's threads idle in the sums."""
     graph = moe_layer.make_moe_layer(experts_per_task=8, router_splits=splits, ctas_per_sm=2)
     run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
+    for routing in moe_layer.ROUTINGS:
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+
+
+@pytest.mark.parametrize("tokens", (16, 100))
+@pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
+def test_mma_router_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+    """The router on tensor cores (blocks of 16 tokens, 32 experts; 100: a partial block)."""
+    options = moe_layer.options_for(tokens, router_engine="mma", ctas_per_sm=2)
+    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=2))
     for routing in moe_layer.ROUTINGS:
         check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 

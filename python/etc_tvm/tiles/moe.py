@@ -94,14 +94,26 @@ def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
 
 
 # ----------------------------------------------------------------------------------- router
+ROUTER_ENGINES = ("fma", "mma")
+
+
 @functools.cache
 def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
                      experts_per_task: int = 16, threads: int = 128,
-                     unroll: int = 16, splits: int = 1) -> DeviceFunc:
+                     unroll: int = 16, splits: int = 1, engine: str = "fma") -> DeviceFunc:
     """The tile ``router_<H>x<E>_b<TB>_e<EB>_s<S>``: task (b, s, j) writes the fp32 partial
     logits of tokens b*TB .. b*TB + TB - 1 (those below T) for experts j*EB .. j*EB + EB - 1
     over hidden rows s*H/S .. (s+1)*H/S - 1 into logits[s] of (S, T, E); the top-k tile sums
-    the S partials. A thread keeps ``unroll`` 16-byte weight loads in flight."""
+    the S partials. ``engine``: "fma" (CUDA cores; a thread keeps ``unroll`` 16-byte weight
+    loads in flight; any block of tokens, for a few) or "mma" (tensor cores, ``gemm.MmaTile``;
+    blocks of 16-token multiples: at 1024 tokens the router is a 1024 x 2048 x 128 GEMM, which
+    took 34 us on the H200 on CUDA cores). bf16 products are exact in fp32, so both meet
+    ``logit_bound`` whatever order they add in."""
+    if engine == "mma":
+        return _router_mma_tile(hidden, experts, block_tokens, experts_per_task, threads,
+                                splits)
+    if engine != "fma":
+        raise EtcError(f"router tile: engine must be one of {ROUTER_ENGINES}, got {engine!r}")
     H, E, TB, EB, S = hidden, experts, block_tokens, experts_per_task, splits
     groups = EB // VEC
     if EB % VEC or E % EB or threads % groups or threads % WARP:
@@ -173,8 +185,49 @@ def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
                 logits[s0, b * TB + v // EB, j0 * EB + v % EB] = total
 
     name = f"router_{H}x{E}_b{TB}_e{EB}_s{S}_u{U}_t{threads}"
-    tile = device_func(router.with_attr("global_symbol", name), cost=span // 64 + 1)
+    return _with_router_reference(device_func(router.with_attr("global_symbol", name),
+                                              cost=span // 64 + 1), TB, EB, HS)
 
+
+def _router_mma_tile(H: int, E: int, TB: int, EB: int, threads: int, S: int,
+                     bk: int = 64, stages: int = 4) -> DeviceFunc:
+    """``make_router_tile(engine="mma")``: a TB x EB ``gemm.MmaTile`` over the split's hidden
+    rows; rows past T are read as zeros and not stored."""
+    if S < 1 or H % S or (H // S) % bk:
+        raise EtcError(f"router tile: {S} splits must divide hidden {H} into multiples of "
+                       f"{bk} rows")
+    if E % EB:
+        raise EtcError(f"router tile: {EB} experts a task must divide the {E} experts")
+    gemm.check_geometry(TB, EB, bk, threads, stages)
+    HS = H // S
+    ntok = tirx.Var("T", "int32")
+
+    @T.prim_func
+    def router(b: T.int32, s0: T.int32, j0: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+               w_router: T.Buffer((H, E), "bfloat16"),
+               logits: T.Buffer((S, ntok, E), "float32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        mma = gemm.MmaTile(TB, EB, bk, threads, stages, tx, warp, lane)
+        mma.run(lambda r, k: x.ptr_to([T.min(b * TB + r, ntok - 1), s0 * HS + k]),
+                lambda k, c: w_router.ptr_to([s0 * HS + k, j0 * EB + c]), HS // bk,
+                lambda r: b * TB + r < ntok)
+        for m in T.unroll(mma.mi):
+            for n in T.unroll(mma.ni):
+                for hh in T.unroll(2):
+                    for v in T.unroll(2):
+                        if b * TB + mma.row(m, hh) < ntok:
+                            logits[s0, b * TB + mma.row(m, hh), j0 * EB + mma.col(n, v)] = \
+                                mma.frag(m, n, 2 * hh + v)
+
+    name = f"router_{H}x{E}_b{TB}_e{EB}_s{S}_mma_s{stages}_t{threads}"
+    return _with_router_reference(device_func(router.with_attr("global_symbol", name),
+                                              cost=HS // bk), TB, EB, HS)
+
+
+def _with_router_reference(tile: DeviceFunc, TB: int, EB: int, HS: int) -> DeviceFunc:
     @tile.set_reference
     def _(b, s0, j0, x, w_router, logits):
         rows, cols = slice(b * TB, min((b + 1) * TB, x.shape[0])), slice(j0 * EB, (j0 + 1) * EB)
