@@ -154,24 +154,30 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
 
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
-    rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "mma" if none
+    rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
     is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
-    experts (``ROUTER_BLOCKS``) and its splits (``router_splits_for``) filled in where
-    missing or None."""
+    experts (``ROUTER_BLOCKS``), its splits (``router_splits_for``) and the combine's
+    columns (``combine_cols_for``) filled in where missing or None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
     block_tokens = options.get("block_tokens") or block_tokens
-    return {**options, "tile_rows": rows, "engine": engine_for(rows, options.get("engine", "mma")),
+    experts_per_task = options.get("experts_per_task") or experts_per_task
+    hidden = options.get("hidden", 2048)
+    return {**options, "tile_rows": rows,
+            "engine": engine_for(rows, options.get("engine") or "wgmma"),
+            "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
-            "experts_per_task": options.get("experts_per_task") or experts_per_task,
+            "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
-            or router_splits_for(tokens, block_tokens)}
+            or router_splits_for(tokens, block_tokens, experts_per_task,
+                                 options.get("experts", 128))}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
 # m16 block of tokens, and 32 experts, so that 1024 tokens make 256 tasks.
 ROUTER_BLOCKS = {"fma": (8, 16), "mma": (16, 32)}
+ROUTER_TASKS = 128  # about one router task an SM
 
 
 def router_engine_for(tokens: int) -> str:
@@ -180,11 +186,32 @@ def router_engine_for(tokens: int) -> str:
     return "fma" if tokens <= ROUTER_BLOCKS["fma"][0] else "mma"
 
 
-def router_splits_for(tokens: int, block_tokens: int = 8) -> int:
-    """Splits of the hidden rows over router tasks for ``tokens``: 8 while one block of
-    ``block_tokens`` holds them all (the router's 512 KB then reads on 64 SMs, not 8), else 1,
-    where the blocks alone fill the SMs and partial logits would only add traffic."""
-    return 8 if tokens <= block_tokens else 1
+def router_splits_for(tokens: int, block_tokens: int = 8, experts_per_task: int = 16,
+                      experts: int = 128) -> int:
+    """Splits of the hidden rows over router tasks for ``tokens``: the fewest of 1, 2, 4, 8
+    that make ``ROUTER_TASKS`` tasks, as blocks of tokens alone leave SMs idle (one token on
+    CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the router's 512 KB instead of 8; 128
+    tokens on tensor cores: 32 tasks, so 4 splits, 400.6 -> 388.5 us on the H200), and more
+    splits than that only add partial logits to write and sum."""
+    tasks = ceil_div(tokens, block_tokens) * (experts // experts_per_task)
+    splits = 1
+    while splits < 8 and tasks * splits < ROUTER_TASKS:
+        splits *= 2
+    return splits
+
+
+COMBINE_TASKS = 256  # about one combine task a CTA slot, at two CTAs an SM
+
+
+def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
+    """Output columns a combine task writes for ``tokens``: the widest of the whole row and
+    1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
+    tasks, else 512 (``make_moe_layer``'s default). Combine tasks take 1-2 us, so under the
+    dynamic schedule thousands of them queue on one head counter: at 1024 tokens on the
+    H200, 4096 tasks of 512 columns took 80 us, 1024 whole rows 40 (dynamic + graph 533.8
+    -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
+    widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
+    return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
 
 
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:

@@ -412,6 +412,29 @@ def test_layer_options_pick_the_router_engine_by_tokens():
     assert moe_layer.options_for(1024, router_engine="fma")["block_tokens"] == 8
 
 
+@pytest.mark.parametrize("tokens, hidden, cols", [(1, 2048, 512), (64, 2048, 512),
+                                                  (128, 2048, 1024), (200, 2048, 1024),
+                                                  (256, 2048, 2048), (1024, 2048, 2048),
+                                                  (1024, 1536, 1536), (1024, 4096, 4096),
+                                                  (64, 4096, 1024)])
+def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
+    assert moe_layer.combine_cols_for(tokens, hidden) == cols
+    assert moe_layer.options_for(tokens, hidden=hidden)["combine_cols"] == cols
+
+
+@pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),
+                                                    (16, "mma", 8), (128, "mma", 4),
+                                                    (512, "mma", 1), (1024, "mma", 1),
+                                                    (1024, "fma", 1)])
+def test_router_splits_make_a_task_for_about_every_sm(tokens, engine, splits):
+    options = moe_layer.options_for(tokens, router_engine=engine)
+    assert options["router_splits"] == splits
+    blocks = -(-tokens // options["block_tokens"])
+    tasks = blocks * (128 // options["experts_per_task"]) * splits
+    assert tasks >= moe_layer.ROUTER_TASKS or splits == 8
+    assert splits == 1 or tasks // 2 < moe_layer.ROUTER_TASKS
+
+
 def test_mma_router_layer_compiles_for_sm90a(tmp_path):
     """1024 tokens: 64 blocks x 4 expert groups of router tasks on tensor cores."""
     graph = make_moe_layer(**moe_layer.options_for(1024, engine="wgmma", ctas_per_sm=2))

@@ -206,8 +206,10 @@ def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert_weights_f64):
     """64- and 128-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them
-    (--tile-rows 128: at 1024 tokens most experts' pairs fit one tile)."""
-    graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine="wgmma")
+    (--tile-rows 128: at 1024 tokens most experts' pairs fit one tile), with the combine's
+    whole-row tasks of ``combine_cols_for`` 512 tokens."""
+    graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine="wgmma",
+                                     combine_cols=moe_layer.combine_cols_for(512))
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
                 expert_weights, expert_weights_f64)
 

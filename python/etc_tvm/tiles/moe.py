@@ -36,15 +36,16 @@ Choices, and why:
   The softmax over all E cancels under renormalisation: ``w_k = exp(l_k - l_1) / sum_j
   exp(l_j - l_1)`` over the K chosen, which is what Qwen3's ``norm_topk_prob`` computes.
 - Align is one CTA and deterministic: warp w walks its contiguous range of the T*K pairs 32
-  at a time, each lane loading one pair (coalesced); ``__match_any_sync`` gives the lanes
-  that hold the same expert, whose lowest lane adds their count to the warp's row of a
-  (warps x E) count in shared memory. A column scan over the warps turns the rows into
-  per-warp offsets within each expert, a block-wide (Hillis-Steele) scan of tiles per expert
-  gives exp_indptr, and a second walk over the same ranges hands out rows in (t, k) order:
-  the warp's offset, its running count, and the lanes below with the same expert. No atomics;
-  2 KB of counts for 128 experts on 4 warps. (Threads with contiguous chunks of their own,
-  the first design, loaded and stored one line per lane per pair, and scanned 128 rows of
-  counts: 37-40 us at 1024 tokens on the H200.)
+  at a time, each lane loading one pair (coalesced, 16 steps' loads in flight together),
+  and counts them into its row of a (warps x E) count in shared memory (shared atomics:
+  counts need no order). A column scan over the warps turns the rows into per-warp offsets
+  within each expert, a block-wide (Hillis-Steele) scan of tiles per expert gives
+  exp_indptr, and a second walk over the same ranges hands out rows in (t, k) order: the
+  warp's offset, its running count, and the lanes below with the same expert
+  (``__match_any_sync``, whose lowest lane then adds the step's pairs to the running count).
+  2 KB of counts for 128 experts on 4 warps.
+  (Threads with contiguous chunks of their own, the first design, loaded and stored one line
+  per lane per pair, and scanned 128 rows of counts: 37-40 us at 1024 tokens on the H200.)
 - Grouped GEMMs gather A rows straight from x by ``sorted_token`` (cp.async from the token's
   row): no scattered copy of x, one task and one hop fewer, and the gather costs nothing extra
   since each row is loaded once per tile either way. BT = 16 is one m16 row block: at decode
@@ -369,6 +370,7 @@ __device__ __forceinline__ unsigned etc_match_any(int v) {
 POPC = """
 __device__ __forceinline__ int etc_popc(unsigned m) { return __popc(m); }
 """
+STEPS_AHEAD = 16  # steps of a warp's walk whose experts align loads together
 
 
 @functools.cache
@@ -400,18 +402,28 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         indptr = T.alloc_shared((E + 1,), "int32")
         count = T.alloc_shared((E,), "int32")
         span = T.meta_var((ntok * K + warps - 1) // warps)  # pairs of a warp's range
+        walk = T.meta_var((span + WARP - 1) // WARP)  # steps of 32 pairs
+        ahead = T.alloc_local((STEPS_AHEAD,), "int32")
         expert = T.alloc_local((1,), "int32")
         same = T.alloc_local((1,), "uint32")
         below = T.meta_var((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))  # lane mask
 
         @T.inline
-        def step_experts(step):
-            # Pair warp * span + step * 32 + lane (-1 past the range), and the lanes that
-            # hold the same expert; every lane takes part in the match.
-            expert[0] = -1
-            if step * WARP + lane < span and warp * span + step * WARP + lane < ntok * K:
-                expert[0] = topk[(warp * span + step * WARP + lane) // K,
-                                 (warp * span + step * WARP + lane) % K]
+        def load_steps(batch):
+            # The experts of STEPS_AHEAD steps in flight together (-1 past the range): the
+            # match of each step is opaque to the compiler, so one load a step would wait a
+            # whole L2 round trip (55 us at 1024 tokens on the H200).
+            for j in T.unroll(STEPS_AHEAD):
+                ahead[j] = -1
+                if (batch * STEPS_AHEAD + j) * WARP + lane < span and \
+                        warp * span + (batch * STEPS_AHEAD + j) * WARP + lane < ntok * K:
+                    ahead[j] = topk[(warp * span + (batch * STEPS_AHEAD + j) * WARP + lane) // K,
+                                    (warp * span + (batch * STEPS_AHEAD + j) * WARP + lane) % K]
+
+        @T.inline
+        def match(j):
+            # every lane takes part, with or without a pair
+            expert[0] = ahead[j]
             same[0] = T.cuda.func_call("etc_match_any", expert[0], source_code=MATCH_ANY,
                                        return_type="uint32")
 
@@ -427,9 +439,11 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
             if q * WARP + lane < E:
                 seen[warp, q * WARP + lane] = 0
         T.cuda.warp_sync()
-        for step in T.serial((span + WARP - 1) // WARP):
-            step_experts(step)
-            count_step()
+        for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
+            load_steps(batch)
+            for j in T.unroll(STEPS_AHEAD):
+                if ahead[j] >= 0:  # counts need no order: no match, no sync between steps
+                    T.evaluate(T.cuda.atomic_add(seen.ptr_to([warp, ahead[j]]), T.int32(1)))
         T.cuda.cta_sync()
         # Column scan: seen[w, e] becomes the pairs of e in the warps' ranges before w's.
         for q in T.serial(ceil_div(E, threads)):
@@ -494,18 +508,20 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
         # Rows in (t, k) order within each expert: the warps' ranges in order, then steps,
         # then lanes.
-        for step in T.serial((span + WARP - 1) // WARP):
-            step_experts(step)
-            if expert[0] >= 0:
-                p = T.meta_var(warp * span + step * WARP + lane)
-                row = T.local_scalar("int32")
-                row = indptr[expert[0]] * BT + seen[warp, expert[0]] + T.cuda.func_call(
-                    "etc_popc", same[0] & below, source_code=POPC, return_type="int32")
-                pair_row[p // K, p % K] = row
-                pair_tile[p // K, p % K] = row // BT
-                sorted_token[row] = p // K
-            T.cuda.warp_sync()  # every lane has read seen before the step's counts go in
-            count_step()
+        for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
+            load_steps(batch)
+            for j in T.unroll(STEPS_AHEAD):
+                match(j)
+                if expert[0] >= 0:
+                    p = T.meta_var(warp * span + (batch * STEPS_AHEAD + j) * WARP + lane)
+                    row = T.local_scalar("int32")
+                    row = indptr[expert[0]] * BT + seen[warp, expert[0]] + T.cuda.func_call(
+                        "etc_popc", same[0] & below, source_code=POPC, return_type="int32")
+                    pair_row[p // K, p % K] = row
+                    pair_tile[p // K, p % K] = row // BT
+                    sorted_token[row] = p // K
+                T.cuda.warp_sync()  # every lane has read seen before the step's counts go in
+                count_step()
 
     name = f"align_{E}_top{K}_bt{BT}_t{threads}"
     tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4)
