@@ -208,7 +208,7 @@ def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
     1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
     tasks, else 512 (``make_moe_layer``'s default). Combine tasks take 1-2 us, so under the
     dynamic schedule thousands of them queue on one head counter: at 1024 tokens on the
-    H200, 4096 tasks of 512 columns took 80 us, 1024 whole rows 40 (dynamic + graph 533.8
+    H200, 4096 tasks of 512 columns took 80 us, 1024 whole rows 36 (dynamic + graph 533.8
     -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
     widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
     return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
