@@ -163,7 +163,7 @@ def options_for(tokens: int, **options) -> dict:
     block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
     block_tokens = options.get("block_tokens") or block_tokens
     experts_per_task = options.get("experts_per_task") or experts_per_task
-    hidden = options.get("hidden", 2048)
+    hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])
     return {**options, "tile_rows": rows,
             "engine": engine_for(rows, options.get("engine") or "wgmma"),
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
@@ -171,7 +171,7 @@ def options_for(tokens: int, **options) -> dict:
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
             or router_splits_for(tokens, block_tokens, experts_per_task,
-                                 options.get("experts", 128))}
+                                 options.get("experts", QWEN3_30B_A3B["experts"]))}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
