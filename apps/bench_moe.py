@@ -132,6 +132,9 @@ def layer_parser() -> argparse.ArgumentParser:
                         "tokens)")
     parser.add_argument("--combine-cols", type=int, help="output columns a combine task "
                         "writes (default: moe_layer.combine_cols_for the tokens)")
+    parser.add_argument("--y-dtype", choices=moe.Y_DTYPES, default="float32",
+                        help="how the down GEMM's output, which the combine reads back, is "
+                        "stored")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
@@ -165,7 +168,8 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
         block_tokens=options.block_tokens, bn=options.bn,
         down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
-        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked")
+        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
+        y_dtype=options.y_dtype)
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
@@ -242,6 +246,7 @@ def print_row(row: dict, ours) -> None:
               + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
                  "(down) columns" if about["bn"] else "")
               + f", combine tasks of {about['combine_cols']} columns"
+              + (f", y in {about['y_dtype']}" if about["y_dtype"] != "float32" else "")
               + f"{', blocked weights' if about['blocked_weights'] else ''}"
               + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),
               flush=True)

@@ -39,7 +39,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    bn: int | None = None, down_bn: int | None = None, bk: int = 64,
                    stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
-                   ctas_per_sm: int = 1, blocked_weights: bool = False):
+                   ctas_per_sm: int = 1, blocked_weights: bool = False,
+                   y_dtype: str = "float32"):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -63,7 +64,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
     multiples). ``blocked_weights``: the layer takes both expert weights as
     ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
-    (``blocked_expert_weights``)."""
+    (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
+    back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
+    bound then counting the rounding)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
@@ -86,10 +89,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
                                     blocked_weights)
     down = moe.make_down_tile(F, H, E, BT, down_bn, bk, threads, ring(down_bn), engine,
-                              blocked_weights)
+                              blocked_weights, y_dtype)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
     down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
-    combine = moe.make_combine_tile(H, K, combine_cols, threads)
+    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype)
     nb1, nb2, nc = 2 * F // bn, H // down_bn, H // combine_cols
     per_block = combine_cols // down_bn  # down column blocks per combine column block
 
@@ -128,7 +131,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                         out_edges={h_ready: "gn->g"}, schedule="dynamic")
         y_ready = ETensor((tiles, nc), name="y_ready")
         y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, tile_expert, exp_indptr],
-                        out=Tensor((tiles * BT, H), "float32", name="y"),
+                        out=Tensor((tiles * BT, H), y_dtype, name="y"),
                         in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
                         out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")
         return call_device(combine, tile_num=(tokens, nc), args=[topw, pair_row, pair_tile, y],
@@ -246,12 +249,14 @@ def layer_float64_torch(x, w_router, w_gate, w_up, w_down, top_k: int) -> np.nda
     return out.cpu().numpy()
 
 
-def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int):
+def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int,
+                        y_dtype: str = "float32"):
     """(out, bound): the layer in float64 from the same bf16 inputs, and the bound on
     ``|out_device - out|`` the tiles' contracts compose to, given the device picks the same
     experts (``moe.routing_margin`` > 0): h within ``moe.gate_up_bound``, carried through the
-    down GEMM (``|dh| @ |Wd|`` plus its own fp32 sums), the router weights within
-    ``moe.router_weight_bound``, then ``moe.combine_bound``."""
+    down GEMM (``|dh| @ |Wd|`` plus its own fp32 sums) and y's storage as ``y_dtype``
+    (``moe.y_rounding_bound``), the router weights within ``moe.router_weight_bound``, then
+    ``moe.combine_bound``."""
     topk, topw = moe.route(x, w_router, top_k)
     w_gate, w_up = moe.split_gate_up(w_gate_up)
     F = w_down.shape[1]
@@ -267,6 +272,7 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int):
         ys[pairs] = h64 @ wd
         bound_y[pairs] = bound_h @ np.abs(wd) \
             + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ np.abs(wd))
+        bound_y[pairs] += moe.y_rounding_bound(np.abs(ys[pairs]) + bound_y[pairs], y_dtype)
     out = np.einsum("tk,tkh->th", topw, ys)
     bound_w = moe.router_weight_bound(x, w_router, topw)
     bound = np.einsum("tk,tkh->th", topw + bound_w, bound_y) \

@@ -316,6 +316,35 @@ def test_layer_with_split_router_matches_float64(tokens, rng):
     assert_within(execute(graph, *inputs, order=RandomOrder(3)), want, bound)
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_layer_with_bf16_y_matches_float64(tokens, routing, rng):
+    """Down's output stored in bf16: within the bound that counts its rounding, and the
+    fp32 layer's bound alone does not cover the rounding's share everywhere."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, y_dtype="bfloat16")
+    inputs = make_inputs(rng, tokens, H, E, F, routing)
+    out = execute(graph, *inputs, order=RandomOrder(4))
+    want, bound = moe_layer_reference(*inputs, K, y_dtype="bfloat16")
+    assert_within(out, want, bound)
+    assert (bound > moe_layer_reference(*inputs, K)[1]).all()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: moe.make_down_tile(64, 128, 16, y_dtype="float16"),
+    lambda: moe.make_combine_tile(128, 4, 64, y_dtype="int8")])
+def test_y_must_be_fp32_or_bf16(make):
+    with pytest.raises(EtcError, match=r"y_dtype must be one of \('float32', 'bfloat16'\)"):
+        make()
+
+
+def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
+    graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, blocked_weights=True,
+                                                   y_dtype="bfloat16"))
+    names = compile_layer(graph, 512, tmp_path, "dynamic", ctas_per_sm=2)
+    assert {"down_768x2048_e128_64x128x64_s4_t128_wgmma_blocked_ybf16",
+            "combine_2048_top8_c2048_t128_ybf16"} <= names, names
+
+
 def test_layer_routings_are_what_they_say(rng):
     for routing in ROUTINGS:
         topk, _ = moe.route(*make_inputs(rng, 20, H, E, F, routing)[:2], K)

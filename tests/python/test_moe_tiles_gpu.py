@@ -140,10 +140,12 @@ def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert
         check_layer(_layers[key], tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
-def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64):
-    """One fresh routing through ``run`` against the float64 layer, within the tiles' bound."""
+def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64,
+                y_dtype="float32"):
+    """One fresh routing through ``run`` against the float64 layer, within the tiles' bound
+    (down's output stored as ``y_dtype``)."""
     inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
-    want, bound = moe_layer.moe_layer_reference(*inputs, K)
+    want, bound = moe_layer.moe_layer_reference(*inputs, K, y_dtype=y_dtype)
     np.testing.assert_allclose(
         moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64, K),
         want, rtol=1e-9, atol=1e-9)
@@ -212,6 +214,21 @@ def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert
                                      combine_cols=moe_layer.combine_cols_for(512))
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
                 expert_weights, expert_weights_f64)
+
+
+@pytest.mark.parametrize("tokens", (100, 512))
+@pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
+def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+    """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
+    bfloat16 runs it (two CTAs an SM, blocked weights, the tokens' defaults)."""
+    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
+                                    y_dtype="bfloat16")
+    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=2))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"])
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
+                    expert_weights, expert_weights_f64, "bfloat16")
 
 
 def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):

@@ -59,8 +59,9 @@ Choices, and why:
   blocks of 8 columns (``interleave_gate_up``), so accumulator blocks 2q and 2q+1 of a thread
   hold gate and up of the same h column; h is written once, in bf16, with no fp32 (rows, 2F)
   round trip and no extra dependency hop.
-- y stays fp32 and the combine sums in fp32 in k order (deterministic, no atomics), rounding
-  once to bf16.
+- y stays fp32 by default and the combine sums in fp32 in k order (deterministic, no
+  atomics), rounding once to bf16. Stored in bf16 instead (``Y_DTYPES``, as vLLM keeps it),
+  y costs half the bytes down writes and the combine reads back, for one more rounding.
 
 Numeric contracts (against float64 of the same bf16 inputs) are in each ``*_bound`` function.
 TVM compiles with ``--use_fast_math``: ``expf`` is ``ex2.approx`` and division approximate.
@@ -615,6 +616,23 @@ def _np_silu(v):
 
 
 ENGINES = ("mma", "wgmma")
+# down's output y, which the combine reads back: fp32, or bf16 (half the bytes, as vLLM keeps
+# it; one more rounding, ``y_rounding_bound``)
+Y_DTYPES = ("float32", "bfloat16")
+_Y_SUFFIX = {"float32": "", "bfloat16": "_ybf16"}
+
+
+def _check_y_dtype(y_dtype: str, tile: str) -> None:
+    if y_dtype not in Y_DTYPES:
+        raise EtcError(f"{tile} tile: y_dtype must be one of {Y_DTYPES}, got {y_dtype!r}")
+
+
+def y_rounding_bound(y: np.ndarray, y_dtype: str) -> np.ndarray:
+    """Bound on what storing ``y`` (its magnitudes) as ``y_dtype`` adds: nothing for fp32,
+    one bf16 rounding (half an ulp, ``2**-8`` relative, plus the smallest subnormal)."""
+    if y_dtype == "float32":
+        return np.zeros_like(y, dtype=np.float64)
+    return 2.0 ** -8 * np.abs(y) + 2.0 ** -133
 
 
 def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
@@ -701,11 +719,13 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 @functools.cache
 def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
                    bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2,
-                   engine: str = "mma", blocked: bool = False) -> DeviceFunc:
+                   engine: str = "mma", blocked: bool = False,
+                   y_dtype: str = "float32") -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
-    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e] in fp32 (``engine`` and
-    ``blocked`` as gate_up's)."""
+    y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
+    ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's)."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
+    _check_y_dtype(y_dtype, "down")
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     if F % bk or H % bn:
         raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
@@ -715,7 +735,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     def down(g: T.int32, n: T.int32, h: T.Buffer((rows, F), "bfloat16"),
              w_down: T.Buffer(grouped_weight_shape(E, F, H, bn, blocked), "bfloat16"),
              tile_expert: T.Buffer((tiles,), "int32"),
-             exp_indptr: T.Buffer((E + 1,), "int32"), y: T.Buffer((rows, H), "float32")):
+             exp_indptr: T.Buffer((E + 1,), "int32"), y: T.Buffer((rows, H), y_dtype)):
         T.device_entry()
         tx = T.thread_id([threads])
         warp = T.warp_id([threads // WARP])
@@ -729,7 +749,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
             mma.store(y, g * BT, n * bn)
 
     name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
-        "_blocked" if blocked else "")
+        "_blocked" if blocked else "") + _Y_SUFFIX[y_dtype]
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
 
     @tile.set_reference
@@ -738,8 +758,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         if e >= E:
             return
         rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
-        y[rows_, cols] = h[rows_].astype(np.float32) @ _reference_slab(
-            w_down, e, n, bn, blocked).astype(np.float32)
+        y[rows_, cols] = (h[rows_].astype(np.float32) @ _reference_slab(
+            w_down, e, n, bn, blocked).astype(np.float32)).astype(y.dtype)
 
     return tile
 
@@ -768,11 +788,13 @@ def gate_up_bound(xrows, w_gate, w_up) -> np.ndarray:
 # ---------------------------------------------------------------------------------- combine
 @functools.cache
 def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
-                      threads: int = 128) -> DeviceFunc:
+                      threads: int = 128, y_dtype: str = "float32") -> DeviceFunc:
     """The tile ``combine_<H>_top<K>_c<cols>``: task (t, c) writes
     out[t, c*cols:(c+1)*cols] = sum_k topw[t, k] * y[pair_row[t, k], same] in fp32, in k
-    order, rounded once to bf16; ``pair_tile`` is read by the in-edge only."""
+    order, rounded once to bf16; y is down's (``Y_DTYPES``); ``pair_tile`` is read by the
+    in-edge only."""
     H, K = hidden, top_k
+    _check_y_dtype(y_dtype, "combine")
     vecs = cols // 4
     if H % cols or cols % 4 or (vecs > threads and vecs % threads):
         raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
@@ -782,7 +804,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
     @T.prim_func
     def combine(t: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
                 pair_row: T.Buffer((ntok, K), "int32"), pair_tile: T.Buffer((ntok, K), "int32"),
-                y: T.Buffer((rows, H), "float32"), out: T.Buffer((ntok, H), "bfloat16")):
+                y: T.Buffer((rows, H), y_dtype), out: T.Buffer((ntok, H), "bfloat16")):
         T.device_entry()
         tx = T.thread_id([threads])
         acc = T.alloc_local((4,), "float32")
@@ -793,11 +815,12 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                     acc[j] = T.float32(0)
                 for k in T.unroll(K):
                     for j in T.vectorized(4):
-                        acc[j] = acc[j] + topw[t, k] * y[pair_row[t, k], col + j]
+                        acc[j] = acc[j] + topw[t, k] * T.Cast("float32",
+                                                              y[pair_row[t, k], col + j])
                 for j in T.vectorized(4):
                     out[t, col + j] = T.Cast("bfloat16", acc[j])
 
-    name = f"combine_{H}_top{K}_c{cols}_t{threads}"
+    name = f"combine_{H}_top{K}_c{cols}_t{threads}" + _Y_SUFFIX[y_dtype]
     tile = device_func(combine.with_attr("global_symbol", name))
 
     @tile.set_reference
@@ -805,7 +828,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
         span = slice(c * cols, (c + 1) * cols)
         acc = np.zeros(cols, np.float32)
         for k in range(K):
-            acc = acc + topw[t, k] * y[pair_row[t, k], span]
+            acc = acc + topw[t, k] * y[pair_row[t, k], span].astype(np.float32)
         out[t, span] = acc.astype(out.dtype)
 
     return tile
