@@ -234,7 +234,8 @@ __device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* cl
 // Task timeline (KernelOptions.profile): one row of ETC_TIMELINE_WORDS int64 per task, written
 // by thread 0 of the CTA that runs it: [0] start and [1] end on the global nanosecond timer
 // (comparable across SMs), [2] start, [3] waits done and [4] end on the SM's cycle counter
-// (precise within a task), [5] the SM. A task that never ran keeps zeros.
+// (precise within a task), [5] the CTA (high 32 bits) and its SM (low 32 bits): several
+// persistent CTAs may share an SM. A task that never ran keeps zeros.
 #define ETC_TIMELINE_WORDS 6
 
 __device__ __forceinline__ void etc_trace_start(int64_t* row) {
@@ -242,7 +243,7 @@ __device__ __forceinline__ void etc_trace_start(int64_t* row) {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   row[0] = (int64_t)etc_globaltimer_ns();
   row[2] = clock64();
-  row[5] = smid;
+  row[5] = ((int64_t)blockIdx.x << 32) | smid;
 }
 
 __device__ __forceinline__ void etc_trace_waited(int64_t* row) { row[3] = clock64(); }

@@ -5,7 +5,7 @@ Build with ``options=KernelOptions(profile=True)`` and run with ``CompiledGraph.
 
     outputs, timeline = compiled.profile(*inputs)
     print(timeline.summary())              # per call: tasks, wait and body time; hand-offs
-    timeline.write_chrome_trace("run.json")  # one track per SM, for Perfetto or chrome://tracing
+    timeline.write_chrome_trace("run.json")  # a track per CTA, for Perfetto or chrome://tracing
 
 The kernel stamps each task three times on thread 0 (start, waits done, end; the row layout
 is in src/etc_runtime.cuh). Start and end come from the global nanosecond timer, which all SMs
@@ -23,7 +23,7 @@ import numpy as np
 from .runtime import GraphMeta
 
 WORDS = 6  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
-START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, SM = range(WORDS)
+START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, PLACE = range(WORDS)  # PLACE: CTA << 32 | SM
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class TaskSpan:
     task: int
     name: str
     sm: int
+    cta: int  # the persistent CTA (blockIdx.x) that ran it; several may share an SM
     start_us: float
     end_us: float
     wait_us: float  # of (end - start), the share before the body could start
@@ -63,8 +64,8 @@ class Timeline:
             start, end = (r[START_NS] - origin) / 1e3, (r[END_NS] - origin) / 1e3
             cycles = r[END_CLK] - r[START_CLK]
             waited = (r[WAITED_CLK] - r[START_CLK]) / cycles if cycles > 0 else 0.0
-            spans.append(TaskSpan(t, meta.task_names[t], int(r[SM]), start, end,
-                                  (end - start) * waited))
+            spans.append(TaskSpan(t, meta.task_names[t], int(r[PLACE] & 0xFFFFFFFF),
+                                  int(r[PLACE] >> 32), start, end, (end - start) * waited))
         self.spans = sorted(spans, key=lambda s: (s.start_us, s.task))
 
     @property
@@ -73,13 +74,13 @@ class Timeline:
         return max((s.end_us for s in self.spans), default=0.0)
 
     def handoffs_us(self) -> np.ndarray:
-        """Gaps on each SM between one task's end and the next task's start: what taking the
-        next task (a queue read, a pop) costs, plus any idle time."""
+        """Gaps on each CTA between one task's end and the next task's start: what taking
+        the next task (a queue read, a pop) costs, plus any idle time."""
         gaps = []
-        by_sm: dict[int, list[TaskSpan]] = {}
+        by_cta: dict[int, list[TaskSpan]] = {}
         for s in self.spans:
-            by_sm.setdefault(s.sm, []).append(s)
-        for spans in by_sm.values():
+            by_cta.setdefault(s.cta, []).append(s)
+        for spans in by_cta.values():
             gaps += [b.start_us - a.end_us for a, b in zip(spans, spans[1:])]
         return np.asarray(gaps)
 
@@ -101,22 +102,26 @@ class Timeline:
                          f"{max(s.end_us for s in spans):>9.1f}")
         gaps = self.handoffs_us()
         lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
-                     f"SMs; median hand-off {np.median(gaps) if gaps.size else 0.0:.2f} us")
+                     f"SMs ({len({s.cta for s in self.spans})} CTAs); median hand-off "
+                     f"{np.median(gaps) if gaps.size else 0.0:.2f} us")
         return "\n".join(lines)
 
     def chrome_trace(self) -> dict:
-        """The run in the Trace Event Format: one thread per SM, each task a complete event
-        split into its wait and its body."""
+        """The run in the Trace Event Format: one process per SM and one thread per CTA on
+        it, each task a complete event split into its wait and its body."""
         events = []
         for s in self.spans:
-            common = {"pid": 0, "tid": s.sm, "args": {"task": s.task}}
+            common = {"pid": s.sm, "tid": s.cta, "args": {"task": s.task}}
             events.append({"name": s.name, "ph": "X", "ts": s.start_us,
                            "dur": s.end_us - s.start_us, **common})
             if s.wait_us > 0:
                 events.append({"name": "wait", "ph": "X", "ts": s.start_us, "dur": s.wait_us,
                                **common})
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": sm,
-                    "args": {"name": f"SM {sm}"}} for sm in sorted({s.sm for s in self.spans})]
+        places = sorted({(s.sm, s.cta) for s in self.spans})
+        events += [{"name": "process_name", "ph": "M", "pid": sm, "args": {"name": f"SM {sm}"}}
+                   for sm in sorted({sm for sm, _ in places})]
+        events += [{"name": "thread_name", "ph": "M", "pid": sm, "tid": cta,
+                    "args": {"name": f"CTA {cta}"}} for sm, cta in places]
         return {"traceEvents": events, "displayTimeUnit": "ns",
                 "otherData": {"graph": self.meta.name}}
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from etc_tvm.build import build
-from etc_tvm.profile import END_CLK, END_NS, SM, START_CLK, START_NS, WAITED_CLK, WORDS, Timeline
+from etc_tvm.profile import (END_CLK, END_NS, PLACE, START_CLK, START_NS, WAITED_CLK, WORDS,
+                             Timeline)
 from etc_tvm.relax_passes import StaticScheduleTransform
 from etc_tvm.runtime import GraphMeta
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -47,12 +48,13 @@ def test_sampled_functions_say_they_are_profiled():
 
 
 def rows_of(*tasks):
-    """Timeline rows from (start ns, end ns, share of the task spent waiting, SM)."""
+    """Timeline rows from (start ns, end ns, share of the task spent waiting, SM[, CTA]); the
+    CTA is the SM's where none is given (one CTA an SM)."""
     rows = np.zeros((len(tasks), WORDS), np.int64)
-    for r, (start, end, waiting, sm) in zip(rows, tasks):
+    for r, (start, end, waiting, sm, *cta) in zip(rows, tasks):
         if start is None:
             continue  # a skipped task keeps zeros
-        r[START_NS], r[END_NS], r[SM] = start, end, sm
+        r[START_NS], r[END_NS], r[PLACE] = start, end, (cta[0] if cta else sm) << 32 | sm
         r[START_CLK], r[END_CLK] = 10_000, 10_000 + 1000
         r[WAITED_CLK] = 10_000 + int(1000 * waiting)
     return rows.ravel()
@@ -72,20 +74,35 @@ def test_timeline_spans_waits_and_handoffs():
     assert timeline.makespan_us == pytest.approx(4.0)
     np.testing.assert_allclose(timeline.handoffs_us(), [0.4])  # SM 3: a(0) ends, b(0) starts
     summary = timeline.summary()
-    assert "makespan 4.0 us on 2 SMs; median hand-off 0.40 us" in summary
+    assert "makespan 4.0 us on 2 SMs (2 CTAs); median hand-off 0.40 us" in summary
     assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "3.0", "0.0", "2.0"]
 
 
-def test_chrome_trace_has_one_track_per_sm(tmp_path):
+def test_two_ctas_on_one_sm_hand_off_each_on_its_own():
+    """CTAs 3 and 135 share SM 3: their tasks overlap, and each CTA's hand-off is taken
+    between its own tasks (across the SM's two CTAs the gaps would be negative)."""
+    timeline = Timeline(META, rows_of((5_000, 7_000, 0.0, 3, 3), (5_500, 8_000, 0.0, 3, 135),
+                                      (7_300, 9_000, 0.0, 3, 3), (8_600, 9_500, 0.0, 3, 135)))
+    assert {(s.name, s.sm, s.cta) for s in timeline.spans} == {
+        ("a(0)", 3, 3), ("a(1)", 3, 135), ("b(0)", 3, 3), ("b(1)", 3, 135)}
+    np.testing.assert_allclose(sorted(timeline.handoffs_us()), [0.3, 0.6])
+    assert "on 1 SMs (2 CTAs); median hand-off 0.45 us" in timeline.summary()
+
+
+def test_chrome_trace_has_one_track_per_cta(tmp_path):
     timeline = Timeline(META, rows_of((5_000, 7_000, 0.5, 3), (5_500, 6_500, 0.0, 4),
-                                      (None, None, 0, 0), (None, None, 0, 0)))
+                                      (5_200, 6_000, 0.0, 3, 135), (None, None, 0, 0)))
     timeline.write_chrome_trace(tmp_path / "run.json")
     events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
     tasks = [e for e in events if e["ph"] == "X" and e["name"] != "wait"]
-    assert {(e["name"], e["tid"], e["ts"], e["dur"]) for e in tasks} == {
-        ("a(0)", 3, 0.0, 2.0), ("a(1)", 4, 0.5, 1.0)}
+    assert {(e["name"], e["pid"], e["tid"], e["ts"], e["dur"]) for e in tasks} == {
+        ("a(0)", 3, 3, 0.0, 2.0), ("a(1)", 4, 4, 0.5, 1.0), ("b(0)", 3, 135, 0.2, 0.8)}
     assert [e["dur"] for e in events if e["name"] == "wait"] == [1.0]
-    assert sorted(e["args"]["name"] for e in events if e["ph"] == "M") == ["SM 3", "SM 4"]
+    names = {(e["name"], e["pid"], e.get("tid"), e["args"]["name"])
+             for e in events if e["ph"] == "M"}
+    assert names == {("process_name", 3, None, "SM 3"), ("process_name", 4, None, "SM 4"),
+                     ("thread_name", 3, 3, "CTA 3"), ("thread_name", 3, 135, "CTA 135"),
+                     ("thread_name", 4, 4, "CTA 4")}
 
 
 def test_an_empty_timeline_is_empty():
