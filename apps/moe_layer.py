@@ -26,7 +26,7 @@ import numpy as np
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import gemm, moe, wgmma_gemm
 from etc_tvm.tiles.moe import ceil_div, max_tiles
-from etc_tvm.tir_sched.persistent import SM_SHARED_BYTES
+from etc_tvm.tir_sched.persistent import arena_limit
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
 
@@ -77,7 +77,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
             BT, columns, bk, footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
                 gemm.shared_bytes, threads=threads),
             limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
-                      SM_SHARED_BYTES // ctas_per_sm))
+                      arena_limit(ctas_per_sm)))
 
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:

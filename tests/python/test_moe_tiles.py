@@ -557,6 +557,19 @@ def test_rings_share_the_sm_among_its_ctas():
               num_sms=132, options=KernelOptions(ctas_per_sm=2))
 
 
+def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():
+    """Two CTAs of 64 x 64 rings: 6 stages. 7 (115712 bytes) fit half the SM's shared memory
+    but not with the 1 KB the hardware keeps per CTA and the scheduler's own words, and the
+    cooperative launch refused them."""
+    graph = make_moe_layer(tile_rows=64, bn=64, engine="wgmma", ctas_per_sm=2)
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1}).calls}
+    assert {"gate_up_2048x768_e128_64x64x64_s6_t128_wgmma",
+            "down_768x2048_e128_64x64x64_s6_t128_wgmma"} <= names, names
+    with pytest.raises(EtcError, match="arenas of at most 113664 bytes"):
+        build(make_moe_layer(tile_rows=64, bn=64, engine="wgmma", stages=7), {"T": 1},
+              strategy="barrier", num_sms=132, options=KernelOptions(ctas_per_sm=2))
+
+
 @pytest.mark.parametrize("tokens", (1, 20))
 def test_wgmma_layer_matches_float64(tokens, rng):
     graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=128, engine="wgmma")

@@ -216,6 +216,17 @@ def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert
                 expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens", (1, 100))
+def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
+                                                expert_weights_f64):
+    """64 x 64 wgmma rings as deep as two CTAs an SM allow (6 stages): the cooperative
+    launch takes them, as it refused the 7 that an arena limit of half the SM's shared memory
+    let through."""
+    graph = moe_layer.make_moe_layer(tile_rows=64, bn=64, engine="wgmma", ctas_per_sm=2)
+    run = build(graph, {"T": tokens}, strategy="barrier", options=KernelOptions(ctas_per_sm=2))
+    check_layer(run, tokens, "random", rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens", (100, 512))
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):

@@ -41,10 +41,21 @@ from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task, shared_b
 STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 WARP = 32
-SM_SHARED_BYTES = 227 * 1024  # shared memory one SM gives its CTAs (Hopper)
+SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM (Hopper)
+CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
+# What a resident CTA takes of its SM's shared memory besides its arena: 1 KB the hardware
+# keeps for each CTA, and the scheduler's own shared words (flags, hooks, release marks)
+CTA_SHARED_OVERHEAD = 3 * 1024
+GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SM_THREADS = 2048
 RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
 NVSHMEM_RUNTIME_SOURCE = RUNTIME_SOURCE.with_name("etc_runtime_nvshmem.cuh")
+
+
+def arena_limit(ctas_per_sm: int) -> int:
+    """The largest arena (the tasks' dynamic shared memory) with which ``ctas_per_sm``
+    persistent CTAs fit on one SM together, as the cooperative launch requires."""
+    return min(CTA_SHARED_BYTES, SM_SHARED_BYTES // ctas_per_sm) - CTA_SHARED_OVERHEAD
 
 
 def kernel_table(values) -> np.ndarray:
@@ -195,16 +206,21 @@ class PersistentKernel:
             if options.profile else None
         arena_bytes = max(shared_bytes(c.fn) for c in self.calls)
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
-        if per_sm * arena_bytes > SM_SHARED_BYTES or per_sm * threads > SM_THREADS:
+        if arena_bytes > arena_limit(per_sm) or per_sm * threads > SM_THREADS:
             raise EtcError(f"{graph.name}: {per_sm} persistent CTAs per SM of {threads} threads "
                            f"and {arena_bytes} bytes of shared memory each do not fit on one SM "
-                           f"({SM_THREADS} threads, {SM_SHARED_BYTES} bytes): lower ctas_per_sm")
+                           f"({SM_THREADS} threads, {SM_SHARED_BYTES} bytes, arenas of at most "
+                           f"{arena_limit(per_sm)} bytes): lower ctas_per_sm")
         self.arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
             if arena_bytes else None
         self.stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
         # a waiting thread's own stop flag, published to ``stop`` once its waits are done
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
+        if 4 * (1 + len(layout.gates)) > GATE_HOOK_BYTES:
+            raise EtcError(f"{graph.name}: {len(layout.gates)} ETensors armed at run time; "
+                           f"their hooks take more than the {GATE_HOOK_BYTES} bytes of shared "
+                           "memory CTA_SHARED_OVERHEAD keeps for them")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
