@@ -76,27 +76,33 @@ class Timeline:
     def handoffs_us(self) -> np.ndarray:
         """Gaps on each CTA between one task's end and the next task's start: what taking
         the next task (a queue read, a pop) costs, plus any idle time."""
-        gaps = []
-        by_cta: dict[int, list[TaskSpan]] = {}
-        for s in self.spans:
-            by_cta.setdefault(s.cta, []).append(s)
-        for spans in by_cta.values():
-            gaps += [b.start_us - a.end_us for a, b in zip(spans, spans[1:])]
-        return np.asarray(gaps)
+        return np.asarray(list(self._handoffs_before().values()))
+
+    def _handoffs_before(self) -> dict[int, float]:
+        """Task -> the hand-off before it on its CTA (a CTA's first task has none)."""
+        before, last = {}, {}
+        for s in self.spans:  # in start order
+            if s.cta in last:
+                before[s.task] = s.start_us - last[s.cta].end_us
+            last[s.cta] = s
+        return before
 
     def summary(self) -> str:
-        """A table per call (tasks, median wait and body, total busy time, and the window
-        from its first task's start to its last task's end), then the makespan, the SMs used
-        and the median hand-off."""
+        """A table per call (tasks, median wait and body, median hand-off before its tasks,
+        total busy time, and the window from its first task's start to its last task's end),
+        then the makespan, the SMs used and the median hand-off."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
-        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'busy us':>9} "
-                 f"{'from us':>9} {'to us':>9}"]
+        before = self._handoffs_before()
+        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'taken us':>9} "
+                 f"{'busy us':>9} {'from us':>9} {'to us':>9}"]
         for name, spans in calls.items():
+            taken = [before[s.task] for s in spans if s.task in before]
             lines.append(f"{name:>16} {len(spans):>6} "
                          f"{np.median([s.wait_us for s in spans]):>9.2f} "
                          f"{np.median([s.body_us for s in spans]):>9.2f} "
+                         f"{np.median(taken) if taken else 0.0:>9.2f} "
                          f"{sum(s.end_us - s.start_us for s in spans):>9.1f} "
                          f"{min(s.start_us for s in spans):>9.1f} "
                          f"{max(s.end_us for s in spans):>9.1f}")

@@ -75,7 +75,12 @@ def test_timeline_spans_waits_and_handoffs():
     np.testing.assert_allclose(timeline.handoffs_us(), [0.4])  # SM 3: a(0) ends, b(0) starts
     summary = timeline.summary()
     assert "makespan 4.0 us on 2 SMs (2 CTAs); median hand-off 0.40 us" in summary
-    assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "3.0", "0.0", "2.0"]
+    # call, tasks, median wait, body, hand-off before (none before a CTA's first task), busy,
+    # from, to
+    assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "0.00", "3.0", "0.0",
+                                               "2.0"]
+    assert summary.splitlines()[2].split() == ["b", "1", "0.40", "1.20", "0.40", "1.6", "2.4",
+                                               "4.0"]
 
 
 def test_two_ctas_on_one_sm_hand_off_each_on_its_own():
