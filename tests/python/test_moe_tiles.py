@@ -570,6 +570,17 @@ def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():
               strategy="barrier", num_sms=132, options=KernelOptions(ctas_per_sm=2))
 
 
+def test_hooks_of_etensors_armed_at_run_time_must_fit_their_share(monkeypatch):
+    """The layer arms two ETensors at run time (aligned, h_ready): 12 bytes of hooks, which a
+    CTA's overhead of shared memory is sized to hold; past that share, the build says so."""
+    from etc_tvm.tir_sched import persistent
+
+    monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 8)
+    with pytest.raises(EtcError, match="2 ETensors armed at run time; their hooks take more "
+                                       "than the 8 bytes"):
+        build(make_moe_layer(H, E, K, F), {"T": 4}, strategy="static", num_sms=8)
+
+
 @pytest.mark.parametrize("tokens", (1, 20))
 def test_wgmma_layer_matches_float64(tokens, rng):
     graph = make_moe_layer(H, E, K, F, tile_rows=64, combine_cols=128, engine="wgmma")
