@@ -116,8 +116,16 @@ __device__ __noinline__ int etc_wait(const int* counter, int* status, int task, 
 
 // A claim on the next slot of the ready ring. A CTA claims its next slot while it runs its
 // current task: the atomic's result is not read until ``etc_take``, so its round trip
-// overlaps the task instead of delaying it. Called by one thread.
-__device__ __forceinline__ int etc_claim(int* head_tail) { return atomicAdd(head_tail, 1); }
+// overlaps the task instead of delaying it. Called by one thread. An increment, not an add:
+// ptxas aggregates an add on a warp-uniform address over the warp's active lanes, and its
+// shuffle of the result waited for the round trip right away, before the task started; an
+// increment below 2^31 - 1 (never reached: slots are fewer) is not aggregated.
+__device__ __forceinline__ int etc_claim(int* head_tail) {
+  unsigned slot;
+  asm volatile("atom.relaxed.gpu.global.inc.u32 %0, [%1], 2147483647;"
+               : "=r"(slot) : "l"(head_tail));
+  return (int)slot;
+}
 
 // The task of claimed slot ``slot`` (acquire: the pusher's writes happen before the task
 // runs), -1 once the slot lies past the tasks the ring will hold, -2 if the grid is stopping.
@@ -145,11 +153,16 @@ __device__ __noinline__ int etc_take(int* head_tail, const int* ring, int slot, 
   }
 }
 
-// The task of claimed slot ``slot`` if it is published now, else -1 (acquire, as etc_take). Read
-// while the current task's notifies wait for its stores, the next task's round trip overlaps
-// theirs; a -1 leaves the slot to etc_take. Called by the thread that claimed it.
+// The task of claimed slot ``slot`` if it is published now, else -1 (acquire, as etc_take);
+// a -1 leaves the slot to etc_take. Called by the thread that claimed it, after the current
+// task's body, before its notifies. A relaxed load and a fence make the acquire: the fence
+// waits for the load and the task's stores together, one round trip, where an acquire load
+// waited out its own before the notifies' fence waited for the stores.
 __device__ __forceinline__ int etc_peek(const int* ring, int slot, int capacity) {
-  return slot < capacity ? etc_load_acquire(ring + slot) : -1;
+  if (slot >= capacity) return -1;
+  const int task = etc_load_relaxed(ring + slot);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  return task;
 }
 
 // Publish ``task`` in the next free slot of the ring (release). The lanes of a warp that push
