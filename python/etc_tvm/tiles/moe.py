@@ -800,6 +800,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
         raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
                        f"spread over {threads} threads")
     ntok, rows = tirx.Var("T", "int32"), tirx.Var("rows", "int32")
+    steps = ceil_div(vecs, threads)
 
     @T.prim_func
     def combine(t: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
@@ -807,18 +808,23 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                 y: T.Buffer((rows, H), y_dtype), out: T.Buffer((ntok, H), "bfloat16")):
         T.device_entry()
         tx = T.thread_id([threads])
-        acc = T.alloc_local((4,), "float32")
-        for s in T.unroll(ceil_div(vecs, threads)):
+        acc = T.alloc_local((steps, 4), "float32")
+        # every step's sums before any store: nothing tells the compiler that out and y do
+        # not overlap, so a store between two steps kept the next step's loads from leaving
+        # early, one round trip a step
+        for s in T.unroll(steps):
             if s * threads + tx < vecs:
                 col = T.meta_var(c * cols + (s * threads + tx) * 4)
                 for j in T.vectorized(4):
-                    acc[j] = T.float32(0)
+                    acc[s, j] = T.float32(0)
                 for k in T.unroll(K):
                     for j in T.vectorized(4):
-                        acc[j] = acc[j] + topw[t, k] * T.Cast("float32",
-                                                              y[pair_row[t, k], col + j])
+                        acc[s, j] = acc[s, j] + topw[t, k] * T.Cast(
+                            "float32", y[pair_row[t, k], col + j])
+        for s in T.unroll(steps):
+            if s * threads + tx < vecs:
                 for j in T.vectorized(4):
-                    out[t, col + j] = T.Cast("bfloat16", acc[j])
+                    out[t, c * cols + (s * threads + tx) * 4 + j] = T.Cast("bfloat16", acc[s, j])
 
     name = f"combine_{H}_top{K}_c{cols}_t{threads}" + _Y_SUFFIX[y_dtype]
     tile = device_func(combine.with_attr("global_symbol", name))
