@@ -255,6 +255,7 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
     if threads % WARP or not 1 <= K <= E:
         raise EtcError(f"top-k tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
     warps, per_lane = threads // WARP, ceil_div(E, WARP)
+    rounds = ceil_div(TB, warps)  # tokens a warp picks for, one after another
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
@@ -264,17 +265,22 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
         T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        vals = T.alloc_local((per_lane,), "float32")
+        vals = T.alloc_local((rounds, per_lane), "float32")
         weight = T.alloc_local((K,), "float32")
-        for tt in T.serial(ceil_div(TB, warps)):
+        # every token's logits before any pick: in the megakernel nothing tells the compiler
+        # that topk and topw do not overlap the logits, so a token's stores held the next
+        # token's loads back, one round trip a token
+        for tt in T.unroll(rounds):
+            t = T.meta_var(tt * warps + warp)
+            for v in T.unroll(per_lane):
+                vals[tt, v] = T.float32(FLT_LOWEST)
+                if t < TB and b * TB + t < ntok and lane + v * WARP < E:
+                    vals[tt, v] = logits[0, b * TB + t, lane + v * WARP]
+                    for s in T.unroll(1, S):
+                        vals[tt, v] = vals[tt, v] + logits[s, b * TB + t, lane + v * WARP]
+        for tt in T.unroll(rounds):
             t = T.meta_var(tt * warps + warp)
             if t < TB and b * TB + t < ntok:  # warp-uniform: the shuffles see every lane
-                for v in T.unroll(per_lane):
-                    vals[v] = T.float32(FLT_LOWEST)
-                    if lane + v * WARP < E:
-                        vals[v] = logits[0, b * TB + t, lane + v * WARP]
-                        for s in T.unroll(1, S):
-                            vals[v] = vals[v] + logits[s, b * TB + t, lane + v * WARP]
                 best = T.local_scalar("float32")
                 mine = T.local_scalar("float32")
                 arg = T.local_scalar("int32")
@@ -287,8 +293,8 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                     mine = T.float32(FLT_LOWEST)
                     arg = E
                     for v in T.unroll(per_lane):  # a lane's indices rise with v: strict '>'
-                        if lane + v * WARP < E and vals[v] > mine:
-                            mine = vals[v]
+                        if lane + v * WARP < E and vals[tt, v] > mine:
+                            mine = vals[tt, v]
                             arg = lane + v * WARP
                     best = T.cuda.warp_max(mine)
                     if mine != best:
@@ -296,7 +302,7 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                     chosen = T.cuda.warp_min(arg)  # the lowest index holding the maximum
                     for v in T.unroll(per_lane):
                         if lane + v * WARP == chosen:
-                            vals[v] = T.float32(FLT_LOWEST)
+                            vals[tt, v] = T.float32(FLT_LOWEST)
                     if k == 0:
                         top = best
                     weight[k] = T.exp(best - top)
