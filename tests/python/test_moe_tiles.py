@@ -22,7 +22,7 @@ from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
 
-from cubin import build_cubin
+from cubin import build_cubin, sass
 from moe_tile_graphs import one_call_dims, one_call_graphs
 from test_tiles import assert_within, poisoned
 
@@ -541,6 +541,20 @@ def test_128_row_wgmma_layer_compiles_for_sm90a(tmp_path):
     names = compile_layer(graph, 1024, tmp_path, ctas_per_sm=2)
     assert {"gate_up_2048x768_e128_128x128x64_s3_t128_wgmma_blocked",
             "down_768x2048_e128_128x128x64_s3_t128_wgmma_blocked"} <= names, names
+
+
+def test_combine_loads_every_step_before_it_stores(tmp_path):
+    """A whole-row combine task (4 steps of 4 columns a thread, 8 pairs) issues its 32 loads
+    of y before its first store of out: in the megakernel nothing says out and y (a view of
+    the workspace) do not overlap, and with a store after each step the compiler kept the next
+    step's loads behind it, one round trip a step."""
+    graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, y_dtype="bfloat16"))
+    cubin, _ = build_cubin(build(graph, {"T": 512}, strategy="barrier", num_sms=132,
+                                 options=KernelOptions(ctas_per_sm=2)).cuda_source(),
+                           tmp_path, allow_spills=True)
+    memory = re.findall(r"\b(LDG\.E\.64|STG\.E\.64)\b", sass(cubin))  # bf16 x 4 of y, out
+    runs = "".join("l" if op.startswith("LDG") else "s" for op in memory).split("s")
+    assert max(len(r) for r in runs) == 4 * moe_layer.QWEN3_30B_A3B["top_k"], memory
 
 
 def test_rings_share_the_sm_among_its_ctas():

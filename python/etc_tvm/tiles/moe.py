@@ -255,6 +255,7 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
     if threads % WARP or not 1 <= K <= E:
         raise EtcError(f"top-k tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
     warps, per_lane = threads // WARP, ceil_div(E, WARP)
+    rounds = ceil_div(TB, warps)  # tokens a warp picks for, one after another
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
@@ -264,17 +265,22 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
         T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        vals = T.alloc_local((per_lane,), "float32")
+        vals = T.alloc_local((rounds, per_lane), "float32")
         weight = T.alloc_local((K,), "float32")
-        for tt in T.serial(ceil_div(TB, warps)):
+        # every token's logits before any pick: in the megakernel nothing tells the compiler
+        # that topk and topw do not overlap the logits, so a token's stores held the next
+        # token's loads back, one round trip a token
+        for tt in T.unroll(rounds):
+            t = T.meta_var(tt * warps + warp)
+            for v in T.unroll(per_lane):
+                vals[tt, v] = T.float32(FLT_LOWEST)
+                if t < TB and b * TB + t < ntok and lane + v * WARP < E:
+                    vals[tt, v] = logits[0, b * TB + t, lane + v * WARP]
+                    for s in T.unroll(1, S):
+                        vals[tt, v] = vals[tt, v] + logits[s, b * TB + t, lane + v * WARP]
+        for tt in T.unroll(rounds):
             t = T.meta_var(tt * warps + warp)
             if t < TB and b * TB + t < ntok:  # warp-uniform: the shuffles see every lane
-                for v in T.unroll(per_lane):
-                    vals[v] = T.float32(FLT_LOWEST)
-                    if lane + v * WARP < E:
-                        vals[v] = logits[0, b * TB + t, lane + v * WARP]
-                        for s in T.unroll(1, S):
-                            vals[v] = vals[v] + logits[s, b * TB + t, lane + v * WARP]
                 best = T.local_scalar("float32")
                 mine = T.local_scalar("float32")
                 arg = T.local_scalar("int32")
@@ -287,8 +293,8 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                     mine = T.float32(FLT_LOWEST)
                     arg = E
                     for v in T.unroll(per_lane):  # a lane's indices rise with v: strict '>'
-                        if lane + v * WARP < E and vals[v] > mine:
-                            mine = vals[v]
+                        if lane + v * WARP < E and vals[tt, v] > mine:
+                            mine = vals[tt, v]
                             arg = lane + v * WARP
                     best = T.cuda.warp_max(mine)
                     if mine != best:
@@ -296,7 +302,7 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                     chosen = T.cuda.warp_min(arg)  # the lowest index holding the maximum
                     for v in T.unroll(per_lane):
                         if lane + v * WARP == chosen:
-                            vals[v] = T.float32(FLT_LOWEST)
+                            vals[tt, v] = T.float32(FLT_LOWEST)
                     if k == 0:
                         top = best
                     weight[k] = T.exp(best - top)
@@ -800,6 +806,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
         raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
                        f"spread over {threads} threads")
     ntok, rows = tirx.Var("T", "int32"), tirx.Var("rows", "int32")
+    steps = ceil_div(vecs, threads)
 
     @T.prim_func
     def combine(t: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
@@ -807,18 +814,23 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                 y: T.Buffer((rows, H), y_dtype), out: T.Buffer((ntok, H), "bfloat16")):
         T.device_entry()
         tx = T.thread_id([threads])
-        acc = T.alloc_local((4,), "float32")
-        for s in T.unroll(ceil_div(vecs, threads)):
+        acc = T.alloc_local((steps, 4), "float32")
+        # every step's sums before any store: nothing tells the compiler that out and y do
+        # not overlap, so a store between two steps kept the next step's loads from leaving
+        # early, one round trip a step
+        for s in T.unroll(steps):
             if s * threads + tx < vecs:
                 col = T.meta_var(c * cols + (s * threads + tx) * 4)
                 for j in T.vectorized(4):
-                    acc[j] = T.float32(0)
+                    acc[s, j] = T.float32(0)
                 for k in T.unroll(K):
                     for j in T.vectorized(4):
-                        acc[j] = acc[j] + topw[t, k] * T.Cast("float32",
-                                                              y[pair_row[t, k], col + j])
+                        acc[s, j] = acc[s, j] + topw[t, k] * T.Cast(
+                            "float32", y[pair_row[t, k], col + j])
+        for s in T.unroll(steps):
+            if s * threads + tx < vecs:
                 for j in T.vectorized(4):
-                    out[t, col + j] = T.Cast("bfloat16", acc[j])
+                    out[t, c * cols + (s * threads + tx) * 4 + j] = T.Cast("bfloat16", acc[s, j])
 
     name = f"combine_{H}_top{K}_c{cols}_t{threads}" + _Y_SUFFIX[y_dtype]
     tile = device_func(combine.with_attr("global_symbol", name))
