@@ -332,11 +332,14 @@ def gemm_graph(tile):
 
 def gemm_cases(shapes, stages):
     """(tile, label, graph, dims, input shapes, torch op, FLOPs, "TFLOP/s") of the wgmma GEMM,
-    its stages loaded by cp.async ("gemm") and by TMA ("gemm_tma"), for each ring depth."""
+    its stages loaded by cp.async ("gemm") and by TMA ("gemm_tma", and "gemm_tma_staged" with
+    the tile staged through shared memory on its way out), for each ring depth."""
     for depth in stages:
-        for name, loads in (("gemm", "cp.async"), ("gemm_tma", "tma")):
+        for name, loads, stores in (("gemm", "cp.async", "fragments"),
+                                    ("gemm_tma", "tma", "fragments"),
+                                    ("gemm_tma_staged", "tma", "staged")):
             graph = gemm_graph(wgmma_gemm.make_wgmma_gemm_tile(**GEMM_TILE, stages=depth,
-                                                               loads=loads))
+                                                               loads=loads, stores=stores))
             for M, K, N in shapes:
                 yield Case(name, f"{M}x{K}x{N} s{depth}", graph, {"M": M, "K": K, "N": N},
                            gaussian((M, K), (K, N)), torch.matmul, 2 * M * K * N, "TFLOP/s")
@@ -395,7 +398,7 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
                         "residual_add, attention, qk_norm_rope, router, align, gate_up, down, "
-                        "combine, gemm, gemm_tma)")
+                        "combine, gemm, gemm_tma, gemm_tma_staged)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()

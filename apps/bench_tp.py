@@ -1,7 +1,7 @@
 """Tensor-parallel MLP halves on several GPUs (one process each) against cuBLAS + NCCL.
 
     torchrun --nproc-per-node W apps/bench_tp.py [--tokens 8192] [--shapes 4096x14336 ...]
-        [--tile 128x256x64 --threads 256 --loads tma]
+        [--tile 128x256x64 --threads 256 --loads tma] [--stores staged]
 
 For each MLP shape (hidden x intermediate) and the world size W of the launch:
 
@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tp_layers  # noqa: E402
 from etc_tvm.distributed import Nvshmem, build_rank  # noqa: E402
+from etc_tvm.tiles.wgmma_gemm import STORES  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 from tp_patterns import join  # noqa: E402
 
@@ -143,17 +144,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--threads", type=int, default=128, choices=[128, 256])
     parser.add_argument("--loads", default="cp.async", choices=["cp.async", "tma"])
+    parser.add_argument("--stores", default="fragments", choices=list(STORES),
+                        help="GEMM tiles' output: straight from the fragments, or staged "
+                        "through shared memory into row-contiguous 16-byte stores")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default="bench_tp.json")
     args = parser.parse_args()
     bm, bn, bk = (int(v) for v in args.tile.split("x"))
     tile = {"bm": bm, "bn": bn, "bk": bk, "stages": args.stages, "threads": args.threads,
-            "loads": args.loads}
+            "loads": args.loads, "stores": args.stores}
     world, rank, size = join()
     rows = []
     if rank == 0:
         print(f"GEMM tiles {args.tile}, {args.stages} stages, {args.threads} threads, "
-              f"{args.loads} loads", flush=True)
+              f"{args.loads} loads, {args.stores} stores", flush=True)
         print(f"{'half':<22} {'W':>2} {'M x K x N':>20} {'ours us':>9} {'base us':>9} "
               f"{'ratio':>6} {'TFLOP/s':>8} {'err/bound':>9} {'vs NCCL':>8}", flush=True)
     for shape in args.shapes:

@@ -1,6 +1,6 @@
 """The two halves of a tensor-parallel MLP as graph functions of world size W, on the wgmma
 tiles of ``etc_tvm.tiles.tp`` (bf16, 128 x 128 tiles loaded by cp.async by default; the
-keyword arguments pick the tile's shape, ring, threads and loads):
+keyword arguments pick the tile's shape, ring, threads, loads and stores):
 
     ag_gemm_layer   the up projection, column parallel: rank r holds row block r of the
                     activations A (M x H) and column block r of the weights (H x N); every rank
@@ -28,11 +28,12 @@ from etc_tvm.tiles import tp
 
 @functools.cache
 def ag_gemm_layer(world_size: int, bm: int = 128, bn: int = 128, bk: int = 64,
-                  stages: int = 4, threads: int = 128, loads: str = "cp.async"):
+                  stages: int = 4, threads: int = 128, loads: str = "cp.async",
+                  stores: str = "fragments"):
     """``ag_gemm(A: M x K, B: K x N) -> C: W*M x N`` (all bf16) on each of W ranks."""
     W = world_size
     gather = tp.make_gather_rows_tile(bm, threads)
-    ring = tp.make_ring_gemm_tile(bm, bn, bk, stages, threads, loads)
+    ring = tp.make_ring_gemm_tile(bm, bn, bk, stages, threads, loads, stores)
 
     @graph_func(world_size=W)
     def ag_gemm(A: Tensor(("M", "K"), "bfloat16"), B: Tensor(("K", "N"), "bfloat16")):
@@ -50,10 +51,11 @@ def ag_gemm_layer(world_size: int, bm: int = 128, bn: int = 128, bk: int = 64,
 
 @functools.cache
 def gemm_rs_layer(world_size: int, bm: int = 128, bn: int = 128, bk: int = 64,
-                  stages: int = 4, threads: int = 128, loads: str = "cp.async"):
+                  stages: int = 4, threads: int = 128, loads: str = "cp.async",
+                  stores: str = "fragments"):
     """``gemm_rs(A: M x K_r, B: K_r x N) -> D: M/W x N`` (all bf16) on each of W ranks."""
     W = world_size
-    gemm = tp.make_gemm_scatter_tile(bm, bn, bk, stages, threads, loads)
+    gemm = tp.make_gemm_scatter_tile(bm, bn, bk, stages, threads, loads, stores)
     total = tp.make_partial_sum_tile(bm, bn, threads)
 
     @graph_func(world_size=W)

@@ -57,22 +57,29 @@ def test_all_gather_gemm_columns_match_float64(W, order, rng):
                       gemm.error_bound(A, b, "bfloat16"))
 
 
-@pytest.mark.parametrize("layer, dims, peer, strategy, loads", [
+@pytest.mark.parametrize("layer, dims, peer, strategy, loads, stores", [
     ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static",
-     "cp.async"),
+     "cp.async", "fragments"),
     ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "dynamic",
-     "cp.async"),
+     "cp.async", "fragments"),
     ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static",
-     "cp.async"),
+     "cp.async", "fragments"),
     ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static",
-     "tma"),
+     "tma", "fragments"),
     ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static",
-     "tma")])
+     "tma", "fragments"),
+    ("gemm_rs_layer", {"M": 2 * TILE, "K": 64, "N": TILE}, "etc_peer(partials_ptr", "static",
+     "tma", "staged"),
+    ("ag_gemm_layer", {"M": TILE, "K": 64, "N": TILE}, "etc_peer(gathered_ptr", "static",
+     "tma", "staged")])
 def test_rank_kernels_compile_with_wgmma_and_peer_stores(layer, dims, peer, strategy, loads,
-                                                          nvshmem_home):
-    program = distributed.build_rank(getattr(tp_layers, layer)(2, loads=loads), dims, 1,
-                                     strategy=strategy, num_sms=4)
+                                                          stores, nvshmem_home):
+    program = distributed.build_rank(getattr(tp_layers, layer)(2, loads=loads, stores=stores),
+                                     dims, 1, strategy=strategy, num_sms=4)
     kernel = program.executable.mod.imports[0].inspect_source("cuda")
+    # staged: the GEMM tiles' output (a peer's partials, or this rank's C) in 16-byte stores
+    out = "partials_peer" if layer == "gemm_rs_layer" else "C_ptr"
+    assert (f"*(uint4*)({out} + " in kernel) == (stores == "staged")
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in kernel
     assert peer in kernel
     # TMA: the A (or gathered) and B maps, encoded by the rank kernel's host part

@@ -27,6 +27,9 @@ CONFIGS = {  # make_wgmma_gemm_tile configurations
                               "out_dtype": "bfloat16"},
     "256x128x64_f32": {"bm": 256, "bn": 128},
     "64x64x64_f32_t128": {"bm": 64, "bn": 64, "threads": 128},
+    "128x256x64_bf16_staged": {"out_dtype": "bfloat16", "stores": "staged"},
+    "128x128x64_bf16_t128_staged": {"bn": 128, "threads": 128, "out_dtype": "bfloat16",
+                                    "stores": "staged"},
 }
 
 
@@ -164,6 +167,9 @@ def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
     assert "tnspB" in code  # B read MN-major from shared memory
     assert count(code, "LDGSTS.E.BYPASS.128") > 0
     assert count(code, "HMMA.16816.F32.BF16") == 0
+    # staged: the tile leaves in 16-byte stores, a thread's share of whole rows
+    staged = cfg["bm"] * cfg["bn"] // 8 // cfg["threads"]
+    assert count(code, "STG.E.128") == (staged if cfg.get("stores") == "staged" else 0), code
 
 
 @pytest.mark.parametrize("name", ["128x256x64_f32", "128x128x64_f32_t128", "256x128x64_f32"])
@@ -226,6 +232,8 @@ def test_tile_shared_memory_and_threads():
     ({"threads": 128}, "accumulators per thread"),  # 128 x 256 on one warpgroup
     ({"stages": 5}, "more than"),
     ({"out_dtype": "float16"}, "out_dtype"),
+    ({"stores": "rows"}, "stores must be one of"),
+    ({"stores": "staged"}, "staged stores write bf16 tiles, not float32"),
 ])
 def test_factory_rejects_shapes_it_cannot_run(kwargs, message):
     with pytest.raises(EtcError, match=message):

@@ -33,19 +33,24 @@ from .wgmma_gemm import WgmmaTile, check_geometry, operand_maps, task_cost
 VEC = 8  # bf16 per 16-byte access
 
 
-def _wgmma_config(bm, bn, bk, stages, threads, loads):
-    check_geometry(bm, bn, bk, stages, threads, "bfloat16")
-    return f"{bm}x{bn}x{bk}_s{stages}_t{threads}{'_tma' if loads == 'tma' else ''}"
+def _wgmma_config(bm, bn, bk, stages, threads, loads, stores):
+    check_geometry(bm, bn, bk, stages, threads, "bfloat16", stores)
+    return (f"{bm}x{bn}x{bk}_s{stages}_t{threads}{'_tma' if loads == 'tma' else ''}"
+            f"{'_staged' if stores == 'staged' else ''}")
 
 
 @functools.cache
 def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int = 4,
-                           threads: int = 128, loads: str = "cp.async") -> DeviceFunc:
+                           threads: int = 128, loads: str = "cp.async",
+                           stores: str = "fragments") -> DeviceFunc:
     """The tile ``gemm_scatter_<bm>x<bn>x<bk>``: task (i, j) computes this rank's partial
     product ``A[rows i] @ B[:, cols j]`` (A: M x K_r, B: K_r x N, this rank's K slice) and
     stores it in bf16 into ``P[rank]`` (P: W x Q x N, symmetric) of the rank that owns row
-    tile i, at the tile's rows within that rank's Q. ``loads``: as the wgmma GEMM tile's."""
-    config = _wgmma_config(bm, bn, bk, stages, threads, loads)
+    tile i, at the tile's rows within that rank's Q. ``loads``: as the wgmma GEMM tile's;
+    ``stores``: straight from the fragments, or staged through the ring into row-contiguous
+    16-byte stores (``wgmma_gemm.STORES``)."""
+    config = _wgmma_config(bm, bn, bk, stages, threads, loads, stores)
+    staged = stores == "staged"
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
     maps = operand_maps(loads, "A", bm, bk, "gemm_scatter tile")
     tma = loads == "tma"
@@ -64,7 +69,10 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         else:
             tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
+        if staged:
+            tile.store_staged(mine, i * bm - i * bm // Q * Q, j * bn)
+        else:
+            tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
@@ -165,13 +173,15 @@ def make_gather_rows_tile(rows: int = 128, threads: int = 128) -> DeviceFunc:
 
 @functools.cache
 def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int = 4,
-                        threads: int = 128, loads: str = "cp.async") -> DeviceFunc:
+                        threads: int = 128, loads: str = "cp.async",
+                        stores: str = "fragments") -> DeviceFunc:
     """The tile ``ring_gemm_<bm>x<bn>x<bk>``: task (s, i, j) multiplies row tile i of source
     rank ``(rank + s) % W``'s gathered rows ``G[source]`` (G: W x M x K) by this rank's
     columns B (K x N) into the source's rows of C (Q = W*M x N, bf16): step s = 0 is this rank's
     own rows, which need no transfer. ``loads``: as the wgmma GEMM tile's (G's map sees its
-    W*M rows)."""
-    config = _wgmma_config(bm, bn, bk, stages, threads, loads)
+    W*M rows); ``stores``: as ``make_gemm_scatter_tile``'s."""
+    config = _wgmma_config(bm, bn, bk, stages, threads, loads, stores)
+    staged = stores == "staged"
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
     maps = operand_maps(loads, "G", bm, bk, "ring_gemm tile")
     tma = loads == "tma"
@@ -190,7 +200,10 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         else:
             tile.run(lambda r, k: G.ptr_to([source, i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        tile.store(C, source * M + i * bm, j * bn)
+        if staged:
+            tile.store_staged(C, source * M + i * bm, j * bn)
+        else:
+            tile.store(C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)

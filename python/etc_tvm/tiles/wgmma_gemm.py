@@ -93,10 +93,12 @@ WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
 LOADS = ("cp.async", "tma")
+STORES = ("fragments", "staged")  # WgmmaTile.store, WgmmaTile.store_staged
+STAGE_PAD = 8  # bf16 a staged row is padded by: the fragments' 4-byte writes miss no bank twice
 TMA_LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
 
-__all__ = ["WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile", "shared_bytes",
-           "operand_maps", "task_cost"]
+__all__ = ["STORES", "WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile",
+           "shared_bytes", "operand_maps", "task_cost"]
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
@@ -105,9 +107,16 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
 
 
 def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
-                   out_dtype: str = "float32") -> None:
-    """Reject the shapes the layout, the instruction and the register file cannot take."""
+                   out_dtype: str = "float32", stores: str = "fragments") -> None:
+    """Reject the shapes the layout, the instruction and the register file cannot take, and
+    ``stores`` ("fragments": ``WgmmaTile.store``; "staged": ``store_staged``, of bf16 tiles:
+    its padded rows always fit the ring, whose 3 or more stages of 64-deep slices hold
+    ``3 * 64 * (bm + bn)`` elements)."""
     name = f"wgmma gemm tile {bm}x{bn}x{bk}"
+    if stores not in STORES:
+        raise EtcError(f"{name}: stores must be one of {STORES}, got {stores!r}")
+    if stores == "staged" and out_dtype != "bfloat16":
+        raise EtcError(f"{name}: staged stores write bf16 tiles, not {out_dtype}")
     if out_dtype not in OUT_DTYPES:
         raise EtcError(f"{name}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if threads not in (WARPGROUP, 2 * WARPGROUP):
@@ -364,6 +373,28 @@ class WgmmaTile:
     def store(self, C, row0, col0):
         store_fragments(self, C, row0, col0)
 
+    @T.inline
+    def store_staged(self, C, row0, col0):
+        # ``store`` through the idle ring (after ``run``; from the allocation's start, which
+        # 16-byte accesses need aligned, not the swizzle's base): the bf16 tile goes to
+        # shared memory first, then out in row-contiguous 16-byte stores. ``store`` writes
+        # 16 bytes of a row an instruction (4 lanes' column pairs, 8 rows), half a 32-byte
+        # sector each: where C is a peer's copy, across NVLink, every sector then goes whole.
+        ring, threads, pitch, chunks = T.meta_var(
+            (self.ring, self.groups * WARPGROUP, self.bn + STAGE_PAD, self.bn // CHUNK))
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for h in T.unroll(2):
+                    for v in T.vectorized(2):
+                        ring.smem[self.row(m, h) * pitch + self.col(n, v)] = \
+                            T.Cast("bfloat16", self.frag(m, n, h * 2 + v))
+        T.cuda.cta_sync()
+        for q in T.unroll(self.bm * chunks // threads):
+            r, c = T.meta_var(((q * threads + self.tx) // chunks,
+                               (q * threads + self.tx) % chunks * CHUNK))
+            for v in T.vectorized(CHUNK):
+                C[row0 + r, col0 + c + v] = ring.smem[r * pitch + c + v]
+
 
 def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[TensorMap]:
     """The tensor maps of a wgmma tile whose stages ``loads`` fill: none for "cp.async"; for
@@ -386,7 +417,7 @@ def task_cost(K, bm: int, bn: int, bk: int):
 
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
                          threads: int = 256, out_dtype: str = "float32",
-                         loads: str = "cp.async") -> DeviceFunc:
+                         loads: str = "cp.async", stores: str = "fragments") -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
     configuration, however the arguments are spelled (graphs naming one configuration share
     one device function).
@@ -397,15 +428,17 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     the shape compute-bound Hopper GEMMs use; 128 x 128 on one warpgroup composes with the
     128-thread tiles of the library. ``loads``: "cp.async" (every thread copies 16 bytes at
     a time) or "tma" (one thread, one TMA load a 64-column panel, through tensor maps of A
-    and B that the kernels encode; ``run_tma``).
+    and B that the kernels encode; ``run_tma``). ``stores``: ``STORES``, "fragments"
+    (``WgmmaTile.store``) or "staged" (``store_staged``; bf16 tiles).
     """
-    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads)
+    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads, stores)
 
 
 @functools.cache
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
-               out_dtype: str, loads: str) -> DeviceFunc:
-    check_geometry(bm, bn, bk, stages, threads, out_dtype)
+               out_dtype: str, loads: str, stores: str) -> DeviceFunc:
+    check_geometry(bm, bn, bk, stages, threads, out_dtype, stores)
+    staged = stores == "staged"
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
     maps = operand_maps(loads, "A", bm, bk, "wgmma gemm tile")
     tma = loads == "tma"
@@ -424,10 +457,14 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         else:
             tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        tile.store(C, i * bm, j * bn)
+        if staged:
+            tile.store_staged(C, i * bm, j * bn)
+        else:
+            tile.store(C, i * bm, j * bn)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
-    name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}"
+    name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" \
+        f"{'_staged' if staged else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
 
