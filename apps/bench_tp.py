@@ -1,7 +1,7 @@
 """Tensor-parallel MLP halves on several GPUs (one process each) against cuBLAS + NCCL.
 
     torchrun --nproc-per-node W apps/bench_tp.py [--tokens 8192] [--shapes 4096x14336 ...]
-        [--tile 128x256x64 --threads 256 --loads tma] [--stores staged]
+        [--tile 128x256x64 --threads 256 --loads tma] [--stores staged] [--profile DIR]
 
 For each MLP shape (hidden x intermediate) and the world size W of the launch:
 
@@ -14,7 +14,9 @@ For each MLP shape (hidden x intermediate) and the world size W of the launch:
 
 Each rank checks its result against float64 within the tiles' bounds (for a sample of rows)
 and reports its relative error to NCCL's; then both variants are timed by CUDA-event medians,
-taking turns, and rank 0 prints the slowest rank's median of each and the ratio. bf16
+taking turns, and rank 0 prints the slowest rank's median of each and the ratio. With
+``--profile DIR`` our kernels are built to profile: rank 0 also prints each rank's task
+timeline of its last timed launch, and every rank writes it to DIR as a Chrome trace. bf16
 everywhere, fp32 accumulation. NVLink multicast stays off (NVSHMEM_DISABLE_NVLS,
 NCCL_NVLS_ENABLE).
 """
@@ -31,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import tp_layers  # noqa: E402
 from etc_tvm.distributed import Nvshmem, build_rank  # noqa: E402
 from etc_tvm.tiles.wgmma_gemm import STORES  # noqa: E402
+from etc_tvm.tir_sched.persistent import KernelOptions  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 from tp_patterns import join  # noqa: E402
 
@@ -62,24 +65,32 @@ def gemm_bound(a64, b64, k: int):
     return k * 2.0 ** -22 * (a64.abs() @ b64.abs()) + 2.0 ** -8 * (a64 @ b64).abs() + 2.0 ** -126
 
 
-def against(baseline, program, world: Nvshmem, args, got: torch.Tensor, reps: int) -> dict:
+def against(baseline, program, world: Nvshmem, args, got: torch.Tensor, reps: int,
+            trace: str | None) -> dict:
     """Our result's relative error to the baseline's, and the medians of both, taking turns;
-    the watchdog is read once, after the timed launches."""
+    the watchdog is read once, after the timed launches. A profiled program's last launch
+    goes to ``trace`` (a Chrome trace) and, summed up, into the result."""
     want = baseline().float()
     nccl = float((got.float() - want).norm() / want.norm())
     us = time_interleaved({"ours": lambda: program.launch(world, *args),
                            "cuBLAS+NCCL": baseline}, reps=reps)
     program.check()
-    return {"vs NCCL": nccl, "us": us}
+    if not program.meta.profiled:
+        return {"vs NCCL": nccl, "us": us}
+    timeline = program.timeline()
+    timeline.write_chrome_trace(trace)
+    return {"vs NCCL": nccl, "us": us, "timeline": timeline.summary()}
 
 
-def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict) -> dict:
+def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict,
+       trace: str | None) -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens // W, hidden, 2 * inter // W
     A = draw((tokens, K), 1.0, 1)  # every rank draws the whole, keeps its part
     B = draw((K, N * W), K ** -0.5, 2)[:, r * N:(r + 1) * N].contiguous()
     A_r = A[r * M:(r + 1) * M].contiguous()
-    program = build_rank(tp_layers.ag_gemm_layer(W, **tile), {"M": M, "K": K, "N": N}, r)
+    program = build_rank(tp_layers.ag_gemm_layer(W, **tile), {"M": M, "K": K, "N": N}, r,
+                         options=KernelOptions(profile=trace is not None))
     args = [as_tvm(A_r), as_tvm(B)]
     (C,) = program.launch(world, *args)
     program.check()
@@ -94,18 +105,18 @@ def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: di
         return gathered @ B
 
     return {"M": tokens, "K": K, "N": N, "error/bound": error, "flop": 2.0 * tokens * K * N,
-            **against(baseline, program, world, args, got, reps)}
+            **against(baseline, program, world, args, got, reps, trace)}
 
 
 def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict,
-         strategy: str = "static") -> dict:
+         trace: str | None, strategy: str = "static") -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens, inter // W, hidden
     A = draw((M, K * W), 1.0, 3)
     B = draw((K * W, N), (K * W) ** -0.5, 4)
     A_r, B_r = A[:, r * K:(r + 1) * K].contiguous(), B[r * K:(r + 1) * K].contiguous()
     program = build_rank(tp_layers.gemm_rs_layer(W, **tile), {"M": M, "K": K, "N": N}, r,
-                         strategy=strategy)
+                         strategy=strategy, options=KernelOptions(profile=trace is not None))
     args = [as_tvm(A_r), as_tvm(B_r)]
     (D,) = program.launch(world, *args)
     program.check()
@@ -125,7 +136,7 @@ def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: 
         return scattered
 
     return {"M": M, "K": K, "N": N, "error/bound": error, "flop": 2.0 * M * K * N,
-            **against(baseline, program, world, args, got, reps)}
+            **against(baseline, program, world, args, got, reps, trace)}
 
 
 HALVES = {"up": ("All-Gather + GEMM", up), "down": ("GEMM + Reduce-Scatter", down),
@@ -149,6 +160,8 @@ def main() -> None:
                         "through shared memory into row-contiguous 16-byte stores")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default="bench_tp.json")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="build our kernels to profile; timelines to DIR (Chrome traces)")
     args = parser.parse_args()
     bm, bn, bk = (int(v) for v in args.tile.split("x"))
     tile = {"bm": bm, "bn": bn, "bk": bk, "stages": args.stages, "threads": args.threads,
@@ -164,7 +177,11 @@ def main() -> None:
         hidden, inter = (int(v) for v in shape.split("x"))
         for half in args.halves:
             name, run = HALVES[half]
-            row = run(world, args.tokens, hidden, inter, args.reps, tile)
+            trace = None
+            if args.profile:
+                os.makedirs(args.profile, exist_ok=True)
+                trace = os.path.join(args.profile, f"{half}-{shape}-w{size}-rank{rank}.json")
+            row = run(world, args.tokens, hidden, inter, args.reps, tile, trace)
             every = [None] * size
             dist.all_gather_object(every, row)
             if rank == 0:
@@ -176,6 +193,9 @@ def main() -> None:
                 print(f"{name:<22} {size:>2} {dims:>20} {ours:9.1f} {base:9.1f} "
                       f"{base / ours:5.2f}x {row['flop'] / ours / 1e6:8.1f} {worst:9.3f} "
                       f"{nccl:8.1e}", flush=True)
+                for r, summary in enumerate(e.get("timeline") for e in every):
+                    if summary:
+                        print(f"rank {r}:\n{summary}", flush=True)
                 rows.append({"half": half, "world_size": size, "hidden": hidden,
                              "intermediate": inter, "ours_us": ours, "baseline_us": base,
                              "error_over_bound": worst, "relative_to_nccl": nccl, **tile,

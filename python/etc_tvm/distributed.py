@@ -8,6 +8,9 @@ own channel), compiles its rank's kernel with ``build_rank`` and calls it::
     program = build_rank(gemm_rs, {"M": 4096, "K": 1024, "N": 4096}, rank)
     D = program(world, A_r, B_r)
 
+Built with ``options=KernelOptions(profile=True)``, ``program.timeline()`` gives the task
+timeline of the rank's last launch (``etc_tvm.profile``).
+
 The event counters and the symmetric tensors live on NVSHMEM's symmetric heap. Allocating
 there is collective (every rank the same sizes, in the same order): a program allocates its
 state at its first call, and every rank must call its program in the same order. From then on
@@ -35,8 +38,9 @@ import numpy as np
 
 from .errors import EtcError, ExecutionError
 from .graph_func import GraphFunc
+from .profile import Timeline
 from .tir_sched.persistent import (DEFAULT_OPTIONS, RUNTIME_SOURCE, STATUS_WORDS, KernelOptions,
-                                   kernel_table)
+                                   kernel_table, timeline_size)
 
 HOST_SOURCE = RUNTIME_SOURCE.with_name("etc_nvshmem_host.cu")
 MODULE_HOOK = "runtime.nvshmem.cumodule_init"
@@ -254,13 +258,24 @@ class RankProgram:
         counters, status, outputs = self.state["counters"], self.state["status"], \
             self.state["outputs"]
         self.executable[self.name](*inputs, *self.state["arrays"], counters, status,
-                                   *self.state["work"], *outputs)
+                                   *self.state["work"], *self.state["timeline"], *outputs)
         produced = self._own(lambda t: t.producer is not None)
         return [outputs[produced.index(t)] for t in self.graph.rank_outputs(self.rank)]
 
     def check(self) -> None:
         """Raise the watchdog's error if the last launch stopped (waits for it)."""
         self.meta.check(self.state["status"].numpy())
+
+    def timeline(self) -> Timeline:
+        """The task timeline of this rank's last launch (built with ``KernelOptions(profile=
+        True)``): its own tasks, timed by its GPU's clock, after the watchdog check."""
+        if not self.meta.profiled:
+            raise EtcError(f"{self.name} was not built to profile: build_rank(..., "
+                           "options=KernelOptions(profile=True))")
+        if self.state is None:
+            raise EtcError(f"{self.name} has not been launched")
+        self.check()
+        return Timeline(self.meta, self.state["timeline"][0].numpy())
 
     def _own(self, which) -> list[int]:
         return [t.index for t in self.graph.tensors if t.rank == self.rank and which(t)]
@@ -273,9 +288,11 @@ class RankProgram:
             outputs.append(world.empty(t.shape, t.dtype) if t.symmetric
                            else tvm.runtime.empty(t.shape, t.dtype, dev))
         counters = world.empty((self.num_counters,), "int32")
+        timeline = [tvm.runtime.empty((timeline_size(self.graph),), "int64", dev)] \
+            if self.meta.profiled else []
         return {"arrays": [tvm.runtime.tensor(a, dev) for a in self.arrays],
                 "work": [tvm.runtime.empty((n,), "int32", dev) for n in self.work],
-                "counters": counters, "outputs": outputs,
+                "counters": counters, "outputs": outputs, "timeline": timeline,
                 "status": tvm.runtime.empty((STATUS_WORDS,), "int32", dev)}
 
 

@@ -3,6 +3,8 @@ notifies the owner of a sharded element through NVSHMEM and waits on its own sha
 it the NVSHMEM way (relocatable code linked with libnvshmem_device.a) for sm_90a. Kernels of
 one rank carry no NVSHMEM."""
 
+import re
+
 import pytest
 
 from etc_tvm import distributed
@@ -11,6 +13,7 @@ from etc_tvm.errors import EtcError
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout
+from etc_tvm.tir_sched.persistent import KernelOptions
 from etc_tvm.tir_sched.static_kernel import build_static_kernel
 
 from tp_graphs import all_gather_gemm, gemm_reduce_scatter
@@ -79,6 +82,23 @@ def test_all_gather_gemm_rank_kernel_compiles(rank, nvshmem_home):
     indptr, tasks, initial = program.arrays
     assert len(indptr) == 5 and len(tasks) == program.graph.num_tasks
     assert len(initial) == EventLayout.of(program.graph).size
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_profiled_rank_kernel_takes_a_timeline_of_every_rank_s_tasks(strategy, nvshmem_home):
+    """A rank kernel built to profile stamps rows by task id over all ranks (rank-major): its
+    timeline has a row for every rank's task, and rows of other ranks' tasks stay zero."""
+    program = distributed.build_rank(gemm_reduce_scatter(2), DIMS, 1, strategy=strategy,
+                                     num_sms=4, options=KernelOptions(profile=True))
+    source = program.executable.mod.imports[0].inspect_source("cuda")
+    signature = re.search(r"__global__ void[^;{]*\{", source).group(0)
+    assert "timeline_ptr" in signature
+    assert program.meta.profiled and len(program.meta.task_names) == program.graph.num_tasks
+    with pytest.raises(EtcError, match="has not been launched"):
+        program.timeline()
+    plain = distributed.build_rank(gemm_reduce_scatter(2), DIMS, 1, num_sms=4)
+    with pytest.raises(EtcError, match="was not built to profile"):
+        plain.timeline()
 
 
 def test_build_rank_refuses_a_graph_of_one_rank():
