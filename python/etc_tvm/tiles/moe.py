@@ -410,7 +410,8 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         count = T.alloc_shared((E,), "int32")
         span = T.meta_var((ntok * K + warps - 1) // warps)  # pairs of a warp's range
         walk = T.meta_var((span + WARP - 1) // WARP)  # steps of 32 pairs
-        ahead = T.alloc_local((STEPS_AHEAD,), "int32")
+        ahead = T.alloc_local((STEPS_AHEAD,), "int32")  # this batch's experts
+        coming = T.alloc_local((STEPS_AHEAD,), "int32")  # the next batch's, already loading
         expert = T.alloc_local((1,), "int32")
         same = T.alloc_local((1,), "uint32")
         below = T.meta_var((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))  # lane mask
@@ -422,9 +423,20 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
             # whole L2 round trip (55 us at 1024 tokens on the H200).
             for j in T.unroll(STEPS_AHEAD):
                 step_pair = T.meta_var((batch * STEPS_AHEAD + j) * WARP + lane)  # in the range
-                ahead[j] = -1
+                coming[j] = -1
                 if step_pair < span and warp * span + step_pair < ntok * K:
-                    ahead[j] = topk[(warp * span + step_pair) // K, (warp * span + step_pair) % K]
+                    coming[j] = topk[(warp * span + step_pair) // K,
+                                     (warp * span + step_pair) % K]
+
+        @T.inline
+        def next_batch(batch):
+            # batch's experts into ahead (loaded a batch earlier), batch + 1's set loading: a
+            # batch's loads leave before the previous batch's work and stores (the compiler
+            # cannot move them across those stores, which may alias topk for all it knows),
+            # so a walk waits one round trip, not one a batch
+            for j in T.unroll(STEPS_AHEAD):
+                ahead[j] = coming[j]
+            load_steps(batch + 1)
 
         @T.inline
         def match(j):
@@ -445,8 +457,9 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
             if q * WARP + lane < E:
                 seen[warp, q * WARP + lane] = 0
         T.cuda.warp_sync()
+        load_steps(0)
         for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
-            load_steps(batch)
+            next_batch(batch)
             for j in T.unroll(STEPS_AHEAD):
                 if ahead[j] >= 0:  # counts need no order: no match, no sync between steps
                     T.evaluate(T.cuda.atomic_add(seen.ptr_to([warp, ahead[j]]), T.int32(1)))
@@ -514,8 +527,9 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
         # Rows in (t, k) order within each expert: the warps' ranges in order, then steps,
         # then lanes.
+        load_steps(0)
         for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
-            load_steps(batch)
+            next_batch(batch)
             for j in T.unroll(STEPS_AHEAD):
                 match(j)
                 if expert[0] >= 0:
