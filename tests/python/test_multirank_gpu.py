@@ -29,7 +29,8 @@ def run_patterns(world_size: int, *flags: str) -> str:
                            f"--nproc-per-node={world_size}", str(ROOT / "apps" / "tp_patterns.py"),
                            *flags], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    for name in ("GEMM + Reduce-Scatter", "All-Gather + GEMM"):
+    for name in ("GEMM + Reduce-Scatter, static", "GEMM + Reduce-Scatter, dynamic",
+                 "All-Gather + GEMM"):
         assert f"{name}: world size {world_size}" in done.stdout
     return done.stdout
 
