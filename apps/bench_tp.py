@@ -1,7 +1,8 @@
 """Tensor-parallel MLP halves on several GPUs (one process each) against cuBLAS + NCCL.
 
     torchrun --nproc-per-node W apps/bench_tp.py [--tokens 8192] [--shapes 4096x14336 ...]
-        [--tile 128x256x64 --threads 256 --loads tma] [--stores staged] [--profile DIR]
+        [--tile 128x256x64 --threads 256 --loads tma] [--stores staged] [--graphs]
+        [--profile DIR]
 
 For each MLP shape (hidden x intermediate) and the world size W of the launch:
 
@@ -15,6 +16,8 @@ For each MLP shape (hidden x intermediate) and the world size W of the launch:
 Each rank checks its result against float64 within the tiles' bounds (for a sample of rows)
 and reports its relative error to NCCL's; then both variants are timed by CUDA-event medians,
 taking turns, and rank 0 prints the slowest rank's median of each and the ratio. With
+``--graphs`` both are replayed from CUDA graphs, so that neither side's host launch path
+(ours: TVM's call, the tensor maps' encoding, the cooperative launch) counts. With
 ``--profile DIR`` our kernels are built to profile: rank 0 also prints each rank's task
 timeline of its last timed launch, and every rank writes it to DIR as a Chrome trace. bf16
 everywhere, fp32 accumulation. NVLink multicast stays off (NVSHMEM_DISABLE_NVLS,
@@ -32,6 +35,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tp_layers  # noqa: E402
 from etc_tvm.distributed import Nvshmem, build_rank  # noqa: E402
+from etc_tvm.runtime import cuda_graph  # noqa: E402
 from etc_tvm.tiles.wgmma_gemm import STORES  # noqa: E402
 from etc_tvm.tir_sched.persistent import KernelOptions  # noqa: E402
 from timing import time_interleaved  # noqa: E402
@@ -66,14 +70,17 @@ def gemm_bound(a64, b64, k: int):
 
 
 def against(baseline, program, world: Nvshmem, args, got: torch.Tensor, reps: int,
-            trace: str | None) -> dict:
-    """Our result's relative error to the baseline's, and the medians of both, taking turns;
-    the watchdog is read once, after the timed launches. A profiled program's last launch
-    goes to ``trace`` (a Chrome trace) and, summed up, into the result."""
+            trace: str | None, graphs: bool) -> dict:
+    """Our result's relative error to the baseline's, and the medians of both, taking turns
+    (``graphs``: each replayed from a CUDA graph); the watchdog is read once, after the timed
+    launches. A profiled program's last launch goes to ``trace`` (a Chrome trace) and,
+    summed up, into the result."""
     want = baseline().float()
     nccl = float((got.float() - want).norm() / want.norm())
-    us = time_interleaved({"ours": lambda: program.launch(world, *args),
-                           "cuBLAS+NCCL": baseline}, reps=reps)
+    runs = {"ours": lambda: program.launch(world, *args), "cuBLAS+NCCL": baseline}
+    if graphs:  # every rank captures the same launches and collectives, in the same order
+        runs = {label: cuda_graph(run)[0] for label, run in runs.items()}
+    us = time_interleaved(runs, reps=reps)
     program.check()
     if not program.meta.profiled:
         return {"vs NCCL": nccl, "us": us}
@@ -83,7 +90,7 @@ def against(baseline, program, world: Nvshmem, args, got: torch.Tensor, reps: in
 
 
 def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict,
-       trace: str | None) -> dict:
+       trace: str | None, graphs: bool) -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens // W, hidden, 2 * inter // W
     A = draw((tokens, K), 1.0, 1)  # every rank draws the whole, keeps its part
@@ -105,11 +112,11 @@ def up(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: di
         return gathered @ B
 
     return {"M": tokens, "K": K, "N": N, "error/bound": error, "flop": 2.0 * tokens * K * N,
-            **against(baseline, program, world, args, got, reps, trace)}
+            **against(baseline, program, world, args, got, reps, trace, graphs)}
 
 
 def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: dict,
-         trace: str | None, strategy: str = "static") -> dict:
+         trace: str | None, graphs: bool, strategy: str = "static") -> dict:
     W, r = world.world_size, world.rank
     M, K, N = tokens, inter // W, hidden
     A = draw((M, K * W), 1.0, 3)
@@ -136,7 +143,7 @@ def down(world: Nvshmem, tokens: int, hidden: int, inter: int, reps: int, tile: 
         return scattered
 
     return {"M": M, "K": K, "N": N, "error/bound": error, "flop": 2.0 * M * K * N,
-            **against(baseline, program, world, args, got, reps, trace)}
+            **against(baseline, program, world, args, got, reps, trace, graphs)}
 
 
 HALVES = {"up": ("All-Gather + GEMM", up), "down": ("GEMM + Reduce-Scatter", down),
@@ -158,6 +165,8 @@ def main() -> None:
     parser.add_argument("--stores", default="fragments", choices=list(STORES),
                         help="GEMM tiles' output: straight from the fragments, or staged "
                         "through shared memory into row-contiguous 16-byte stores")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time both variants replayed from CUDA graphs")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--json", default="bench_tp.json")
     parser.add_argument("--profile", metavar="DIR",
@@ -170,7 +179,8 @@ def main() -> None:
     rows = []
     if rank == 0:
         print(f"GEMM tiles {args.tile}, {args.stages} stages, {args.threads} threads, "
-              f"{args.loads} loads, {args.stores} stores", flush=True)
+              f"{args.loads} loads, {args.stores} stores"
+              + (", both sides from CUDA graphs" if args.graphs else ""), flush=True)
         print(f"{'half':<22} {'W':>2} {'M x K x N':>20} {'ours us':>9} {'base us':>9} "
               f"{'ratio':>6} {'TFLOP/s':>8} {'err/bound':>9} {'vs NCCL':>8}", flush=True)
     for shape in args.shapes:
@@ -181,7 +191,7 @@ def main() -> None:
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
                 trace = os.path.join(args.profile, f"{half}-{shape}-w{size}-rank{rank}.json")
-            row = run(world, args.tokens, hidden, inter, args.reps, tile, trace)
+            row = run(world, args.tokens, hidden, inter, args.reps, tile, trace, args.graphs)
             every = [None] * size
             dist.all_gather_object(every, row)
             if rank == 0:
@@ -198,7 +208,8 @@ def main() -> None:
                         print(f"rank {r}:\n{summary}", flush=True)
                 rows.append({"half": half, "world_size": size, "hidden": hidden,
                              "intermediate": inter, "ours_us": ours, "baseline_us": base,
-                             "error_over_bound": worst, "relative_to_nccl": nccl, **tile,
+                             "error_over_bound": worst, "relative_to_nccl": nccl,
+                             "graphs": args.graphs, **tile,
                              **{k: row[k] for k in ("M", "K", "N")}})
     if rank == 0:
         with open(args.json, "w") as f:
