@@ -136,6 +136,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="how the down GEMM's output, which the combine reads back, is "
                         "stored (bf16, as the HF block's experts return theirs: at T=1024 on "
                         "the H200, 1-2%% faster than fp32)")
+    parser.add_argument("--align-tokens", type=int, help="tokens an align task walks, 0 for "
+                        "one align task (default: moe_layer.align_tokens_for the tokens)")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
@@ -170,7 +172,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
         down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
-        y_dtype=options.y_dtype)
+        y_dtype=options.y_dtype, align_tokens=options.align_tokens)
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
@@ -247,6 +249,8 @@ def print_row(row: dict, ours) -> None:
               + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
                  "(down) columns" if about["bn"] else "")
               + f", combine tasks of {about['combine_cols']} columns"
+              + (f", align over tasks of {about['align_tokens']} tokens"
+                 if about["align_tokens"] else ", one align task")
               + f", y in {about['y_dtype']}"
               + f"{', blocked weights' if about['blocked_weights'] else ''}"
               + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),

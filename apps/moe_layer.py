@@ -17,6 +17,14 @@ elements fired together. A combine task (t, c) waits for exactly the K down tile
 token t's rows, column block c. Under "mixed" the two grouped GEMMs (a data-dependent number
 of tasks) go through the ready ring, the rest through static queues.
 
+With ``align_tokens`` (CT), align runs over several CTAs instead, in three calls::
+
+    topk --routed "b->b//(CT/TB)"-->  align_count (ceil(T/CT))  --counted "c->0"-->
+        align_offsets (1)  --offset "i->0"-->  align_place (ceil(T/CT))  --aligned "c->0"-->
+
+with the same outputs: at 1024 tokens one align task walks 8192 pairs on one SM (20 us on
+the H200), where each of 8 count and 8 place tasks walks 1024.
+
 Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
 """
 import functools
@@ -40,7 +48,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
-                   y_dtype: str = "float32"):
+                   y_dtype: str = "float32", align_tokens: int = 0):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -66,7 +74,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
     (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
     back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
-    bound then counting the rounding)."""
+    bound then counting the rounding). ``align_tokens``: 0 for one align task, else the
+    tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
+    ``align_tokens_for``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
@@ -85,7 +95,15 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
                                   splits=router_splits, engine=router_engine)
     topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
-    align = moe.make_align_tile(E, K, BT, threads)
+    if align_tokens % block_tokens:
+        raise ValueError(f"align_tokens {align_tokens} must be a multiple of block_tokens "
+                         f"{block_tokens}")
+    if align_tokens:
+        align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
+        align_offsets = moe.make_align_offsets_tile(E, BT, threads)
+        align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
+    else:
+        align = moe.make_align_tile(E, K, BT, threads)
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
                                     blocked_weights)
     down = moe.make_down_tile(F, H, E, BT, down_bn, bk, threads, ring(down_bn), engine,
@@ -108,21 +126,41 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                              args=[x, w_router],
                              out=Tensor((router_splits, tokens, E), "float32", name="logits"),
                              out_edges={logits_ready: "bsj->b"})
-        routed = ETensor((1,), name="routed")
-        topk, topw = call_device(topk_tile, tile_num=(blocks,), args=[logits],
-                                 out=[Tensor((tokens, K), "int32", name="topk"),
-                                      Tensor((tokens, K), "float32", name="topw")],
-                                 in_edges={logits_ready: "b->b"}, out_edges={routed: "b->0"})
+        chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
+        routed = ETensor((chunks,), name="routed")
+        topk, topw = call_device(
+            topk_tile, tile_num=(blocks,), args=[logits],
+            out=[Tensor((tokens, K), "int32", name="topk"),
+                 Tensor((tokens, K), "float32", name="topw")],
+            in_edges={logits_ready: "b->b"},
+            out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
+                       else "b->0"})
         aligned = ETensor((1,), name="aligned")
-        _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
-            align, tile_num=(1,), args=[topk],
-            out=[Tensor((E,), "int32", name="counts"),
-                 Tensor((E + 1,), "int32", name="exp_indptr"),
-                 Tensor((tokens, K), "int32", name="pair_row"),
-                 Tensor((tokens, K), "int32", name="pair_tile"),
-                 Tensor((tiles * BT,), "int32", name="sorted_token"),
-                 Tensor((tiles,), "int32", name="tile_expert")],
-            in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
+        routing = [Tensor((tokens, K), "int32", name="pair_row"),
+                   Tensor((tokens, K), "int32", name="pair_tile"),
+                   Tensor((tiles * BT,), "int32", name="sorted_token")]
+        if align_tokens:
+            counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
+            chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
+                                       out=Tensor((chunks, E), "int32", name="chunk_counts"),
+                                       in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
+            counts, exp_indptr, chunk_row, tile_expert = call_device(
+                align_offsets, tile_num=(1,), args=[chunk_counts],
+                out=[Tensor((E,), "int32", name="counts"),
+                     Tensor((E + 1,), "int32", name="exp_indptr"),
+                     Tensor((chunks, E), "int32", name="chunk_row"),
+                     Tensor((tiles,), "int32", name="tile_expert")],
+                in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
+            pair_row, pair_tile, sorted_token = call_device(
+                align_place, tile_num=(chunks,), args=[topk, counts, exp_indptr, chunk_row],
+                out=routing, in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
+        else:
+            _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
+                align, tile_num=(1,), args=[topk],
+                out=[Tensor((E,), "int32", name="counts"),
+                     Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
+                     Tensor((tiles,), "int32", name="tile_expert")],
+                in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
         h_ready = ETensor((tiles,), name="h_ready")
         h = call_device(gate_up, tile_num=(tiles, nb1),
                         args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
@@ -159,8 +197,9 @@ def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
     is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
-    experts (``ROUTER_BLOCKS``), its splits (``router_splits_for``) and the combine's
-    columns (``combine_cols_for``) filled in where missing or None."""
+    experts (``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's
+    columns (``combine_cols_for``) and align's tokens a task (``align_tokens_for``) filled in
+    where missing or None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
@@ -171,6 +210,8 @@ def options_for(tokens: int, **options) -> dict:
             "engine": engine_for(rows, options.get("engine") or "wgmma"),
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
+            "align_tokens": align_tokens_for(tokens) if options.get("align_tokens") is None
+            else options["align_tokens"],
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
             or router_splits_for(tokens, block_tokens, experts_per_task,
@@ -215,6 +256,17 @@ def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
     -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
     widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
     return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
+
+
+ALIGN_CHUNKS = 4  # align's tasks from which it runs over several CTAs
+
+
+def align_tokens_for(tokens: int) -> int:
+    """Tokens an align task walks for ``tokens`` (``make_moe_layer``'s ``align_tokens``):
+    ``moe.ALIGN_CHUNK_TOKENS`` from ``ALIGN_CHUNKS`` chunks of them on, else 0 (one align
+    task: below that the two extra hand-offs cost more than the shorter walks save)."""
+    chunk = moe.ALIGN_CHUNK_TOKENS
+    return chunk if tokens >= ALIGN_CHUNKS * chunk else 0
 
 
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:

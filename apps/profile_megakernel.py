@@ -48,6 +48,8 @@ def main() -> None:
                         "MoE router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--moe-y-dtype", choices=moe.Y_DTYPES, default="bfloat16",
                         help="how the MoE down GEMM's output is stored (as bench_moe's)")
+    parser.add_argument("--moe-align-tokens", type=int, help="tokens a MoE align task walks, "
+                        "0 for one task (default: moe_layer.align_tokens_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share)")
     parser.add_argument("--out", default="timelines")
@@ -76,7 +78,8 @@ def main() -> None:
                 router_engine=args.moe_router_engine,
                 bn=args.moe_bn, down_bn=args.moe_down_bn,
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
-                blocked_weights=blocked, y_dtype=args.moe_y_dtype)
+                blocked_weights=blocked, y_dtype=args.moe_y_dtype,
+                align_tokens=args.moe_align_tokens)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
                 *experts, options["tile_rows"], args.moe_bn, args.moe_down_bn) \

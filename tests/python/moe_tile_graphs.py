@@ -4,6 +4,7 @@ from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import moe, rope
 
 BT = 16  # the grouped GEMMs' tile rows
+CHUNK_TOKENS = 32  # tokens an align_count / align_place task walks (several chunks at 100)
 
 
 def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
@@ -12,6 +13,9 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
     with a ring of ``grouped_stages``)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
     align = moe.make_align_tile(Ex, Kk, BT)
+    count = moe.make_align_count_tile(Ex, Kk, CHUNK_TOKENS)
+    offsets = moe.make_align_offsets_tile(Ex, BT)
+    place = moe.make_align_place_tile(Ex, Kk, BT, CHUNK_TOKENS)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex, stages=grouped_stages)
     down = moe.make_down_tile(Fi, Hd, Ex, stages=grouped_stages)
     combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
@@ -44,6 +48,27 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
                            out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
                                 Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
                                 Tensor((tiles * BT,), "int32"), Tensor((tiles,), "int32")])
+
+    @graph_func
+    def align_chunked(topk: Tensor(("T", Kk), "int32")):
+        """Align over several CTAs: count, offsets, place; the same outputs as align_only."""
+        n = topk.shape[0]
+        tiles, chunks = moe.max_tiles(n, Ex, Kk, BT), moe.ceil_div(n, CHUNK_TOKENS)
+        counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
+        chunk_counts = call_device(count, tile_num=(chunks,), args=[topk],
+                                   out=Tensor((chunks, Ex), "int32"),
+                                   out_edges={counted: "c->0"})
+        counts, indptr, chunk_row, tile_expert = call_device(
+            offsets, tile_num=(1,), args=[chunk_counts],
+            out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
+                 Tensor((chunks, Ex), "int32"), Tensor((tiles,), "int32")],
+            in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
+        pair_row, pair_tile, sorted_token = call_device(
+            place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
+            out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
+                 Tensor((tiles * BT,), "int32")],
+            in_edges={offset: "c->0"})
+        return counts, indptr, pair_row, pair_tile, sorted_token, tile_expert
 
     @graph_func
     def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
@@ -80,7 +105,7 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
                                 Tensor((n, Hk * 128), "bfloat16")])
 
     return {"router": routing_only("fma", 8, 16), "router_mma": routing_only("mma", 16, 32),
-            "align": align_only, "gate_up": gate_up_only,
+            "align": align_only, "align_chunked": align_chunked, "gate_up": gate_up_only,
             "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
 
 
@@ -88,7 +113,7 @@ def one_call_dims(name, tokens, experts=128, top_k=8):
     """The sizes the graph ``name`` of ``one_call_graphs`` takes for ``tokens`` tokens."""
     tiles = moe.max_tiles(tokens, experts, top_k, BT)
     return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "align": {"T": tokens},
-            "qk_norm_rope": {"T": tokens},
+            "align_chunked": {"T": tokens}, "qk_norm_rope": {"T": tokens},
             "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
             "down": {"R": tiles * BT, "G": tiles},
             "combine": {"T": tokens, "R": tiles * BT}}[name]

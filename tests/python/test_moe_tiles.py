@@ -160,6 +160,40 @@ def test_align_reference_builds_the_padded_csr(tokens, routing, rng):
         assert (counts[1::2] == 0).all()
 
 
+def aligned_by_chunks(topk, tiles, chunk_tokens):
+    """The outputs of align over several CTAs (count, offsets, place) for ``topk``, through
+    their references, each chunk's task in turn."""
+    chunks = -(-len(topk) // chunk_tokens)
+    chunk_counts, chunk_row = (np.full((chunks, E), -7, np.int32) for _ in range(2))
+    counts, indptr, tile_expert = (np.full(n, -7, np.int32) for n in (E, E + 1, tiles))
+    pair_row, pair_tile = np.full(topk.shape, -7, np.int32), np.full(topk.shape, -7, np.int32)
+    sorted_token = np.full(tiles * BT, -7, np.int32)
+    run_tasks(moe.make_align_count_tile(E, K, chunk_tokens), (chunks,), topk, chunk_counts)
+    run_tasks(moe.make_align_offsets_tile(E, BT), (1,), chunk_counts, counts, indptr,
+              chunk_row, tile_expert)
+    run_tasks(moe.make_align_place_tile(E, K, BT, chunk_tokens), (chunks,), topk, counts,
+              indptr, chunk_row, pair_row, pair_tile, sorted_token)
+    return counts, indptr, pair_row, pair_tile, sorted_token, tile_expert
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens, chunk_tokens", [(1, 8), (7, 8), (40, 8), (300, 16),
+                                                  (300, 128), (17, 1)])
+def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_tokens, routing,
+                                                             rng):
+    """Every output, every row of sorted_token included (the padding's -1 split among the
+    place tasks), whether chunks divide the tokens or not."""
+    topk = routed(rng, tokens, routing)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    for got, want in zip(aligned_by_chunks(topk, tiles, chunk_tokens), aligned(topk, tiles)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_align_over_chunks_refuses_empty_chunks():
+    with pytest.raises(EtcError, match="chunk_tokens must be positive"):
+        moe.make_align_count_tile(E, K, 0)
+
+
 @pytest.mark.parametrize("tokens", (1, 2, 3, 16, 17, 100, 1024))
 @pytest.mark.parametrize("experts, top_k, tile_rows", [(128, 8, 16), (8, 2, 4), (16, 4, 64)])
 def test_max_tiles_holds_the_thinnest_routing(tokens, experts, top_k, tile_rows):
@@ -327,6 +361,36 @@ def test_layer_with_bf16_y_matches_float64(tokens, routing, rng):
     want, bound = moe_layer_reference(*inputs, K, y_dtype="bfloat16")
     assert_within(out, want, bound)
     assert (bound > moe_layer_reference(*inputs, K)[1]).all()
+
+
+@pytest.mark.parametrize("order", ["random0", "mixed3", "dynamic3"])
+@pytest.mark.parametrize("tokens, chunk", [(7, 8), (20, 8), (20, 16)])
+def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order):
+    """Align over several CTAs under several orders: chunks of one top-k block (1 and 3
+    chunks), and of two (20 tokens: the last chunk waits on one block)."""
+    rng = np.random.default_rng(tokens)
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk)
+    tasks = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": tokens}).calls
+             if c.fn.name.startswith("align")}
+    assert tasks == {f"align_count_16_top4_c{chunk}_t128": -(-tokens // chunk),
+                     "align_offsets_16_bt16_t128": 1,
+                     f"align_place_16_top4_bt16_c{chunk}_t128": -(-tokens // chunk)}
+    inputs = make_inputs(rng, tokens, H, E, F)
+    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(out, want, bound)
+
+
+def test_align_tokens_must_be_whole_top_k_blocks():
+    with pytest.raises(ValueError, match="multiple of block_tokens 8"):
+        make_moe_layer(H, E, K, F, align_tokens=12)
+
+
+@pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 128),
+                                                  (4096, 128)])
+def test_align_runs_over_several_ctas_from_four_chunks(tokens, align_tokens):
+    assert moe_layer.options_for(tokens)["align_tokens"] == align_tokens
+    assert moe_layer.options_for(tokens, align_tokens=0)["align_tokens"] == 0
 
 
 @pytest.mark.parametrize("make", [

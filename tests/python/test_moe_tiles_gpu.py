@@ -86,6 +86,19 @@ def test_align_tile(tokens, routing, rng):
     np.testing.assert_array_equal(tile_expert, want[4])
 
 
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS + (3, 100, 4096))  # 100: a partial last chunk
+def test_align_over_chunks(tokens, routing, rng):
+    """Count, offsets and place, each a grid launch: every output as one align task's."""
+    topk = routed(rng, tokens, routing, E, K)
+    want = moe.align_reference(topk, E, BT, moe.max_tiles(tokens, E, K, BT))
+    counts, indptr, pair_row, pair_tile, sorted_token, tile_expert = \
+        compiled("align_chunked", tokens)(topk)
+    for got, exact in zip((counts, indptr, pair_row, pair_tile, sorted_token, tile_expert),
+                          (*want[:3], want[2] // BT, *want[3:])):
+        np.testing.assert_array_equal(got, exact)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
     x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)
@@ -234,6 +247,23 @@ def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_w
     bfloat16 runs it (two CTAs an SM, blocked weights, the tokens' defaults)."""
     options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
                                     y_dtype="bfloat16")
+    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=2))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"])
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
+                    expert_weights, expert_weights_f64, "bfloat16")
+
+
+@pytest.mark.parametrize("tokens", (600,))  # 5 chunks of 128 tokens, the last of 88
+@pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
+def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                            expert_weights_f64):
+    """The layer with align over several CTAs (the default from 512 tokens), as bench_moe
+    runs it."""
+    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
+                                    y_dtype="bfloat16")
+    assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS
     run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
                 options=KernelOptions(ctas_per_sm=2))
     blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"])

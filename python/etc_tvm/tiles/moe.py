@@ -380,18 +380,196 @@ __device__ __forceinline__ int etc_popc(unsigned m) { return __popc(m); }
 STEPS_AHEAD = 16  # steps of a warp's walk whose experts align loads together
 
 
+@T.meta_class
+class PairWalk:
+    """The warps' walk over ``total`` (t, k) pairs of ``topk`` from flat pair ``first`` on:
+    warp w takes a contiguous share, 32 pairs (one a lane) a step, in order.
+
+    ``count`` adds each warp's pairs of expert e into ``seen[w, e]`` (shared); after
+    ``scan_warps`` turns those into offsets, ``place`` walks again and hands each pair its
+    rank among the pairs of its expert, in (t, k) order: the warp's offset, the warp's
+    running count, and the lanes below with the same expert (``__match_any_sync``, whose
+    lowest lane then adds the step's pairs to the running count). The experts of
+    ``STEPS_AHEAD`` steps load together, and the next batch's while this one is worked
+    through: the match of each step is opaque to the compiler, and it cannot move a load
+    across stores that may alias ``topk`` for all it knows, so one load a step, or a batch
+    loaded after the previous batch's stores, would wait an L2 round trip each (55 us at
+    1024 tokens on the H200, before)."""
+
+    def __init__(self, topk, first, total, experts, warps, warp, lane):
+        self.topk, self.first, self.total, self.K = topk, first, total, topk.shape[1]
+        self.warps, self.warp, self.lane = warps, warp, lane
+        self.span = (total + warps - 1) // warps  # pairs of a warp's share
+        self.batches = ceil_div((self.span + WARP - 1) // WARP, STEPS_AHEAD)
+        # seen[w, e] (+1: rows in other banks)
+        self.seen = T.alloc_shared((warps, experts + 1), "int32")
+        self.experts = experts
+        self.ahead = T.alloc_local((STEPS_AHEAD,), "int32")  # this batch's experts
+        self.coming = T.alloc_local((STEPS_AHEAD,), "int32")  # the next batch's, loading
+        self.expert = T.alloc_local((1,), "int32")
+        self.same = T.alloc_local((1,), "uint32")
+        self.below = (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)  # lane mask
+
+    def pair(self, batch, j):
+        """The pair of this lane at step j of ``batch``, within the warp's share."""
+        return (batch * STEPS_AHEAD + j) * WARP + self.lane
+
+    @T.inline
+    def load(self, batch):
+        # the experts of batch's steps into coming (-1 past the share)
+        for j in T.unroll(STEPS_AHEAD):
+            p = T.meta_var(self.warp * self.span + self.pair(batch, j))
+            self.coming[j] = -1
+            if self.pair(batch, j) < self.span and p < self.total:
+                self.coming[j] = self.topk[(self.first + p) // self.K,
+                                           (self.first + p) % self.K]
+
+    @T.inline
+    def next_batch(self, batch):
+        for j in T.unroll(STEPS_AHEAD):
+            self.ahead[j] = self.coming[j]
+        self.load(batch + 1)
+
+    @T.inline
+    def count(self):
+        # seen[warp, e] = the warp's pairs of e; the caller syncs the CTA before reading
+        for q in T.serial(ceil_div(self.experts, WARP)):
+            if q * WARP + self.lane < self.experts:
+                self.seen[self.warp, q * WARP + self.lane] = 0
+        T.cuda.warp_sync()
+        self.load(0)
+        for batch in T.serial(self.batches):
+            self.next_batch(batch)
+            for j in T.unroll(STEPS_AHEAD):
+                if self.ahead[j] >= 0:  # counts need no order: no match, no sync between steps
+                    T.evaluate(T.cuda.atomic_add(self.seen.ptr_to([self.warp, self.ahead[j]]),
+                                                 T.int32(1)))
+
+    @T.inline
+    def scan_warps(self, tx, threads, total=None):
+        # seen[w, e] becomes the pairs of e in the shares of the warps before w;
+        # total(e, n), if given: what to do with n, expert e's pairs of the whole walk
+        for q in T.serial(ceil_div(self.experts, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < self.experts:
+                run = T.local_scalar("int32")
+                c = T.local_scalar("int32")
+                run = 0
+                for w in T.unroll(self.warps):
+                    c = self.seen[w, e]
+                    self.seen[w, e] = run
+                    run = run + c
+                if total is not None:
+                    total(e, run)
+
+    @T.inline
+    def place(self, first_row, put):
+        # put(pair, row) for every pair of the walk (its flat index in topk), row =
+        # first_row(e) + the pair's rank among the walk's pairs of its expert e
+        self.load(0)
+        for batch in T.serial(self.batches):
+            self.next_batch(batch)
+            for j in T.unroll(STEPS_AHEAD):
+                # every lane takes part in the match, with or without a pair
+                self.expert[0] = self.ahead[j]
+                self.same[0] = T.cuda.func_call("etc_match_any", self.expert[0],
+                                                source_code=MATCH_ANY, return_type="uint32")
+                if self.expert[0] >= 0:
+                    row = T.local_scalar("int32")
+                    row = first_row(self.expert[0]) + self.seen[self.warp, self.expert[0]] \
+                        + T.cuda.func_call("etc_popc", self.same[0] & self.below,
+                                           source_code=POPC, return_type="int32")
+                    put(self.first + self.warp * self.span + self.pair(batch, j), row)
+                T.cuda.warp_sync()  # every lane has read seen before the step's counts go in
+                # the lowest lane of each expert adds the step's pairs of it
+                if self.expert[0] >= 0 and (self.same[0] & self.below) == T.uint32(0):
+                    self.seen[self.warp, self.expert[0]] = \
+                        self.seen[self.warp, self.expert[0]] + T.cuda.func_call(
+                            "etc_popc", self.same[0], source_code=POPC, return_type="int32")
+                T.cuda.warp_sync()  # the next step's lowest lane may be another
+
+
+@T.meta_class
+class ExpertTiles:
+    """The CSR of expert tiles from per-expert pair counts, in one CTA: ``tiles`` scans
+    ``count`` (shared, filled by the caller) into ``indptr`` (a Hillis-Steele scan of each
+    thread's experts' tiles), ``tile_experts`` gives each tile its expert."""
+
+    def __init__(self, experts, tile_rows, threads, tx):
+        self.E, self.BT, self.threads, self.tx = experts, tile_rows, threads, tx
+        self.seg = ceil_div(experts, threads)  # experts per thread in the tile scan
+        self.steps = max(1, math.ceil(math.log2(threads)))
+        self.search = max(1, math.ceil(math.log2(experts + 1)))
+        self.count = T.alloc_shared((experts,), "int32")
+        self.indptr = T.alloc_shared((experts + 1,), "int32")
+        self.scan = T.alloc_shared((2, threads), "int32")
+
+    @T.inline
+    def tiles(self, exp_indptr):
+        # indptr (shared) and exp_indptr (global) from count; the caller synced count
+        E, BT, seg, tx = T.meta_var((self.E, self.BT, self.seg, self.tx))
+        mysum = T.local_scalar("int32")
+        mysum = 0
+        for s in T.unroll(seg):
+            if tx * seg + s < E:
+                mysum = mysum + (self.count[tx * seg + s] + BT - 1) // BT
+        self.scan[0, tx] = mysum
+        T.cuda.cta_sync()
+        for d in T.unroll(self.steps):
+            if tx >= (1 << d):
+                self.scan[(d + 1) % 2, tx] = self.scan[d % 2, tx] + self.scan[d % 2, tx - (1 << d)]
+            else:
+                self.scan[(d + 1) % 2, tx] = self.scan[d % 2, tx]
+            T.cuda.cta_sync()
+        start = T.local_scalar("int32")
+        start = self.scan[self.steps % 2, tx] - mysum
+        for s in T.unroll(seg):
+            if tx * seg + s < E:
+                self.indptr[tx * seg + s] = start
+                exp_indptr[tx * seg + s] = start
+                start = start + (self.count[tx * seg + s] + BT - 1) // BT
+        if tx == self.threads - 1:
+            self.indptr[E] = self.scan[self.steps % 2, tx]
+            exp_indptr[E] = self.scan[self.steps % 2, tx]
+        T.cuda.cta_sync()
+
+    @T.inline
+    def tile_experts(self, tile_expert):
+        # each tile's expert: the last e with indptr[e] <= g (binary search), E past the end
+        E, tx, threads = T.meta_var((self.E, self.tx, self.threads))
+        tiles = T.meta_var(tile_expert.shape[0])
+        for q in T.serial((tiles + threads - 1) // threads):
+            g = T.meta_var(q * threads + tx)
+            if g < tiles:
+                lo_e = T.local_scalar("int32")
+                hi_e = T.local_scalar("int32")
+                lo_e = 0
+                hi_e = E
+                if g >= self.indptr[E]:
+                    lo_e = E
+                else:
+                    for _it in T.unroll(self.search):  # indptr[lo_e] <= g < indptr[hi_e]
+                        if hi_e - lo_e > 1:
+                            if self.indptr[(lo_e + hi_e) // 2] <= g:
+                                lo_e = (lo_e + hi_e) // 2
+                            else:
+                                hi_e = (lo_e + hi_e) // 2
+                tile_expert[g] = lo_e
+
+
+def _check_align(E: int, BT: int, threads: int, tile: str) -> None:
+    if threads % WARP or E < 1 or BT < 1:
+        raise EtcError(f"{tile} tile: bad configuration E={E}, BT={BT}, threads={threads}")
+
+
 @functools.cache
 def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
     """The tile ``align_<E>_top<K>_bt<BT>``: one task (run it on a grid of 1) that turns
     topk (T, K) into counts (E,), exp_indptr (E+1,) in tiles, pair_row and pair_tile (T, K),
     sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles)."""
     E, K, BT = experts, top_k, tile_rows
-    if threads % WARP or E < 1 or BT < 1:
-        raise EtcError(f"align tile: bad configuration E={E}, BT={BT}, threads={threads}")
+    _check_align(E, BT, threads, "align")
     warps = threads // WARP
-    seg = ceil_div(E, threads)  # experts per thread in the tile scan
-    steps = max(1, math.ceil(math.log2(threads)))
-    search = max(1, math.ceil(math.log2(E + 1)))
     ntok, rows, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "tiles"))
 
     @T.prim_func
@@ -403,145 +581,31 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        # seen[w, e]: pairs of expert e that warp w has passed (+1: rows in other banks)
-        seen = T.alloc_shared((warps, E + 1), "int32")
-        scan = T.alloc_shared((2, threads), "int32")
-        indptr = T.alloc_shared((E + 1,), "int32")
-        count = T.alloc_shared((E,), "int32")
-        span = T.meta_var((ntok * K + warps - 1) // warps)  # pairs of a warp's range
-        walk = T.meta_var((span + WARP - 1) // WARP)  # steps of 32 pairs
-        ahead = T.alloc_local((STEPS_AHEAD,), "int32")  # this batch's experts
-        coming = T.alloc_local((STEPS_AHEAD,), "int32")  # the next batch's, already loading
-        expert = T.alloc_local((1,), "int32")
-        same = T.alloc_local((1,), "uint32")
-        below = T.meta_var((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))  # lane mask
+        walk = PairWalk(topk, 0, ntok * K, E, warps, warp, lane)
+        csr = ExpertTiles(E, BT, threads, tx)
 
         @T.inline
-        def load_steps(batch):
-            # The experts of STEPS_AHEAD steps in flight together (-1 past the range): the
-            # match of each step is opaque to the compiler, so one load a step would wait a
-            # whole L2 round trip (55 us at 1024 tokens on the H200).
-            for j in T.unroll(STEPS_AHEAD):
-                step_pair = T.meta_var((batch * STEPS_AHEAD + j) * WARP + lane)  # in the range
-                coming[j] = -1
-                if step_pair < span and warp * span + step_pair < ntok * K:
-                    coming[j] = topk[(warp * span + step_pair) // K,
-                                     (warp * span + step_pair) % K]
+        def total(e, n):
+            csr.count[e] = n
+            counts[e] = n
 
         @T.inline
-        def next_batch(batch):
-            # batch's experts into ahead (loaded a batch earlier), batch + 1's set loading: a
-            # batch's loads leave before the previous batch's work and stores (the compiler
-            # cannot move them across those stores, which may alias topk for all it knows),
-            # so a walk waits one round trip, not one a batch
-            for j in T.unroll(STEPS_AHEAD):
-                ahead[j] = coming[j]
-            load_steps(batch + 1)
+        def put(p, row):
+            pair_row[p // K, p % K] = row
+            pair_tile[p // K, p % K] = row // BT
+            sorted_token[row] = p // K
 
-        @T.inline
-        def match(j):
-            # every lane takes part, with or without a pair
-            expert[0] = ahead[j]
-            same[0] = T.cuda.func_call("etc_match_any", expert[0], source_code=MATCH_ANY,
-                                       return_type="uint32")
-
-        @T.inline
-        def count_step():
-            # the lowest lane of each expert adds the step's pairs of it
-            if expert[0] >= 0 and (same[0] & below) == T.uint32(0):
-                seen[warp, expert[0]] = seen[warp, expert[0]] + T.cuda.func_call(
-                    "etc_popc", same[0], source_code=POPC, return_type="int32")
-            T.cuda.warp_sync()  # the next step's lowest lane may be another
-
-        for q in T.serial(ceil_div(E, WARP)):
-            if q * WARP + lane < E:
-                seen[warp, q * WARP + lane] = 0
-        T.cuda.warp_sync()
-        load_steps(0)
-        for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
-            next_batch(batch)
-            for j in T.unroll(STEPS_AHEAD):
-                if ahead[j] >= 0:  # counts need no order: no match, no sync between steps
-                    T.evaluate(T.cuda.atomic_add(seen.ptr_to([warp, ahead[j]]), T.int32(1)))
+        walk.count()
         T.cuda.cta_sync()
-        # Column scan: seen[w, e] becomes the pairs of e in the warps' ranges before w's.
-        for q in T.serial(ceil_div(E, threads)):
-            e = T.meta_var(q * threads + tx)
-            if e < E:
-                run = T.local_scalar("int32")
-                c = T.local_scalar("int32")
-                run = 0
-                for w in T.unroll(warps):
-                    c = seen[w, e]
-                    seen[w, e] = run
-                    run = run + c
-                count[e] = run
-                counts[e] = run
+        walk.scan_warps(tx, threads, total)
         T.cuda.cta_sync()
-        # Block-wide exclusive scan of the tiles per expert (thread tx: experts tx*seg + s).
-        mysum = T.local_scalar("int32")
-        mysum = 0
-        for s in T.unroll(seg):
-            if tx * seg + s < E:
-                mysum = mysum + (count[tx * seg + s] + BT - 1) // BT
-        scan[0, tx] = mysum
-        T.cuda.cta_sync()
-        for d in T.unroll(steps):
-            if tx >= (1 << d):
-                scan[(d + 1) % 2, tx] = scan[d % 2, tx] + scan[d % 2, tx - (1 << d)]
-            else:
-                scan[(d + 1) % 2, tx] = scan[d % 2, tx]
-            T.cuda.cta_sync()
-        start = T.local_scalar("int32")
-        start = scan[steps % 2, tx] - mysum
-        for s in T.unroll(seg):
-            if tx * seg + s < E:
-                indptr[tx * seg + s] = start
-                exp_indptr[tx * seg + s] = start
-                start = start + (count[tx * seg + s] + BT - 1) // BT
-        if tx == threads - 1:
-            indptr[E] = scan[steps % 2, tx]
-            exp_indptr[E] = scan[steps % 2, tx]
-        T.cuda.cta_sync()
-        # Each tile's expert: the last e with indptr[e] <= g (binary search), E past the end.
-        for q in T.serial((tiles + threads - 1) // threads):
-            g = T.meta_var(q * threads + tx)
-            if g < tiles:
-                lo_e = T.local_scalar("int32")
-                hi_e = T.local_scalar("int32")
-                lo_e = 0
-                hi_e = E
-                if g >= indptr[E]:
-                    lo_e = E
-                else:
-                    for _it in T.unroll(search):  # indptr[lo_e] <= g < indptr[hi_e]
-                        if hi_e - lo_e > 1:
-                            if indptr[(lo_e + hi_e) // 2] <= g:
-                                lo_e = (lo_e + hi_e) // 2
-                            else:
-                                hi_e = (lo_e + hi_e) // 2
-                tile_expert[g] = lo_e
+        csr.tiles(exp_indptr)
+        csr.tile_experts(tile_expert)
         for q in T.serial((rows + threads - 1) // threads):
             if q * threads + tx < rows:
                 sorted_token[q * threads + tx] = -1
         T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
-        # Rows in (t, k) order within each expert: the warps' ranges in order, then steps,
-        # then lanes.
-        load_steps(0)
-        for batch in T.serial(ceil_div(walk, STEPS_AHEAD)):
-            next_batch(batch)
-            for j in T.unroll(STEPS_AHEAD):
-                match(j)
-                if expert[0] >= 0:
-                    p = T.meta_var(warp * span + (batch * STEPS_AHEAD + j) * WARP + lane)
-                    row = T.local_scalar("int32")
-                    row = indptr[expert[0]] * BT + seen[warp, expert[0]] + T.cuda.func_call(
-                        "etc_popc", same[0] & below, source_code=POPC, return_type="int32")
-                    pair_row[p // K, p % K] = row
-                    pair_tile[p // K, p % K] = row // BT
-                    sorted_token[row] = p // K
-                T.cuda.warp_sync()  # every lane has read seen before the step's counts go in
-                count_step()
+        walk.place(lambda e: csr.indptr[e] * BT, put)
 
     name = f"align_{E}_top{K}_bt{BT}_t{threads}"
     tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4)
@@ -551,6 +615,202 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         c, indptr, rows_, tokens, experts_ = align_reference(topk, E, BT, len(tile_expert))
         counts[:], exp_indptr[:], pair_row[:], pair_tile[:] = c, indptr, rows_, rows_ // BT
         sorted_token[:], tile_expert[:] = tokens, experts_
+
+    return tile
+
+
+ALIGN_CHUNK_TOKENS = 128  # tokens a chunked-align task walks (1024 pairs at top-8)
+
+
+def _check_chunk(chunk_tokens: int, tile: str) -> None:
+    if chunk_tokens < 1:
+        raise EtcError(f"{tile} tile: chunk_tokens must be positive, got {chunk_tokens}")
+
+
+@functools.cache
+def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CHUNK_TOKENS,
+                          threads: int = 128) -> DeviceFunc:
+    """The tile ``align_count_<E>_top<K>_c<CT>``, the first phase of align over several CTAs:
+    task c counts the pairs of each expert among tokens c*CT .. c*CT + CT - 1 (those below T)
+    into chunk_counts[c, :] (chunks x E)."""
+    E, K, CT = experts, top_k, chunk_tokens
+    _check_align(E, 1, threads, "align_count")
+    _check_chunk(CT, "align_count")
+    warps = threads // WARP
+    ntok, chunks = tirx.Var("T", "int32"), tirx.Var("chunks", "int32")
+
+    @T.prim_func
+    def align_count(c: T.int32, topk: T.Buffer((ntok, K), "int32"),
+                    chunk_counts: T.Buffer((chunks, E), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([warps])
+        lane = T.lane_id([WARP])
+        walk = PairWalk(topk, c * CT * K, (T.min(ntok, c * CT + CT) - c * CT) * K, E, warps,
+                        warp, lane)
+
+        @T.inline
+        def total(e, n):
+            chunk_counts[c, e] = n
+
+        walk.count()
+        T.cuda.cta_sync()
+        walk.scan_warps(tx, threads, total)
+
+    name = f"align_count_{E}_top{K}_c{CT}_t{threads}"
+    tile = device_func(align_count.with_attr("global_symbol", name), cost=CT * K // threads + 2)
+
+    @tile.set_reference
+    def _(c, topk, chunk_counts):
+        chunk_counts[c] = np.bincount(topk[c * CT:(c + 1) * CT].ravel(), minlength=E)
+
+    return tile
+
+
+@functools.cache
+def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
+    """The tile ``align_offsets_<E>_bt<BT>``, the middle phase of align over several CTAs: one
+    task (a grid of 1) turns chunk_counts (chunks x E) into counts (E,), exp_indptr (E+1,),
+    tile_expert (tiles,) as ``make_align_tile`` gives them, and chunk_row (chunks x E): the
+    first row of chunk c's pairs of expert e."""
+    E, BT = experts, tile_rows
+    _check_align(E, BT, threads, "align_offsets")
+    chunks, tiles = tirx.Var("chunks", "int32"), tirx.Var("tiles", "int32")
+    ahead = STEPS_AHEAD  # chunks whose counts a thread loads together
+
+    @T.prim_func
+    def align_offsets(i: T.int32, chunk_counts: T.Buffer((chunks, E), "int32"),
+                      counts: T.Buffer((E,), "int32"), exp_indptr: T.Buffer((E + 1,), "int32"),
+                      chunk_row: T.Buffer((chunks, E), "int32"),
+                      tile_expert: T.Buffer((tiles,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        csr = ExpertTiles(E, BT, threads, tx)
+        part = T.alloc_local((ahead,), "int32")
+        run = T.local_scalar("int32")
+
+        @T.inline
+        def load(e, batch):
+            for u in T.unroll(ahead):
+                part[u] = 0
+                if batch * ahead + u < chunks:
+                    part[u] = chunk_counts[batch * ahead + u, e]
+
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E:
+                run = 0
+                for batch in T.serial((chunks + ahead - 1) // ahead):
+                    load(e, batch)
+                    for u in T.unroll(ahead):
+                        run = run + part[u]
+                csr.count[e] = run
+                counts[e] = run
+        T.cuda.cta_sync()
+        csr.tiles(exp_indptr)
+        csr.tile_experts(tile_expert)
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E:
+                run = csr.indptr[e] * BT
+                for batch in T.serial((chunks + ahead - 1) // ahead):
+                    load(e, batch)
+                    for u in T.unroll(ahead):
+                        if batch * ahead + u < chunks:
+                            chunk_row[batch * ahead + u, e] = run
+                        run = run + part[u]
+
+    name = f"align_offsets_{E}_bt{BT}_t{threads}"
+    tile = device_func(align_offsets.with_attr("global_symbol", name), cost=4)
+
+    @tile.set_reference
+    def _(i, chunk_counts, counts, exp_indptr, chunk_row, tile_expert):
+        counts[:] = chunk_counts.sum(axis=0)
+        exp_indptr[0], exp_indptr[1:] = 0, np.cumsum(ceil_div(counts, BT))
+        chunk_row[:] = exp_indptr[:-1] * BT + np.cumsum(chunk_counts, axis=0) - chunk_counts
+        tile_expert[:] = E
+        for e in range(E):
+            tile_expert[exp_indptr[e]:exp_indptr[e + 1]] = e
+
+    return tile
+
+
+@functools.cache
+def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
+                          chunk_tokens: int = ALIGN_CHUNK_TOKENS,
+                          threads: int = 128) -> DeviceFunc:
+    """The tile ``align_place_<E>_top<K>_bt<BT>_c<CT>``, the last phase of align over several
+    CTAs: task c hands the pairs of chunk c their rows, from chunk_row (``align_offsets``) on
+    in (t, k) order, writing pair_row and pair_tile (T, K) and sorted_token at those rows; and
+    writes -1 on its share of the padding rows (the tail of the last tile of the experts e
+    with e % chunks == c, and its slice of the rows past the used tiles). Together the tasks
+    write what ``make_align_tile`` writes."""
+    E, K, BT, CT = experts, top_k, tile_rows, chunk_tokens
+    _check_align(E, BT, threads, "align_place")
+    _check_chunk(CT, "align_place")
+    warps = threads // WARP
+    ntok, rows, chunks = (tirx.Var(n, "int32") for n in ("T", "rows", "chunks"))
+
+    @T.prim_func
+    def align_place(c: T.int32, topk: T.Buffer((ntok, K), "int32"),
+                    counts: T.Buffer((E,), "int32"), exp_indptr: T.Buffer((E + 1,), "int32"),
+                    chunk_row: T.Buffer((chunks, E), "int32"),
+                    pair_row: T.Buffer((ntok, K), "int32"),
+                    pair_tile: T.Buffer((ntok, K), "int32"),
+                    sorted_token: T.Buffer((rows,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([warps])
+        lane = T.lane_id([WARP])
+        walk = PairWalk(topk, c * CT * K, (T.min(ntok, c * CT + CT) - c * CT) * K, E, warps,
+                        warp, lane)
+        first = T.alloc_shared((E,), "int32")  # chunk_row[c, :]
+        used = T.local_scalar("int32")
+
+        @T.inline
+        def put(p, row):
+            pair_row[p // K, p % K] = row
+            pair_tile[p // K, p % K] = row // BT
+            sorted_token[row] = p // K
+
+        for q in T.serial(ceil_div(E, threads)):
+            if q * threads + tx < E:
+                first[q * threads + tx] = chunk_row[c, q * threads + tx]
+        walk.count()
+        T.cuda.cta_sync()
+        walk.scan_warps(tx, threads)
+        T.cuda.cta_sync()
+        walk.place(lambda e: first[e], put)
+        # padding: no real row is among these, so no order against the other tasks' rows
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E and e % chunks == c:
+                for r in T.serial(exp_indptr[e] * BT + counts[e], exp_indptr[e + 1] * BT):
+                    sorted_token[r] = -1
+        used = exp_indptr[E] * BT
+        share = T.meta_var((rows - used + chunks - 1) // chunks)
+        for q in T.serial((share + threads - 1) // threads):
+            r = T.meta_var(used + c * share + q * threads + tx)
+            if q * threads + tx < share and r < rows:
+                sorted_token[r] = -1
+
+    name = f"align_place_{E}_top{K}_bt{BT}_c{CT}_t{threads}"
+    tile = device_func(align_place.with_attr("global_symbol", name), cost=CT * K // threads + 4)
+
+    @tile.set_reference
+    def _(c, topk, counts, exp_indptr, chunk_row, pair_row, pair_tile, sorted_token):
+        cursor = chunk_row[c].copy()
+        for t in range(c * CT, min((c + 1) * CT, len(topk))):
+            for k, e in enumerate(topk[t]):
+                pair_row[t, k], pair_tile[t, k] = cursor[e], cursor[e] // BT
+                sorted_token[cursor[e]] = t
+                cursor[e] += 1
+        chunks_ = len(chunk_row)
+        for e in range(c, E, chunks_):
+            sorted_token[exp_indptr[e] * BT + counts[e]:exp_indptr[e + 1] * BT] = -1
+        used = exp_indptr[E] * BT
+        share = -(-(len(sorted_token) - used) // chunks_)
+        sorted_token[used + c * share:used + (c + 1) * share] = -1
 
     return tile
 
