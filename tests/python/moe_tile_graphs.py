@@ -63,12 +63,12 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
             out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
                  Tensor((chunks, Ex), "int32"), Tensor((tiles,), "int32")],
             in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
-        pair_row, pair_tile, sorted_token = call_device(
+        pair_row, pair_tile, sorted_token, exp_indptr = call_device(
             place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
             out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
-                 Tensor((tiles * BT,), "int32")],
+                 Tensor((tiles * BT,), "int32"), Tensor((Ex + 1,), "int32")],
             in_edges={offset: "c->0"})
-        return counts, indptr, pair_row, pair_tile, sorted_token, tile_expert
+        return counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
 
     @graph_func
     def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
