@@ -245,6 +245,12 @@ def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
     bfloat16 runs it (two CTAs an SM, blocked weights, the tokens' defaults)."""
+    check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+
+
+def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64) -> dict:
+    """The layer as bench_moe builds it for ``tokens`` (``options_for``: two CTAs an SM,
+    blocked weights, y in bf16), every routing through one kernel; its options."""
     options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
                                     y_dtype="bfloat16")
     run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
@@ -253,6 +259,7 @@ def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_w
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
                     expert_weights, expert_weights_f64, "bfloat16")
+    return options
 
 
 @pytest.mark.parametrize("tokens", (600,))  # 5 chunks of 128 tokens, the last of 88
@@ -261,15 +268,8 @@ def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weight
                                             expert_weights_f64):
     """The layer with align over several CTAs (the default from 512 tokens), as bench_moe
     runs it."""
-    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
-                                    y_dtype="bfloat16")
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
     assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS
-    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
-                options=KernelOptions(ctas_per_sm=2))
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"])
-    for routing in moe_layer.ROUTINGS:
-        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64, "bfloat16")
 
 
 def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):

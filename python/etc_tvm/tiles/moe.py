@@ -565,6 +565,14 @@ class ExpertTiles:
                 tile_expert[g] = lo_e
 
 
+def chunk_walk(topk, c, chunk_tokens: int, experts: int, warps: int, warp, lane) -> PairWalk:
+    """The ``PairWalk`` over the pairs of tokens c*CT .. c*CT + CT - 1 (those below T)."""
+    ntok, K = topk.shape
+    first = c * chunk_tokens
+    return PairWalk(topk, first * K, (T.min(ntok, first + chunk_tokens) - first) * K, experts,
+                    warps, warp, lane)
+
+
 def _check_align(E: int, BT: int, threads: int, tile: str) -> None:
     if threads % WARP or E < 1 or BT < 1:
         raise EtcError(f"{tile} tile: bad configuration E={E}, BT={BT}, threads={threads}")
@@ -654,8 +662,7 @@ def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CH
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        walk = PairWalk(topk, c * CT * K, (T.min(ntok, c * CT + CT) - c * CT) * K, E, warps,
-                        warp, lane)
+        walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
 
         @T.inline
         def total(e, n):
@@ -770,8 +777,7 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        walk = PairWalk(topk, c * CT * K, (T.min(ntok, c * CT + CT) - c * CT) * K, E, warps,
-                        warp, lane)
+        walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
         first = T.alloc_shared((E,), "int32")  # chunk_row[c, :]
         used = T.local_scalar("int32")
 
