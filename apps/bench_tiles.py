@@ -17,6 +17,8 @@ the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest spl
 every SM two tasks; at M = 16 the "mma16" rows run the same product on tensor cores (the gemm
 tile with 16-row blocks, split-K, the same sum tile). The GEMM is the wgmma tile (128 x 256 x
 64, three stages, bf16 out).
+``--strategy static`` runs our side as a one-call megakernel instead (persistent CTAs taking
+the tasks from static queues): the tile as it runs inside a graph.
 Prints one table and writes JSON (``--json``).
 """
 import argparse
@@ -364,9 +366,9 @@ def flat(out) -> np.ndarray:
                            .astype(np.float64).ravel() for p in parts])
 
 
-def measure(case: Case, rng, reps):
-    """Median us of one call of the tile and of PyTorch, after a check of the tile against
-    PyTorch.
+def measure(case: Case, rng, reps, strategy: str = "unfused"):
+    """Median us of one call of the tile (its graph built with ``strategy``) and of PyTorch,
+    after a check of the tile against PyTorch.
 
     Each side is captured into a CUDA graph of one call per input copy, so that neither the
     host's call path nor the launch gaps count: the numbers are the kernels' own."""
@@ -376,7 +378,7 @@ def measure(case: Case, rng, reps):
     host += [case.inputs(rng) for _ in range(copies - 1)]
     on_tvm = [[tvm.runtime.tensor(x, dev) for x in arrays] for arrays in host]
     on_torch = [[to_torch(x) for x in arrays] for arrays in host]
-    compiled = build(case.graph, case.dims, strategy="unfused")
+    compiled = build(case.graph, case.dims, strategy=strategy)
     pick = case.pick or (lambda out: out)
     got = flat(pick(compiled(*host[0])))
     want = flat(pick(case.torch_op(*on_torch[0])))
@@ -405,6 +407,9 @@ def main() -> None:
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
                         "residual_add, attention, qk_norm_rope, router, align, align_chunks, "
                         "gate_up, down, combine, gemm, gemm_tma, gemm_tma_staged)")
+    parser.add_argument("--strategy", choices=("unfused", "static"), default="unfused",
+                        help="how our side runs: a grid launch a call, or a one-call "
+                        "megakernel")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--json", default="bench_tiles.json")
     args = parser.parse_args()
@@ -419,9 +424,10 @@ def main() -> None:
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:
             continue
-        t = measure(case, rng, args.reps)
+        t = measure(case, rng, args.reps, args.strategy)
         tile, label, amount, unit = case.tile, case.label, case.amount, case.unit
-        row = {"tile": tile, "shape": label, "unit": unit, "etc_us": t["etc"],
+        row = {"tile": tile, "shape": label, "unit": unit, "strategy": args.strategy,
+               "etc_us": t["etc"],
                "torch_us": t["torch"], "etc_rate": amount / t["etc"] / 1e6,
                "torch_rate": amount / t["torch"] / 1e6}
         results.append(row)
