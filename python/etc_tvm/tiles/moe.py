@@ -471,9 +471,9 @@ class PairWalk:
                     total(e, run)
 
     @T.inline
-    def place(self, first_row, put):
-        # put(pair, row) for every pair of the walk (its flat index in topk), row =
-        # first_row(e) + the pair's rank among the walk's pairs of its expert e
+    def place(self, first_row, tile_rows, pair_row, pair_tile, sorted_token):
+        # each pair's row: first_row(e) + its rank among the walk's pairs of its expert e,
+        # into pair_row and pair_tile at the pair, and its token into sorted_token at the row
         self.load(0)
         for batch in T.serial(self.batches):
             self.next_batch(batch)
@@ -487,7 +487,10 @@ class PairWalk:
                     row = first_row(self.expert[0]) + self.seen[self.warp, self.expert[0]] \
                         + T.cuda.func_call("etc_popc", self.same[0] & self.below,
                                            source_code=POPC, return_type="int32")
-                    put(self.first + self.warp * self.span + self.pair(batch, j), row)
+                    p = T.meta_var(self.first + self.warp * self.span + self.pair(batch, j))
+                    pair_row[p // self.K, p % self.K] = row
+                    pair_tile[p // self.K, p % self.K] = row // tile_rows
+                    sorted_token[row] = p // self.K
                 T.cuda.warp_sync()  # every lane has read seen before the step's counts go in
                 # the lowest lane of each expert adds the step's pairs of it
                 if self.expert[0] >= 0 and (self.same[0] & self.below) == T.uint32(0):
@@ -605,12 +608,6 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
             csr.count[e] = n
             counts[e] = n
 
-        @T.inline
-        def put(p, row):
-            pair_row[p // K, p % K] = row
-            pair_tile[p // K, p % K] = row // BT
-            sorted_token[row] = p // K
-
         walk.count()
         T.cuda.cta_sync()
         walk.scan_warps(tx, threads, total)
@@ -621,7 +618,7 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
             if q * threads + tx < rows:
                 sorted_token[q * threads + tx] = -1
         T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
-        walk.place(lambda e: csr.indptr[e] * BT, put)
+        walk.place(lambda e: csr.indptr[e] * BT, BT, pair_row, pair_tile, sorted_token)
 
     name = f"align_{E}_top{K}_bt{BT}_t{threads}"
     tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4)
@@ -743,9 +740,7 @@ def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) ->
         counts[:] = chunk_counts.sum(axis=0)
         exp_indptr[0], exp_indptr[1:] = 0, np.cumsum(ceil_div(counts, BT))
         chunk_row[:] = exp_indptr[:-1] * BT + np.cumsum(chunk_counts, axis=0) - chunk_counts
-        tile_expert[:] = E
-        for e in range(E):
-            tile_expert[exp_indptr[e]:exp_indptr[e + 1]] = e
+        _fill_tile_experts(exp_indptr, tile_expert)
 
     return tile
 
@@ -785,12 +780,6 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         first = T.alloc_shared((E,), "int32")  # chunk_row[c, :]
         used = T.local_scalar("int32")
 
-        @T.inline
-        def put(p, row):
-            pair_row[p // K, p % K] = row
-            pair_tile[p // K, p % K] = row // BT
-            sorted_token[row] = p // K
-
         for q in T.serial(ceil_div(E, threads)):
             if q * threads + tx < E:
                 first[q * threads + tx] = chunk_row[c, q * threads + tx]
@@ -802,7 +791,7 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         T.cuda.cta_sync()
         walk.scan_warps(tx, threads)
         T.cuda.cta_sync()
-        walk.place(lambda e: first[e], put)
+        walk.place(lambda e: first[e], BT, pair_row, pair_tile, sorted_token)
         # padding: no real row is among these, so no order against the other tasks' rows
         for q in T.serial(ceil_div(E, threads)):
             e = T.meta_var(q * threads + tx)
@@ -823,12 +812,9 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
     def _(c, topk, counts, indptr, chunk_row, pair_row, pair_tile, sorted_token, exp_indptr):
         if c == 0:
             exp_indptr[:] = indptr
-        cursor = chunk_row[c].copy()
-        for t in range(c * CT, min((c + 1) * CT, len(topk))):
-            for k, e in enumerate(topk[t]):
-                pair_row[t, k], pair_tile[t, k] = cursor[e], cursor[e] // BT
-                sorted_token[cursor[e]] = t
-                cursor[e] += 1
+        tokens = range(c * CT, min((c + 1) * CT, len(topk)))
+        _place_pairs(topk, tokens, chunk_row[c], pair_row, sorted_token)
+        pair_tile[tokens.start:tokens.stop] = pair_row[tokens.start:tokens.stop] // BT
         chunks_ = len(chunk_row)
         for e in range(c, E, chunks_):
             sorted_token[indptr[e] * BT + counts[e]:indptr[e + 1] * BT] = -1
@@ -846,15 +832,28 @@ def align_reference(topk, experts: int, tile_rows: int, tiles: int):
     indptr[1:] = np.cumsum(ceil_div(counts, tile_rows))
     pair_row = np.empty(topk.shape, np.int32)
     sorted_token = np.full(tiles * tile_rows, -1, np.int32)
-    cursor = indptr[:-1] * tile_rows
-    for pair, e in enumerate(topk.ravel()):  # (t, k) row-major within each expert
-        pair_row.flat[pair] = cursor[e]
-        sorted_token[cursor[e]] = pair // topk.shape[1]
-        cursor[e] += 1
-    tile_expert = np.full(tiles, experts, np.int32)
+    _place_pairs(topk, range(len(topk)), indptr[:-1] * tile_rows, pair_row, sorted_token)
+    tile_expert = np.empty(tiles, np.int32)
+    _fill_tile_experts(indptr, tile_expert)
+    return counts, indptr, pair_row, sorted_token, tile_expert
+
+
+def _place_pairs(topk, tokens: range, first_row, pair_row, sorted_token) -> None:
+    """Reference: the rows of the pairs of ``tokens``, from ``first_row[e]`` on in (t, k)
+    order within each expert e, into ``pair_row``; their tokens into ``sorted_token``."""
+    cursor = np.array(first_row)
+    for t in tokens:
+        for k, e in enumerate(topk[t]):
+            pair_row[t, k], sorted_token[cursor[e]] = cursor[e], t
+            cursor[e] += 1
+
+
+def _fill_tile_experts(indptr, tile_expert) -> None:
+    """Reference: each tile's expert from the CSR ``indptr``, E past the used tiles."""
+    experts = len(indptr) - 1
+    tile_expert[:] = experts
     for e in range(experts):
         tile_expert[indptr[e]:indptr[e + 1]] = e
-    return counts, indptr, pair_row, sorted_token, tile_expert
 
 
 # ----------------------------------------------------------------------------- grouped GEMMs

@@ -50,7 +50,6 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
     ``stores``: straight from the fragments, or staged through the ring into row-contiguous
     16-byte stores (``wgmma_gemm.STORES``)."""
     config = _wgmma_config(bm, bn, bk, stages, threads, loads, stores)
-    staged = stores == "staged"
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
     maps = operand_maps(loads, "A", bm, bk, "gemm_scatter tile")
     tma = loads == "tma"
@@ -69,10 +68,7 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         else:
             tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        if staged:
-            tile.store_staged(mine, i * bm - i * bm // Q * Q, j * bn)
-        else:
-            tile.store(mine, i * bm - i * bm // Q * Q, j * bn)
+        tile.store_as(stores, mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
@@ -181,7 +177,6 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
     own rows, which need no transfer. ``loads``: as the wgmma GEMM tile's (G's map sees its
     W*M rows); ``stores``: as ``make_gemm_scatter_tile``'s."""
     config = _wgmma_config(bm, bn, bk, stages, threads, loads, stores)
-    staged = stores == "staged"
     M, N, K, R, Q = (tirx.Var(d, "int32") for d in ("M", "N", "K", "R", "Q"))
     maps = operand_maps(loads, "G", bm, bk, "ring_gemm tile")
     tma = loads == "tma"
@@ -200,10 +195,7 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         else:
             tile.run(lambda r, k: G.ptr_to([source, i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        if staged:
-            tile.store_staged(C, source * M + i * bm, j * bn)
-        else:
-            tile.store(C, source * M + i * bm, j * bn)
+        tile.store_as(stores, C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)

@@ -374,6 +374,14 @@ class WgmmaTile:
         store_fragments(self, C, row0, col0)
 
     @T.inline
+    def store_as(self, stores, C, row0, col0):
+        # ``store`` or ``store_staged``, as ``stores`` (``STORES``) says
+        if stores == "staged":
+            self.store_staged(C, row0, col0)
+        else:
+            self.store(C, row0, col0)
+
+    @T.inline
     def store_staged(self, C, row0, col0):
         # ``store`` through the idle ring (after ``run``; from the allocation's start, which
         # 16-byte accesses need aligned, not the swizzle's base): the bf16 tile goes to
@@ -457,10 +465,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         else:
             tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
                      lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
-        if staged:
-            tile.store_staged(C, i * bm, j * bn)
-        else:
-            tile.store(C, i * bm, j * bn)
+        tile.store_as(stores, C, i * bm, j * bn)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" \
