@@ -212,7 +212,8 @@ def routed_cases(rows):
     layer's decode tiles: 16 rows, 64 columns, the deepest ring within gemm.SMEM_LIMIT, and
     combine), for one random routing of each count of tokens in ``rows``."""
     H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
-    graphs = one_call_graphs(H, E, K, F, grouped_stages=gemm.deepest_stages(BT, MMA_BN, 64))
+    graphs = one_call_graphs(H, E, K, F, grouped_stages=gemm.deepest_stages(BT, MMA_BN, 64),
+                             chunk_tokens=moe.ALIGN_CHUNK_TOKENS)
     for tokens in rows:
         yield from routing_cases(tokens, graphs)
 
@@ -310,6 +311,11 @@ def routing_cases(tokens, graphs):
                align_inputs, lambda t: torch_align(t, E, BT, tiles),
                4 * (tokens * K * 3 + 2 * E + 1 + tiles * (BT + 1)), "TB/s",
                copies=64)  # the routing of a layer's call is in L2: top-k just wrote it
+    if tokens >= moe.ALIGN_CHUNK_TOKENS:  # the same over several CTAs: count, offsets, place
+        yield Case("align_chunks", f"T={tokens}", graphs["align_chunked"],
+                   one_call_dims("align_chunked", tokens), align_inputs,
+                   lambda t: torch_align(t, E, BT, tiles),
+                   4 * (tokens * K * 3 + 2 * E + 1 + tiles * (BT + 1)), "TB/s", copies=64)
     yield Case("gate_up", label, graphs["gate_up"], one_call_dims("gate_up", tokens),
                gate_up_inputs, torch_gate_up,
                2 * expert_bytes + 2 * (tokens * H + len(pairs) * F), "TB/s",
@@ -399,8 +405,8 @@ def main() -> None:
                         help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
                         help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
-                        "residual_add, attention, qk_norm_rope, router, align, gate_up, down, "
-                        "combine, gemm, gemm_tma, gemm_tma_staged)")
+                        "residual_add, attention, qk_norm_rope, router, align, align_chunks, "
+                        "gate_up, down, combine, gemm, gemm_tma, gemm_tma_staged)")
     parser.add_argument("--strategy", choices=("unfused", "static"), default="unfused",
                         help="how our side runs: a grid launch a call, or a one-call "
                         "megakernel")

@@ -144,16 +144,18 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
             chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
                                        out=Tensor((chunks, E), "int32", name="chunk_counts"),
                                        in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
-            counts, exp_indptr, chunk_row, tile_expert = call_device(
+            counts, indptr, chunk_row, tile_expert = call_device(
                 align_offsets, tile_num=(1,), args=[chunk_counts],
                 out=[Tensor((E,), "int32", name="counts"),
-                     Tensor((E + 1,), "int32", name="exp_indptr"),
+                     Tensor((E + 1,), "int32", name="offsets_indptr"),
                      Tensor((chunks, E), "int32", name="chunk_row"),
                      Tensor((tiles,), "int32", name="tile_expert")],
                 in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
-            pair_row, pair_tile, sorted_token = call_device(
-                align_place, tile_num=(chunks,), args=[topk, counts, exp_indptr, chunk_row],
-                out=routing, in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
+            # the triggers below read place's copy of the CSR: they arm with its completion
+            pair_row, pair_tile, sorted_token, exp_indptr = call_device(
+                align_place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
+                out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr")],
+                in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
         else:
             _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
                 align, tile_num=(1,), args=[topk],

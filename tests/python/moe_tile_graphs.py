@@ -8,14 +8,15 @@ CHUNK_TOKENS = 32  # tokens an align_count / align_place task walks (several chu
 
 
 def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
-                    grouped_stages=2):
+                    grouped_stages=2, chunk_tokens=CHUNK_TOKENS):
     """name -> the tile alone as a graph function, at these layer sizes (the grouped GEMMs
-    with a ring of ``grouped_stages``)."""
+    with a ring of ``grouped_stages``; align over several CTAs in chunks of
+    ``chunk_tokens``)."""
     Hd, Ex, Kk, Fi = hidden, experts, top_k, intermediate
     align = moe.make_align_tile(Ex, Kk, BT)
-    count = moe.make_align_count_tile(Ex, Kk, CHUNK_TOKENS)
+    count = moe.make_align_count_tile(Ex, Kk, chunk_tokens)
     offsets = moe.make_align_offsets_tile(Ex, BT)
-    place = moe.make_align_place_tile(Ex, Kk, BT, CHUNK_TOKENS)
+    place = moe.make_align_place_tile(Ex, Kk, BT, chunk_tokens)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex, stages=grouped_stages)
     down = moe.make_down_tile(Fi, Hd, Ex, stages=grouped_stages)
     combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
@@ -53,7 +54,7 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
     def align_chunked(topk: Tensor(("T", Kk), "int32")):
         """Align over several CTAs: count, offsets, place; the same outputs as align_only."""
         n = topk.shape[0]
-        tiles, chunks = moe.max_tiles(n, Ex, Kk, BT), moe.ceil_div(n, CHUNK_TOKENS)
+        tiles, chunks = moe.max_tiles(n, Ex, Kk, BT), moe.ceil_div(n, chunk_tokens)
         counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
         chunk_counts = call_device(count, tile_num=(chunks,), args=[topk],
                                    out=Tensor((chunks, Ex), "int32"),
@@ -63,12 +64,12 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
             out=[Tensor((Ex,), "int32"), Tensor((Ex + 1,), "int32"),
                  Tensor((chunks, Ex), "int32"), Tensor((tiles,), "int32")],
             in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
-        pair_row, pair_tile, sorted_token = call_device(
+        pair_row, pair_tile, sorted_token, exp_indptr = call_device(
             place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
             out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
-                 Tensor((tiles * BT,), "int32")],
+                 Tensor((tiles * BT,), "int32"), Tensor((Ex + 1,), "int32")],
             in_edges={offset: "c->0"})
-        return counts, indptr, pair_row, pair_tile, sorted_token, tile_expert
+        return counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
 
     @graph_func
     def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),

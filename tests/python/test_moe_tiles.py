@@ -171,9 +171,10 @@ def aligned_by_chunks(topk, tiles, chunk_tokens):
     run_tasks(moe.make_align_count_tile(E, K, chunk_tokens), (chunks,), topk, chunk_counts)
     run_tasks(moe.make_align_offsets_tile(E, BT), (1,), chunk_counts, counts, indptr,
               chunk_row, tile_expert)
+    exp_indptr = np.full(E + 1, -7, np.int32)
     run_tasks(moe.make_align_place_tile(E, K, BT, chunk_tokens), (chunks,), topk, counts,
-              indptr, chunk_row, pair_row, pair_tile, sorted_token)
-    return counts, indptr, pair_row, pair_tile, sorted_token, tile_expert
+              indptr, chunk_row, pair_row, pair_tile, sorted_token, exp_indptr)
+    return counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
@@ -379,6 +380,18 @@ def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order):
     out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
     want, bound = moe_layer_reference(*inputs, K)
     assert_within(out, want, bound)
+
+
+def test_routing_triggers_arm_with_the_last_align_call():
+    """Every ETensor armed at run time (the gate_up and down triggers read exp_indptr, the
+    combine's waits pair_tile) is armed by the place call's completion, the routing's last:
+    were one armed by the offsets call's, that task's CTA would arm thousands of tasks while
+    holding a place task it claimed ahead."""
+    graph = make_moe_layer(**moe_layer.options_for(1024))
+    task_graph = TaskGraph.build(graph, {"T": 1024})
+    place = next(c.index for c in task_graph.calls if c.fn.name.startswith("align_place"))
+    gates = task_graph.gates()
+    assert gates and all(calls == {place} for calls in gates.values()), gates
 
 
 def test_align_tokens_must_be_whole_top_k_blocks():

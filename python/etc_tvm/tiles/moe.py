@@ -754,7 +754,10 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
     in (t, k) order, writing pair_row and pair_tile (T, K) and sorted_token at those rows; and
     writes -1 on its share of the padding rows (the tail of the last tile of the experts e
     with e % chunks == c, and its slice of the rows past the used tiles). Together the tasks
-    write what ``make_align_tile`` writes."""
+    write what ``make_align_tile`` writes. Task 0 also copies offsets' ``indptr`` to
+    ``exp_indptr``: maps that read the CSR read this call's copy, so that in a dynamic
+    megakernel their arming goes with this call's completion (the routing's last), not with
+    the offsets task's, whose CTA would hold a place task it claimed ahead meanwhile."""
     E, K, BT, CT = experts, top_k, tile_rows, chunk_tokens
     _check_align(E, BT, threads, "align_place")
     _check_chunk(CT, "align_place")
@@ -763,11 +766,12 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
 
     @T.prim_func
     def align_place(c: T.int32, topk: T.Buffer((ntok, K), "int32"),
-                    counts: T.Buffer((E,), "int32"), exp_indptr: T.Buffer((E + 1,), "int32"),
+                    counts: T.Buffer((E,), "int32"), indptr: T.Buffer((E + 1,), "int32"),
                     chunk_row: T.Buffer((chunks, E), "int32"),
                     pair_row: T.Buffer((ntok, K), "int32"),
                     pair_tile: T.Buffer((ntok, K), "int32"),
-                    sorted_token: T.Buffer((rows,), "int32")):
+                    sorted_token: T.Buffer((rows,), "int32"),
+                    exp_indptr: T.Buffer((E + 1,), "int32")):
         T.device_entry()
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
@@ -779,6 +783,10 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         for q in T.serial(ceil_div(E, threads)):
             if q * threads + tx < E:
                 first[q * threads + tx] = chunk_row[c, q * threads + tx]
+        if c == 0:
+            for q in T.serial(ceil_div(E + 1, threads)):
+                if q * threads + tx <= E:
+                    exp_indptr[q * threads + tx] = indptr[q * threads + tx]
         walk.count()
         T.cuda.cta_sync()
         walk.scan_warps(tx, threads)
@@ -788,9 +796,9 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         for q in T.serial(ceil_div(E, threads)):
             e = T.meta_var(q * threads + tx)
             if e < E and e % chunks == c:
-                for r in T.serial(exp_indptr[e] * BT + counts[e], exp_indptr[e + 1] * BT):
+                for r in T.serial(indptr[e] * BT + counts[e], indptr[e + 1] * BT):
                     sorted_token[r] = -1
-        used = exp_indptr[E] * BT
+        used = indptr[E] * BT
         share = T.meta_var((rows - used + chunks - 1) // chunks)
         for q in T.serial((share + threads - 1) // threads):
             r = T.meta_var(used + c * share + q * threads + tx)
@@ -801,14 +809,16 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
     tile = device_func(align_place.with_attr("global_symbol", name), cost=CT * K // threads + 4)
 
     @tile.set_reference
-    def _(c, topk, counts, exp_indptr, chunk_row, pair_row, pair_tile, sorted_token):
+    def _(c, topk, counts, indptr, chunk_row, pair_row, pair_tile, sorted_token, exp_indptr):
+        if c == 0:
+            exp_indptr[:] = indptr
         tokens = range(c * CT, min((c + 1) * CT, len(topk)))
         _place_pairs(topk, tokens, chunk_row[c], pair_row, sorted_token)
         pair_tile[tokens.start:tokens.stop] = pair_row[tokens.start:tokens.stop] // BT
         chunks_ = len(chunk_row)
         for e in range(c, E, chunks_):
-            sorted_token[exp_indptr[e] * BT + counts[e]:exp_indptr[e + 1] * BT] = -1
-        used = exp_indptr[E] * BT
+            sorted_token[indptr[e] * BT + counts[e]:indptr[e + 1] * BT] = -1
+        used = indptr[E] * BT
         share = -(-(len(sorted_token) - used) // chunks_)
         sorted_token[used + c * share:used + (c + 1) * share] = -1
 
