@@ -301,6 +301,8 @@ class PersistentKernel:
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
+        if self.ring is not None:
+            Tb.add_to_parent(self.ring.clear_runs())
         Tb.evaluate(Tb.cuda.grid_sync())
         if self.rank is not None:
             with Tb.If(tirx.And(bx == 0, self.tx == 0)):
@@ -351,8 +353,13 @@ class PersistentKernel:
             if self.options.drop_notify is not None:
                 cond = tirx.And(cond, task != i32(self.options.drop_notify))
             stmts.append(tirx.IfThenElse(cond, notifies, None))
+        # runs the notifies deferred are published even where no arming (which publishes
+        # its own) runs
+        unpublished = self.ring is not None and self.ring.unpublished
         if call.index in self.layout.done:
             stmts.append(self._completion(call))
+        if unpublished or (self.ring is not None and self.ring.unpublished):
+            stmts.append(self.ring.publish())
         stmts.append(self._trace("etc_trace_end", task))
         return tirx.stmt_seq(*[s for s in stmts if s is not None])
 
@@ -524,32 +531,35 @@ class PersistentKernel:
     def _notifies(self, call, task, coords) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
         fan-ins over whole grids complete), data-dependent ones unless skipped."""
-        steps = [self.static_notifies(call, coords)]
+        steps = [self.static_notifies(call, coords, defer=True)]
         for e in call.out_edges:
             if e.map.is_data_dependent:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
-                step = lowered.nest(self.checked(call, e, task, lowered.index,
-                                                  lambda flat, e=e: self._notify(e, flat)))
+                step = lowered.nest(self.checked(
+                    call, e, task, lowered.index,
+                    lambda flat, e=e: self._notify(e, flat, defer=True)))
                 run = _both(self.skip[0] == 0 if self._scans(call) else None,
                             self.inside(call, coords))
                 steps.append(step if run is None else tirx.IfThenElse(run, step, None))
         steps = [s for s in steps if s is not None]
         return tirx.stmt_seq(*steps) if steps else None
 
-    def static_notifies(self, call, coords) -> tirx.Stmt | None:
-        """The decrements of ``call``'s static out-edges for the task at ``coords``."""
+    def static_notifies(self, call, coords, defer: bool = False) -> tirx.Stmt | None:
+        """The decrements of ``call``'s static out-edges for the task at ``coords``;
+        ``defer``: by the thread 0 of a CTA that then publishes (``ReadyRing.publish``)."""
         steps = []
         for e in call.out_edges:
             if not e.map.is_data_dependent:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
                 owner = self.owner(e, lowered.index)
                 flat = self.layout.flat_index(e.etensor, lowered.index)
-                steps.append(lowered.nest(self._notify(e, flat) if owner is None else tirx.Evaluate(
-                    self.runtime_call("etc_notify_remote", self.counters.ptr_to([flat]),
-                                      owner))))
+                remote = None if owner is None else tirx.Evaluate(self.runtime_call(
+                    "etc_notify_remote", self.counters.ptr_to([flat]), owner))
+                steps.append(lowered.nest(self._notify(e, flat, defer) if remote is None
+                                          else remote))
         return tirx.stmt_seq(*steps) if steps else None
 
-    def _notify(self, edge, flat) -> tirx.Stmt:
+    def _notify(self, edge, flat, defer: bool = False) -> tirx.Stmt:
         """One decrement; on an element whose completion a ready ring acts on, the decrement
         that completes it fires it."""
         counter = self.counters.ptr_to([flat])
@@ -558,7 +568,8 @@ class PersistentKernel:
         last = self.runtime_call("etc_notify_last", counter, return_type="int32")
         shape = self.layout.shapes[edge.etensor]
         return tirx.IfThenElse(last != 0, self.ring.fire(
-            edge.etensor, unravel(flat - i32(self.layout.offsets[edge.etensor]), shape)), None)
+            edge.etensor, unravel(flat - i32(self.layout.offsets[edge.etensor]), shape),
+            defer), None)
 
     # ------------------------------------------------------------------ run-time events
     def _completion(self, call) -> tirx.Stmt:
@@ -618,6 +629,8 @@ class PersistentKernel:
         if steps:  # every count lands before the bias lifts
             steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync())]
         steps.append(self.strided(size, lambda i: self._unbias(name, i32(offset) + i)))
+        if self.ring is not None and self.ring.unpublished:
+            steps.append(self.ring.publish())
         triggered = [] if self.ring is None else [
             c for c in self.graph.calls
             if c.index in self.ring.triggered and any(e.etensor == name for e in c.triggers)]
@@ -632,7 +645,8 @@ class PersistentKernel:
         if self.ring is None or name not in self.ring.trigger_sources:
             return tirx.Evaluate(left)
         return tirx.IfThenElse(left == 0, self.ring.fire(
-            name, unravel(flat - i32(self.layout.offsets[name]), self.layout.shapes[name])), None)
+            name, unravel(flat - i32(self.layout.offsets[name]), self.layout.shapes[name]),
+            defer=True), None)
 
     def _count_notifies(self, call, edge) -> tirx.Stmt:
         """All threads: +1 on every element that ``edge`` will make a task of ``call``
