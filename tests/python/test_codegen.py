@@ -147,6 +147,17 @@ def test_short_released_runs_are_pushed_by_the_releasing_thread():
     kernel = kernel[:kernel.index("\n}\n")]
     assert kernel.count("etc_defer_range(") == 2 and "etc_push_range(" in kernel
 
+def test_arming_unbiases_every_etensor_before_marking_any():
+    """Align's completion arms aligned and h_ready: both unbiases (which push what is
+    complete) come before the marks and skip passes of gate-up and down tiles."""
+    source = build(moe_layer.make_moe_layer(128, 16, 4, 64, combine_cols=64), {"T": 16},
+                   strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("_dynamic_megakernel_kernel("):]
+    arming = kernel[kernel.index("etc_complete("):]
+    unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
+    marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
+    assert len(unbias) == 2 and len(marks) == 2 and max(unbias) < min(marks)
+
 def test_unfused_expert_tiles_scan_the_trigger_then_run_or_skip():
     """Unfused, an expert tile's CTA reads exp_indptr to find an element of expert_ready whose
     range holds its tile, waiting on nothing (the grouping launch has completed), and runs its

@@ -574,7 +574,9 @@ class PersistentKernel:
     # ------------------------------------------------------------------ run-time events
     def _completion(self, call) -> tirx.Stmt:
         """Thread 0 counts the call's completion down; the task that completes it counts down
-        the gates the call opens, and the CTA arms each ETensor whose gate it opened."""
+        the gates the call opens, and the CTA arms each ETensor whose gate it opened: every
+        ETensor's counts and unbias (``_arm_counts``: the first pushes) before any ETensor's
+        marks (``_arm_marks``)."""
         done = self.runtime_call("etc_complete", self.counters.ptr_to([i32(self.layout.done[
             call.index])]), return_type="int32")
         steps = [tirx.BufferStore(self.hooks, done, [i32(0)])]
@@ -591,19 +593,20 @@ class PersistentKernel:
                                          tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
                                          tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
         out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
-        if opened:
+        if opened:  # every ETensor's first pushes before any ETensor's marks
             out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-            out += [tirx.IfThenElse(self.hooks[k + 1] != 0, self.arm(name), None)
-                    for k, name, _, _ in opened]
+            for part in (self._arm_counts, self._arm_marks):
+                for k, name, _, _ in opened:
+                    stmt = part(name)
+                    if stmt is not None:
+                        out.append(tirx.IfThenElse(self.hooks[k + 1] != 0, stmt, None))
         return tirx.stmt_seq(*out)
 
-    def arm(self, name: str) -> tirx.Stmt:
+    def _arm_counts(self, name: str) -> tirx.Stmt:
         """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
         its count tensor, or one per data-dependent notify its notifiers will make), then,
         after a fence and a barrier (where there were counts), remove the bias: its elements
-        can now complete, and those already complete push their tasks. Only then do they mark
-        the tasks its trigger maps release and skip the others (``ReadyRing``): nothing on the
-        way to the first push waits for more than the counts and the unbias."""
+        can now complete, and those already complete push their tasks."""
         et, layout = self.graph.etensors[name], self.layout
         offset, size = layout.offsets[name], int(np.prod(et.shape, dtype=np.int64))
         status = self.status.ptr_to([0])
@@ -631,14 +634,21 @@ class PersistentKernel:
         steps.append(self.strided(size, lambda i: self._unbias(name, i32(offset) + i)))
         if self.ring is not None and self.ring.unpublished:
             steps.append(self.ring.publish())
+        return tirx.stmt_seq(*steps)
+
+    def _arm_marks(self, name: str) -> tirx.Stmt | None:
+        """All threads of one CTA, after ``_arm_counts(name)``: mark the tasks the trigger
+        maps on ``name`` release and skip the others (``ReadyRing``); None without such maps.
+        Off the way to the first push."""
         triggered = [] if self.ring is None else [
             c for c in self.graph.calls
             if c.index in self.ring.triggered and any(e.etensor == name for e in c.triggers)]
-        if triggered:  # only this CTA's skip pass reads the marks: a barrier orders them
-            steps += [self.ring.mark_released(c) for c in triggered]
-            steps.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-            steps += [self.ring.skip_unreleased(c) for c in triggered]
-        return tirx.stmt_seq(*steps)
+        if not triggered:
+            return None
+        # only this CTA's skip pass reads the marks: a barrier orders them
+        return tirx.stmt_seq(*[self.ring.mark_released(c) for c in triggered],
+                             tirx.Evaluate(Tb.cuda.cta_sync()),
+                             *[self.ring.skip_unreleased(c) for c in triggered])
 
     def _unbias(self, name: str, flat) -> tirx.Stmt:
         left = self.runtime_call("etc_unbias", self.counters.ptr_to([flat]), return_type="int32")
@@ -717,7 +727,9 @@ class PersistentKernel:
         ready = [name for name, (_, calls) in self.layout.gates.items() if not calls]
         if not ready:
             return None
-        return tirx.IfThenElse(bx == 0, tirx.stmt_seq(*(self.arm(n) for n in ready)), None)
+        counts = [self._arm_counts(n) for n in ready]
+        marks = [m for m in (self._arm_marks(n) for n in ready) if m is not None]
+        return tirx.IfThenElse(bx == 0, tirx.stmt_seq(*counts, *marks), None)
 
     def params(self, call) -> dict:
         """The call's device-function parameter names -> the kernel's buffers."""
