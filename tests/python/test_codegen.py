@@ -137,16 +137,6 @@ def test_dynamic_kernel_publishes_released_runs_together():
     assert "etc_push_range(" not in kernel
 
 
-def test_short_released_runs_are_pushed_by_the_releasing_thread():
-    """A trigger whose runs have a length known to be short (the MoE layer's down tiles of
-    one gate-up tile) pushes them at once; only the aligned element's run over every used
-    tile is deferred: where align's notify completes it, and where the arming does."""
-    source = build(moe_layer.make_moe_layer(128, 16, 4, 64, combine_cols=64), {"T": 16},
-                   strategy="dynamic", num_sms=132).cuda_source()
-    kernel = source[source.index("_dynamic_megakernel_kernel("):]
-    kernel = kernel[:kernel.index("\n}\n")]
-    assert kernel.count("etc_defer_range(") == 2 and "etc_push_range(" in kernel
-
 def test_arming_unbiases_every_etensor_before_marking_any():
     """Align's completion arms aligned and h_ready: both unbiases (which push what is
     complete) come before the marks and skip passes of gate-up and down tiles."""
