@@ -22,7 +22,9 @@
                         takes it without a round trip), then the notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
-(its last notify, or the arming that removes its bias) pushes the tasks the maps release;
+(its last notify, or the arming that removes its bias) pushes the tasks the maps release (a
+run not known to be short is published by the whole CTA after its notifies or the unbias,
+``ReadyRing.publish``);
 arming first lifts the bias (pushing what the elements already complete release), then marks
 the tasks of each triggered call that some element will release and dispatches the others as
 skipped (their static notifies and count-downs, and ``expected``, the number of tasks the ring
