@@ -35,7 +35,7 @@ from etc_tvm.errors import EtcError
 from etc_tvm.tir_sched.persistent import KernelOptions
 from etc_tvm.runtime import cuda_graph
 from etc_tvm.tiles import moe
-from timing import checked_run, time_interleaved
+from timing import checked_run, kernel_times, time_interleaved
 
 H, E, K, F = 2048, 128, 8, 768
 RTOL = 2e-2  # bf16 h and out, fp32 accumulation: measured errors are near 3e-3
@@ -202,14 +202,16 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     return runs, about
 
 
-def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(OURS)) -> dict:
+def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(OURS),
+            kernels: bool = False, queued: bool = False) -> dict:
     """One row: us per call of each of ``ours`` under each of ``configs`` (name -> layer
     options; a named one's labels are ``name:label``) and of the baselines at ``tokens``, all
-    taking turns in one timing loop, and the errors."""
+    taking turns in one timing loop, and the errors; with ``kernels``, the GPU kernels each of
+    ours launches and their times."""
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
     xt, wrt = on_gpu(x), on_gpu(w_router)
     want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
-    row = {"tokens": tokens, "configs": {}, "error": {}}
+    row = {"tokens": tokens, "queued": queued, "configs": {}, "error": {}}
     runs = {}
     for name, options in configs.items():
         mine, row["configs"][name] = our_runs(tokens, options, weights, (x, w_router), want,
@@ -225,7 +227,10 @@ def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(
     runs["HF+graph"], out = cuda_graph(lambda: hf_run(xt))
     runs["HF+graph"]()
     row["error"]["HF+graph"] = relative_error(out, want)
-    row["us"] = time_interleaved(runs, reps=reps)
+    row["us"] = time_interleaved(runs, reps=reps, queued=queued)
+    if kernels:
+        row["kernels"] = {label: kernel_times(runs[label]) for label in runs
+                          if label.split(":")[-1] in ours}
     return row
 
 
@@ -255,6 +260,9 @@ def print_row(row: dict, ours) -> None:
               + f"{', blocked weights' if about['blocked_weights'] else ''}"
               + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),
               flush=True)
+    for label, kernels in row.get("kernels", {}).items():
+        print(f"{'':>17} {label} ({row['us'][label]:.1f} us a call) launches "
+              + ", ".join(f"{name[:40]} {us:.1f} us" for name, us in kernels), flush=True)
 
 
 def main() -> None:
@@ -268,6 +276,12 @@ def main() -> None:
                         help="layer configurations that take turns in one timing loop, each "
                         "the layer options above over the command line's, e.g. "
                         "base= narrow='--bn 32'")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also list the GPU kernels each of our variants launches, with "
+                        "their device times")
+    parser.add_argument("--queued", action="store_true",
+                        help="time each call queued behind a sleep kernel: the device's time "
+                        "alone, without the host's launch latency (timing.time_interleaved)")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
@@ -279,7 +293,8 @@ def main() -> None:
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        rows.append(measure(tokens, weights, hf, rng, args.reps, configs, args.ours))
+        rows.append(measure(tokens, weights, hf, rng, args.reps, configs, args.ours,
+                            args.kernels, args.queued))
         print_row(rows[-1], args.ours)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

@@ -216,6 +216,62 @@ __device__ __forceinline__ void etc_push_range(int* head_tail, int* ring, int fi
   }
 }
 
+// Deferred runs: a CTA that releases long runs of tasks (a trigger element over every used tile)
+// lists them in shared memory, ``runs`` = [n, base, total, first[ETC_RUN_SLOTS],
+// count[ETC_RUN_SLOTS]], and publishes them together (``etc_claim_runs``, then every thread
+// ``etc_store_runs``): one thread's stores would come out one slot at a time while the CTAs
+// waiting on those slots poll them. A run past the list's slots is pushed at once.
+#define ETC_RUN_SLOTS 16
+
+__device__ __forceinline__ void etc_defer_range(int* runs, int first, int count, int* head_tail,
+                                                int* ring, int capacity, int* status) {
+  if (count <= 0) return;
+  const int k = atomicAdd(runs, 1);
+  if (k < ETC_RUN_SLOTS) {
+    runs[3 + k] = first;
+    runs[3 + ETC_RUN_SLOTS + k] = count;
+    return;
+  }
+  etc_push_range(head_tail, ring, first, count, capacity, status);
+}
+
+// Thread 0, after a barrier over the CTA's ``etc_defer_range``: claims the slots of every listed
+// run with one atomic; ``runs[1]`` and ``runs[2]`` are then where they start and how many; the
+// list is empty again.
+__device__ __forceinline__ void etc_claim_runs(int* runs, int* head_tail, int capacity,
+                                               int* status) {
+  const int n = min(runs[0], ETC_RUN_SLOTS);
+  int total = 0;
+  for (int k = 0; k < n; ++k) total += runs[3 + ETC_RUN_SLOTS + k];
+  runs[0] = 0;
+  runs[2] = total;
+  if (total == 0) return;
+  runs[1] = atomicAdd(head_tail + 1, total);
+  if (runs[1] + total > capacity) {
+    etc_record_stop(status, 3, runs[3], runs[1] + total - 1, capacity);
+    runs[2] = 0;
+  }
+}
+
+// Every thread, after a barrier over ``etc_claim_runs``: writes its share of the claimed slots,
+// consecutive slots by consecutive threads. The fence makes each store a release of what the
+// CTA wrote before the barrier.
+__device__ __forceinline__ void etc_store_runs(const int* runs, int* ring, int thread,
+                                               int threads) {
+  const int total = runs[2];
+  if (thread >= total) return;
+  __threadfence();
+  int run = 0, before = 0;
+  for (int k = thread; k < total; k += threads) {
+    while (k - before >= runs[3 + ETC_RUN_SLOTS + run]) {
+      before += runs[3 + ETC_RUN_SLOTS + run];
+      ++run;
+    }
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;"
+                 ::"l"(ring + runs[1] + k), "r"(runs[3 + run] + k - before) : "memory");
+  }
+}
+
 // One task a whole call waits for was dispatched (or skipped): the last one pushes the call's
 // tasks ``first`` .. ``first + count - 1``, claiming their slots at once. Called by one thread.
 __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int count,

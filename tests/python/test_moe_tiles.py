@@ -689,11 +689,15 @@ def test_grouped_gemm_engine_is_checked():
 
 def test_ring_pushes_each_released_run_of_tasks_at_once():
     """The ``aligned`` element releases gate-up tasks ``(0 .. exp_indptr[E]) x (0 .. 24)``, an
-    ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids that
-    one ``etc_push_range`` claims."""
+    ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids whose
+    slots one atomic claims. The first, of a length known only at run time, is deferred to
+    the CTA's publish (where align's notify completes ``aligned``, and where the arming does);
+    the second, short, is pushed by the thread that completes the element."""
     source = build(make_moe_layer(), {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("__global__"):]
-    assert re.search(r"etc_push_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
+    kernel = kernel[:kernel.index("\n}\n")]
+    deferred = re.findall(r"etc_defer_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
+    assert len(deferred) == kernel.count("etc_defer_range(") == 2
     assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
 
 

@@ -22,7 +22,9 @@
                         takes it without a round trip), then the notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
-(its last notify, or the arming that removes its bias) pushes the tasks the maps release;
+(its last notify, or the arming that removes its bias) pushes the tasks the maps release (a
+run not known to be short is published by the whole CTA after its notifies or the unbias,
+``ReadyRing.publish``);
 arming first lifts the bias (pushing what the elements already complete release), then marks
 the tasks of each triggered call that some element will release and dispatches the others as
 skipped (their static notifies and count-downs, and ``expected``, the number of tasks the ring
@@ -38,6 +40,7 @@ call's output tensors.
 """
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
@@ -91,6 +94,9 @@ class ReadyRing:
                                          scope="shared")
         # a task the CTA's last dispatch made ready and keeps to run next (-1: none)
         self.held = tirx.decl_buffer((1,), "int32", "held", scope="shared")
+        # runs of released tasks the CTA publishes together (etc_defer_range)
+        self.runs = tirx.decl_buffer((3 + 2 * RUN_SLOTS,), "int32", "runs", scope="shared")
+        self.unpublished = False  # a run was deferred since the last ``publish`` generated
         self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers
                                 if c.index in self.triggered}
         self._check(kernel.layout)
@@ -157,7 +163,28 @@ class ReadyRing:
     @property
     def shared(self) -> tuple:
         """The ring's shared-memory scratch, for ``PersistentKernel.begin``."""
-        return (self.skipped, self.held, self.released)
+        return (self.skipped, self.held, self.released, self.runs)
+
+    def clear_runs(self) -> tirx.Stmt:
+        """Thread 0, before the first ``publish``: no run is deferred."""
+        return tirx.IfThenElse(self.kernel.tx == 0,
+                               tirx.BufferStore(self.runs, i32(0), [i32(0)]), None)
+
+    def publish(self) -> tirx.Stmt:
+        """All threads of the CTA: push the runs deferred since the last publish, thread 0
+        claiming their slots with one atomic and every thread storing its share of them."""
+        kernel = self.kernel
+        self.unpublished = False
+        sync = tirx.Evaluate(Tb.cuda.cta_sync())
+        claim = tirx.Evaluate(self._call("etc_claim_runs", pointer(self.runs),
+                                         pointer(self.head_tail), i32(self.plan.capacity),
+                                         pointer(kernel.status)))
+        store = tirx.Evaluate(self._call("etc_store_runs", pointer(self.runs),
+                                         pointer(self.ring), kernel.tx,
+                                         i32(kernel.scopes.num_threads)))
+        # the last barrier keeps the next deferral from rewriting runs still being stored
+        return tirx.stmt_seq(sync, tirx.IfThenElse(kernel.tx == 0, claim, None), sync, store,
+                             sync)
 
     def take_held(self, into: tirx.Buffer) -> tirx.Stmt:
         """Thread 0: move the held task (or -1) to ``into[0]``."""
@@ -229,8 +256,9 @@ class ReadyRing:
             late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
         return late
 
-    def fire(self, etensor: str, elem) -> tirx.Stmt:
-        """Element ``elem`` of ``etensor`` completed: push every task its trigger maps give."""
+    def fire(self, etensor: str, elem, defer: bool = False) -> tirx.Stmt:
+        """Element ``elem`` of ``etensor`` completed: push every task its trigger maps give.
+        ``defer``: the CTA publishes long runs after this (``publish``)."""
         steps = []
         for call in self.graph.calls:
             for e in call.triggers:
@@ -238,15 +266,26 @@ class ReadyRing:
                     continue
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, elem)),
                                      self.kernel.params(call))
-                steps.append(self._push_released(call, e, lowered))
+                steps.append(self._push_released(call, e, lowered, defer))
         return tirx.stmt_seq(*steps)
 
-    def _push_released(self, call, edge, lowered) -> tirx.Stmt:
+    def _push_released(self, call, edge, lowered, defer: bool) -> tirx.Stmt:
         """Push the tasks of ``call`` that ``lowered`` (a trigger map at one element) gives:
-        a run of consecutive tasks claims its slots with one atomic (the MoE layer's
-        ``aligned`` element releases every gate-up task at once)."""
-        return self._released_runs(call, edge, lowered, lambda first, count: (
-            self.push(first) if _is(count, 1) else self._push_range(first, count)))
+        a run of consecutive tasks claims its slots with one atomic; with ``defer``, a run that
+        may be long is left to the CTA's ``publish`` (the MoE layer's ``aligned`` element
+        releases every gate-up task at once)."""
+        def action(first, count):
+            if _is(count, 1):
+                return self.push(first)
+            if defer and not _analyzer.can_prove(count <= i32(SHORT_RUN)):
+                self.unpublished = True
+                return tirx.Evaluate(self._call(
+                    "etc_defer_range", pointer(self.runs), first, count,
+                    pointer(self.head_tail), pointer(self.ring), i32(self.plan.capacity),
+                    pointer(self.kernel.status)))
+            return self._push_range(first, count)
+
+        return self._released_runs(call, edge, lowered, action)
 
     def _released_runs(self, call, edge, lowered, action) -> tirx.Stmt:
         """``action(first, count)`` for the runs of consecutive task ids of ``call`` that
@@ -432,6 +471,9 @@ class ReadyRing:
 
 
 OUT_OF_REACH = 1 << 30  # a pending count no count-down reaches
+RUN_SLOTS = 16  # ETC_RUN_SLOTS: the runs a CTA defers before it pushes one at once
+SHORT_RUN = 32  # a run of at most this many tasks is pushed by the thread that releases it
+_analyzer = tvm.sym.Analyzer()
 RELEASE_WORDS = 256  # release-mark words (32 tasks each) ``resolve`` reads per round
 
 

@@ -301,6 +301,8 @@ class PersistentKernel:
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
+        if self.ring is not None:
+            Tb.add_to_parent(self.ring.clear_runs())
         Tb.evaluate(Tb.cuda.grid_sync())
         if self.rank is not None:
             with Tb.If(tirx.And(bx == 0, self.tx == 0)):
@@ -351,8 +353,13 @@ class PersistentKernel:
             if self.options.drop_notify is not None:
                 cond = tirx.And(cond, task != i32(self.options.drop_notify))
             stmts.append(tirx.IfThenElse(cond, notifies, None))
+        # runs the notifies deferred are published even where no arming (which publishes
+        # its own) runs
+        unpublished = self.ring is not None and self.ring.unpublished
         if call.index in self.layout.done:
             stmts.append(self._completion(call))
+        if unpublished or (self.ring is not None and self.ring.unpublished):
+            stmts.append(self.ring.publish())
         stmts.append(self._trace("etc_trace_end", task))
         return tirx.stmt_seq(*[s for s in stmts if s is not None])
 
@@ -524,32 +531,35 @@ class PersistentKernel:
     def _notifies(self, call, task, coords) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
         fan-ins over whole grids complete), data-dependent ones unless skipped."""
-        steps = [self.static_notifies(call, coords)]
+        steps = [self.static_notifies(call, coords, defer=True)]
         for e in call.out_edges:
             if e.map.is_data_dependent:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)), self.params(call))
-                step = lowered.nest(self.checked(call, e, task, lowered.index,
-                                                  lambda flat, e=e: self._notify(e, flat)))
+                step = lowered.nest(self.checked(
+                    call, e, task, lowered.index,
+                    lambda flat, e=e: self._notify(e, flat, defer=True)))
                 run = _both(self.skip[0] == 0 if self._scans(call) else None,
                             self.inside(call, coords))
                 steps.append(step if run is None else tirx.IfThenElse(run, step, None))
         steps = [s for s in steps if s is not None]
         return tirx.stmt_seq(*steps) if steps else None
 
-    def static_notifies(self, call, coords) -> tirx.Stmt | None:
-        """The decrements of ``call``'s static out-edges for the task at ``coords``."""
+    def static_notifies(self, call, coords, defer: bool = False) -> tirx.Stmt | None:
+        """The decrements of ``call``'s static out-edges for the task at ``coords``;
+        ``defer``: by the thread 0 of a CTA that then publishes (``ReadyRing.publish``)."""
         steps = []
         for e in call.out_edges:
             if not e.map.is_data_dependent:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
                 owner = self.owner(e, lowered.index)
                 flat = self.layout.flat_index(e.etensor, lowered.index)
-                steps.append(lowered.nest(self._notify(e, flat) if owner is None else tirx.Evaluate(
-                    self.runtime_call("etc_notify_remote", self.counters.ptr_to([flat]),
-                                      owner))))
+                remote = None if owner is None else tirx.Evaluate(self.runtime_call(
+                    "etc_notify_remote", self.counters.ptr_to([flat]), owner))
+                steps.append(lowered.nest(self._notify(e, flat, defer) if remote is None
+                                          else remote))
         return tirx.stmt_seq(*steps) if steps else None
 
-    def _notify(self, edge, flat) -> tirx.Stmt:
+    def _notify(self, edge, flat, defer: bool = False) -> tirx.Stmt:
         """One decrement; on an element whose completion a ready ring acts on, the decrement
         that completes it fires it."""
         counter = self.counters.ptr_to([flat])
@@ -558,12 +568,15 @@ class PersistentKernel:
         last = self.runtime_call("etc_notify_last", counter, return_type="int32")
         shape = self.layout.shapes[edge.etensor]
         return tirx.IfThenElse(last != 0, self.ring.fire(
-            edge.etensor, unravel(flat - i32(self.layout.offsets[edge.etensor]), shape)), None)
+            edge.etensor, unravel(flat - i32(self.layout.offsets[edge.etensor]), shape),
+            defer), None)
 
     # ------------------------------------------------------------------ run-time events
     def _completion(self, call) -> tirx.Stmt:
         """Thread 0 counts the call's completion down; the task that completes it counts down
-        the gates the call opens, and the CTA arms each ETensor whose gate it opened."""
+        the gates the call opens, and the CTA arms each ETensor whose gate it opened: every
+        ETensor's counts and unbias (``_arm_counts``: the first pushes) before any ETensor's
+        marks (``_arm_marks``)."""
         done = self.runtime_call("etc_complete", self.counters.ptr_to([i32(self.layout.done[
             call.index])]), return_type="int32")
         steps = [tirx.BufferStore(self.hooks, done, [i32(0)])]
@@ -580,19 +593,20 @@ class PersistentKernel:
                                          tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
                                          tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
         out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
-        if opened:
+        if opened:  # every ETensor's first pushes before any ETensor's marks
             out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-            out += [tirx.IfThenElse(self.hooks[k + 1] != 0, self.arm(name), None)
-                    for k, name, _, _ in opened]
+            for part in (self._arm_counts, self._arm_marks):
+                for k, name, _, _ in opened:
+                    stmt = part(name)
+                    if stmt is not None:
+                        out.append(tirx.IfThenElse(self.hooks[k + 1] != 0, stmt, None))
         return tirx.stmt_seq(*out)
 
-    def arm(self, name: str) -> tirx.Stmt:
+    def _arm_counts(self, name: str) -> tirx.Stmt:
         """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
         its count tensor, or one per data-dependent notify its notifiers will make), then,
         after a fence and a barrier (where there were counts), remove the bias: its elements
-        can now complete, and those already complete push their tasks. Only then do they mark
-        the tasks its trigger maps release and skip the others (``ReadyRing``): nothing on the
-        way to the first push waits for more than the counts and the unbias."""
+        can now complete, and those already complete push their tasks."""
         et, layout = self.graph.etensors[name], self.layout
         offset, size = layout.offsets[name], int(np.prod(et.shape, dtype=np.int64))
         status = self.status.ptr_to([0])
@@ -618,21 +632,31 @@ class PersistentKernel:
         if steps:  # every count lands before the bias lifts
             steps += [tirx.Evaluate(Tb.cuda.thread_fence()), tirx.Evaluate(Tb.cuda.cta_sync())]
         steps.append(self.strided(size, lambda i: self._unbias(name, i32(offset) + i)))
+        if self.ring is not None and self.ring.unpublished:
+            steps.append(self.ring.publish())
+        return tirx.stmt_seq(*steps)
+
+    def _arm_marks(self, name: str) -> tirx.Stmt | None:
+        """All threads of one CTA, after ``_arm_counts(name)``: mark the tasks the trigger
+        maps on ``name`` release and skip the others (``ReadyRing``); None without such maps.
+        Off the way to the first push."""
         triggered = [] if self.ring is None else [
             c for c in self.graph.calls
             if c.index in self.ring.triggered and any(e.etensor == name for e in c.triggers)]
-        if triggered:  # only this CTA's skip pass reads the marks: a barrier orders them
-            steps += [self.ring.mark_released(c) for c in triggered]
-            steps.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-            steps += [self.ring.skip_unreleased(c) for c in triggered]
-        return tirx.stmt_seq(*steps)
+        if not triggered:
+            return None
+        # only this CTA's skip pass reads the marks: a barrier orders them
+        return tirx.stmt_seq(*[self.ring.mark_released(c) for c in triggered],
+                             tirx.Evaluate(Tb.cuda.cta_sync()),
+                             *[self.ring.skip_unreleased(c) for c in triggered])
 
     def _unbias(self, name: str, flat) -> tirx.Stmt:
         left = self.runtime_call("etc_unbias", self.counters.ptr_to([flat]), return_type="int32")
         if self.ring is None or name not in self.ring.trigger_sources:
             return tirx.Evaluate(left)
         return tirx.IfThenElse(left == 0, self.ring.fire(
-            name, unravel(flat - i32(self.layout.offsets[name]), self.layout.shapes[name])), None)
+            name, unravel(flat - i32(self.layout.offsets[name]), self.layout.shapes[name]),
+            defer=True), None)
 
     def _count_notifies(self, call, edge) -> tirx.Stmt:
         """All threads: +1 on every element that ``edge`` will make a task of ``call``
@@ -703,7 +727,9 @@ class PersistentKernel:
         ready = [name for name, (_, calls) in self.layout.gates.items() if not calls]
         if not ready:
             return None
-        return tirx.IfThenElse(bx == 0, tirx.stmt_seq(*(self.arm(n) for n in ready)), None)
+        counts = [self._arm_counts(n) for n in ready]
+        marks = [m for m in (self._arm_marks(n) for n in ready) if m is not None]
+        return tirx.IfThenElse(bx == 0, tirx.stmt_seq(*counts, *marks), None)
 
     def params(self, call) -> dict:
         """The call's device-function parameter names -> the kernel's buffers."""
