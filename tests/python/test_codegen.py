@@ -14,7 +14,6 @@ from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.persistent import RUNTIME_SOURCE
 
 import graphs
-import moe_layer
 from moe_graph import COUNT_MODES, moe_graph
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -136,17 +135,6 @@ def test_dynamic_kernel_publishes_released_runs_together():
     assert order == sorted(order)
     assert "etc_push_range(" not in kernel
 
-
-def test_arming_unbiases_every_etensor_before_marking_any():
-    """Align's completion arms aligned and h_ready: both unbiases (which push what is
-    complete) come before the marks and skip passes of gate-up and down tiles."""
-    source = build(moe_layer.make_moe_layer(128, 16, 4, 64, combine_cols=64), {"T": 16},
-                   strategy="dynamic", num_sms=132).cuda_source()
-    kernel = source[source.index("_dynamic_megakernel_kernel("):]
-    arming = kernel[kernel.index("etc_complete("):]
-    unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
-    marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
-    assert len(unbias) == 2 and len(marks) == 2 and max(unbias) < min(marks)
 
 def test_unfused_expert_tiles_scan_the_trigger_then_run_or_skip():
     """Unfused, an expert tile's CTA reads exp_indptr to find an element of expert_ready whose

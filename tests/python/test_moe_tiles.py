@@ -701,6 +701,18 @@ def test_ring_pushes_each_released_run_of_tasks_at_once():
     assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
 
 
+def test_arming_unbiases_every_etensor_before_marking_any():
+    """Align's completion arms aligned and h_ready: both unbiases (which push what is
+    complete) come before the marks and skip passes of gate-up and down tiles."""
+    source = build(make_moe_layer(H, E, K, F, combine_cols=64), {"T": 16},
+                   strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("_dynamic_megakernel_kernel("):]
+    arming = kernel[kernel.index("etc_complete("):]
+    unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
+    marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
+    assert len(unbias) == 2 and len(marks) == 2 and max(unbias) < min(marks)
+
+
 @pytest.mark.parametrize("strategy", ["static", "unfused"])
 def test_layer_with_64_row_tiles_compiles_for_sm90a(strategy, tmp_path):
     """The tiles bench_moe picks from 257 tokens on (``tile_rows_for``)."""
