@@ -47,7 +47,7 @@ def time_interleaved(runs: dict, reps: int = 200, warmup: int = 20,
     of its neighbours' load over the measurement falls on every variant alike. Runs that
     ``checked_run`` made are checked again at the end. An idle GPU records the start event at
     once and then waits for the host to submit the call, so the time includes the host's
-    latency to launch it (about 8 us for a CUDA graph on the H200); ``queued`` puts a sleep
+    latency to launch it (2 - 8 us for a CUDA graph on the H200); ``queued`` puts a sleep
     kernel before the start event, which the host outruns: the time is then the device's
     alone, the call's kernels and the gaps between them, as when the host runs ahead."""
     for fn in runs.values():
