@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from etc_tvm import EtcError
+from etc_tvm.errors import ExecutionError
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -189,6 +190,17 @@ def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_token
     for got, want in zip(aligned_by_chunks(topk, tiles, chunk_tokens), aligned(topk, tiles)):
         np.testing.assert_array_equal(got, want)
 
+
+@pytest.mark.parametrize("tile, bad", [("align", -1), ("align", E), ("align_count", E + 3)])
+def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
+    """In the references an id outside 0..E-1 in topk is an error that says which tile found
+    it, where and what (the device tiles take ids as the top-k tile makes them)."""
+    topk = routed(rng, 70, "random")
+    topk[41, 2] = bad
+    tiles = moe.max_tiles(70, E, K, BT)
+    with pytest.raises(ExecutionError, match=rf"{tile}: topk\[41, 2\] = {bad} is no expert "
+                       rf"id of 0\.\.{E - 1}"):
+        aligned(topk, tiles) if tile == "align" else aligned_by_chunks(topk, tiles, 32)
 
 def test_align_over_chunks_refuses_empty_chunks():
     with pytest.raises(EtcError, match="chunk_tokens must be positive"):

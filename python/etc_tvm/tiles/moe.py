@@ -84,7 +84,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
-from ..errors import EtcError
+from ..errors import EtcError, ExecutionError
 from . import gemm, wgmma_gemm
 
 WARP = 32
@@ -585,7 +585,9 @@ def _check_align(E: int, BT: int, threads: int, tile: str) -> None:
 def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
     """The tile ``align_<E>_top<K>_bt<BT>``: one task (run it on a grid of 1) that turns
     topk (T, K) into counts (E,), exp_indptr (E+1,) in tiles, pair_row and pair_tile (T, K),
-    sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles)."""
+    sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles).
+    Expert ids must lie in 0..E-1, as the top-k tile makes them: the reference raises for
+    others (``checked_expert_ids``), the device tile takes them as given."""
     E, K, BT = experts, top_k, tile_rows
     _check_align(E, BT, threads, "align")
     warps = threads // WARP
@@ -645,7 +647,7 @@ def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CH
                           threads: int = 128) -> DeviceFunc:
     """The tile ``align_count_<E>_top<K>_c<CT>``, the first phase of align over several CTAs:
     task c counts the pairs of each expert among tokens c*CT .. c*CT + CT - 1 (those below T)
-    into chunk_counts[c, :] (chunks x E)."""
+    into chunk_counts[c, :] (chunks x E). Expert ids as ``make_align_tile`` takes them."""
     E, K, CT = experts, top_k, chunk_tokens
     _check_align(E, 1, threads, "align_count")
     _check_chunk(CT, "align_count")
@@ -674,7 +676,8 @@ def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CH
 
     @tile.set_reference
     def _(c, topk, chunk_counts):
-        chunk_counts[c] = np.bincount(topk[c * CT:(c + 1) * CT].ravel(), minlength=E)
+        chunk = checked_expert_ids(topk[c * CT:(c + 1) * CT], E, "align_count", c * CT)
+        chunk_counts[c] = np.bincount(chunk.ravel(), minlength=E)
 
     return tile
 
@@ -825,9 +828,21 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
     return tile
 
 
+def checked_expert_ids(topk, experts: int, tile: str, first_token: int = 0):
+    """``topk`` (rows of tokens from ``first_token`` on), whose expert ids align counts and
+    places pairs by: an id outside 0..experts-1 is an error that names it and where."""
+    bad = np.argwhere((topk < 0) | (topk >= experts))
+    if bad.size:
+        t, k = (int(i) for i in bad[0])
+        raise ExecutionError(f"{tile}: topk[{first_token + t}, {k}] = {int(topk[t, k])} is no "
+                             f"expert id of 0..{experts - 1}")
+    return topk
+
+
 def align_reference(topk, experts: int, tile_rows: int, tiles: int):
     """(counts, exp_indptr, pair_row, sorted_token, tile_expert) of a routing."""
-    counts = np.bincount(topk.ravel(), minlength=experts).astype(np.int32)
+    counts = np.bincount(checked_expert_ids(topk, experts, "align").ravel(),
+                         minlength=experts).astype(np.int32)
     indptr = np.zeros(experts + 1, np.int32)
     indptr[1:] = np.cumsum(ceil_div(counts, tile_rows))
     pair_row = np.empty(topk.shape, np.int32)
