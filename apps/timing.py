@@ -89,9 +89,10 @@ def _cycles_per_us() -> int:
 
 
 def kernel_times(fn, reps: int = 20) -> list[tuple[str, float]]:
-    """The GPU kernels one call of ``fn`` launches, in launch order, with their mean device
-    time in us (from the profiler's kernel records): what a call's time beyond its kernels'
-    is spent on, and how long a megakernel runs against its tasks' makespan."""
+    """What one call of ``fn`` runs on the GPU (its kernels, and any copies or sets), in
+    launch order, with their mean device time in us (from the profiler's device records):
+    what a call's time beyond its kernels' is spent on, and how long a megakernel runs
+    against its tasks' makespan."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -100,8 +101,7 @@ def kernel_times(fn, reps: int = 20) -> list[tuple[str, float]]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and e.name not in ("Memcpy HtoD (Pageable -> Device)",)]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     names = list(dict.fromkeys(e.name for e in kernels))
     total = {n: sum(e.time_range.elapsed_us() for e in kernels if e.name == n) for n in names}
     return [(n, total[n] / reps) for n in names]
