@@ -4,6 +4,8 @@ GEMM -> ReLU (bf16) -> GEMM -> row sum through the reference executor.
 The float64 checks use each family's ``error_bound``, the numeric contract its module states;
 ``test_tiles_gpu`` holds the GPU results to the same bounds.
 """
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.tiles import elementwise, gemm, reduction
 from etc_tvm.tir_sched.grid_kernel import build_grid_kernel
 from etc_tvm.tir_sched.inline import shared_bytes
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin
 
@@ -279,3 +282,16 @@ def test_mlp_megakernel_compiles_for_sm90a(strategy, tmp_path):
     source = compiled.cuda_source()
     assert "mlp_megakernel_kernel" in source and MMA in source
     build_cubin(source, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic"])
+def test_megakernel_bounds_its_registers_for_its_ctas_an_sm(strategy, tmp_path):
+    """Three CTAs an SM, cooperatively launched, must be co-resident: the kernel asks ptxas
+    for them, so that its registers stay within 65536 / (3 x 128)."""
+    compiled = build(mlp, {"M": 128, "K": 256, "N": 192, "P": 128}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=3))
+    source = compiled.cuda_source()
+    assert re.search(r"__global__ void __launch_bounds__\(128, 3\) mlp_\w*megakernel_kernel",
+                     source)
+    _, report = build_cubin(source, tmp_path)
+    assert max(int(n) for n in re.findall(r"Used (\d+) registers", report)) <= 65536 // 384

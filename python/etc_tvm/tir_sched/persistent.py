@@ -141,9 +141,9 @@ def runtime_source(ranks: bool = False) -> str:
 @dataclass(frozen=True)
 class KernelOptions:
     """timeout_s: how long a wait may spin before the grid stops with an error.
-    ctas_per_sm: persistent CTAs per SM; more hide the latency of one task with another's (the
-      kernel's registers and shared memory must let them be co-resident, or the cooperative
-      launch fails).
+    ctas_per_sm: persistent CTAs per SM; more hide the latency of one task with another's. The
+      cooperative launch needs them co-resident: the kernel bounds its registers for them
+      (``__launch_bounds__``), and the build refuses shared memory or threads that do not fit.
     drop_notify: a task id whose notifies are left out (a test hook for the watchdog).
     profile: record each task's timeline (start, waits done, end, SM) in an extra output
       (``etc_tvm.profile``); a few stores per task."""
@@ -274,6 +274,11 @@ class PersistentKernel:
         and the arena."""
         for d in self.scopes.defs:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+        # __launch_bounds__(threads, ctas_per_sm): ptxas keeps the registers within what
+        # ctas_per_sm CTAs may share, where left alone it may take more than the cooperative
+        # launch can then place (the one-token fused expert MLP at 3 CTAs an SM did)
+        Tb.add_to_parent(tirx.AttrStmt(0, "tirx.launch_bounds_min_blocks_per_sm",
+                                       i32(self.options.ctas_per_sm), tirx.Evaluate(0)))
         if self.workspace is not None:
             for stmt in self.workspace.declarations():
                 Tb.add_to_parent(stmt)
