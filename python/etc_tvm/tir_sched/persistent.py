@@ -276,7 +276,7 @@ class PersistentKernel:
             Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
         # __launch_bounds__(threads, ctas_per_sm): ptxas keeps the registers within what
         # ctas_per_sm CTAs may share, where left alone it may take more than the cooperative
-        # launch can then place (the one-token fused expert MLP at 3 CTAs an SM did)
+        # launch can then place
         Tb.add_to_parent(tirx.AttrStmt(0, "tirx.launch_bounds_min_blocks_per_sm",
                                        i32(self.options.ctas_per_sm), tirx.Evaluate(0)))
         if self.workspace is not None:
