@@ -199,6 +199,8 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
                                                RTOL, replay)
         except (AssertionError, EtcError) as err:  # wrong results are reported, not timed
             about["skipped"][label] = f"FAILED: {err}"
+        except tvm.error.InternalError as err:  # so is a launch the device refuses
+            about["skipped"][label] = f"FAILED: {str(err).splitlines()[0]}"
     return runs, about
 
 
