@@ -202,6 +202,7 @@ def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
                        rf"id of 0\.\.{E - 1}"):
         aligned(topk, tiles) if tile == "align" else aligned_by_chunks(topk, tiles, 32)
 
+
 def test_align_over_chunks_refuses_empty_chunks():
     with pytest.raises(EtcError, match="chunk_tokens must be positive"):
         moe.make_align_count_tile(E, K, 0)

@@ -274,11 +274,14 @@ def test_mlp_result_does_not_depend_on_the_task_order(rng):
             np.testing.assert_array_equal(got, want)
 
 
+MLP_DIMS = {"M": 128, "K": 256, "N": 192, "P": 128}  # the megakernels compiled below
+
+
 @pytest.mark.parametrize("strategy", ["static", "barrier"])
 def test_mlp_megakernel_compiles_for_sm90a(strategy, tmp_path):
     """The tiles inline into one persistent kernel: warp ids remapped, shared memory in the
     kernel's arena."""
-    compiled = build(mlp, {"M": 128, "K": 256, "N": 192, "P": 128}, strategy=strategy)
+    compiled = build(mlp, MLP_DIMS, strategy=strategy)
     source = compiled.cuda_source()
     assert "mlp_megakernel_kernel" in source and MMA in source
     build_cubin(source, tmp_path)
@@ -288,8 +291,7 @@ def test_mlp_megakernel_compiles_for_sm90a(strategy, tmp_path):
 def test_megakernel_bounds_its_registers_for_its_ctas_an_sm(strategy, tmp_path):
     """Three CTAs an SM, cooperatively launched, must be co-resident: the kernel asks ptxas
     for them, so that its registers stay within 65536 / (3 x 128)."""
-    compiled = build(mlp, {"M": 128, "K": 256, "N": 192, "P": 128}, strategy=strategy,
-                     options=KernelOptions(ctas_per_sm=3))
+    compiled = build(mlp, MLP_DIMS, strategy=strategy, options=KernelOptions(ctas_per_sm=3))
     source = compiled.cuda_source()
     assert re.search(r"__global__ void __launch_bounds__\(128, 3\) mlp_\w*megakernel_kernel",
                      source)
