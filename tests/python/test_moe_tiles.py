@@ -194,13 +194,28 @@ def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_token
 @pytest.mark.parametrize("tile, bad", [("align", -1), ("align", E), ("align_count", E + 3)])
 def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
     """In the references an id outside 0..E-1 in topk is an error that says which tile found
-    it, where and what (the device tiles take ids as the top-k tile makes them)."""
+    it, where and what (a persistent kernel stops: ``expert_id_checks``)."""
     topk = routed(rng, 70, "random")
     topk[41, 2] = bad
     tiles = moe.max_tiles(70, E, K, BT)
     with pytest.raises(ExecutionError, match=rf"{tile}: topk\[41, 2\] = {bad} is no expert "
                        rf"id of 0\.\.{E - 1}"):
         aligned(topk, tiles) if tile == "align" else aligned_by_chunks(topk, tiles, 32)
+
+def test_align_checks_expert_ids_where_a_kernel_can_stop():
+    """Each expert id a walk loads goes through its tile's input check: in a persistent kernel
+    ``etc_input_check`` with the stop record, the task and the check's number (count's 0,
+    place's 1), where it stops the kernel; a grid launch has no stop record, and there the
+    bare range test only leaves the pair out."""
+    graph = one_call_graphs(128, 32, 4, 64)["align_chunked"]
+    static = build(graph, {"T": 100}, strategy="static", num_sms=132).cuda_source()
+    calls = set(re.findall(r"etc_input_check\((walk_coming_ptr\w*)\[\d+\], 32, "
+                           r"\(&\(status_ptr\[0\]\)\), t, (\d)\) == 0", static))
+    assert calls == {("walk_coming_ptr", "0"), ("walk_coming_ptr_1", "1")}, calls
+    unfused = build(graph, {"T": 100}, strategy="unfused").cuda_source()
+    assert "etc_input_check(walk" not in unfused
+    assert "(0 <= walk_coming_ptr[0]) && (walk_coming_ptr[0] < 32)" in unfused
+
 
 def test_align_over_chunks_refuses_empty_chunks():
     with pytest.raises(EtcError, match="chunk_tokens must be positive"):

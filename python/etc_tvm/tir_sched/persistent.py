@@ -36,7 +36,8 @@ from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
 from .grid_kernel import unravel
-from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task, shared_bytes
+from .inline import (ThreadScopes, encode_tensor_maps, i32, inline_task, input_check_sites,
+                     shared_bytes)
 
 STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
@@ -223,6 +224,7 @@ class PersistentKernel:
                            "memory CTA_SHARED_OVERHEAD keeps for them")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
+        self.checks = {(c.index, n): k for k, (c, n) in enumerate(input_check_sites(graph))}
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
@@ -345,7 +347,10 @@ class PersistentKernel:
         args, peers = self._task_buffers(call, coord_vars)
         body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
             call.fn, coord_vars, args, self.scopes, self.arena, rank=self.rank or 0,
-            world_size=self.graph.world_size, maps=self.map_vars[call.index])))
+            world_size=self.graph.world_size, maps=self.map_vars[call.index],
+            check=lambda value, size, k: self.runtime_call(
+                "etc_input_check", value, size, self.status.ptr_to([0]), task,
+                i32(self.checks[(call.index, k)]), return_type="int32"))))
         run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
         stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the
