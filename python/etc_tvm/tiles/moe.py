@@ -391,7 +391,8 @@ STEPS_AHEAD = 16  # steps of a warp's walk whose experts align loads together
 @T.meta_class
 class PairWalk:
     """The warps' walk over ``total`` (t, k) pairs of ``topk`` from flat pair ``first`` on:
-    warp w takes a contiguous share, 32 pairs (one a lane) a step, in order.
+    warp w takes a contiguous share, 32 pairs (one a lane) a step, in order. Each expert id
+    goes through ``input_check`` number 0: a tile that walks declares ``expert_id_checks``.
 
     ``count`` adds each warp's pairs of expert e into ``seen[w, e]`` (shared); after
     ``scan_warps`` turns those into offsets, ``place`` walks again and hands each pair its
@@ -431,7 +432,8 @@ class PairWalk:
             if self.pair(batch, j) < self.span and p < self.total:
                 self.coming[j] = self.topk[(self.first + p) // self.K,
                                            (self.first + p) % self.K]
-                if input_check(self.coming[j], self.experts) == 0:  # expert_id_checks
+                # the walking tile's check 0 (expert_id_checks): a bad id is left out
+                if input_check(self.coming[j], self.experts) == 0:
                     self.coming[j] = -1
 
     @T.inline
