@@ -199,19 +199,21 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
                                                RTOL, replay)
         except (AssertionError, EtcError) as err:  # wrong results are reported, not timed
             about["skipped"][label] = f"FAILED: {err}"
+        except tvm.error.InternalError as err:  # so is a launch the device refuses
+            about["skipped"][label] = f"FAILED: {str(err).splitlines()[0]}"
     return runs, about
 
 
 def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(OURS),
-            kernels: bool = False, queued: bool = False) -> dict:
+            kernels: bool = False, queued: bool = False, routing: str = "random") -> dict:
     """One row: us per call of each of ``ours`` under each of ``configs`` (name -> layer
     options; a named one's labels are ``name:label``) and of the baselines at ``tokens``, all
     taking turns in one timing loop, and the errors; with ``kernels``, the GPU kernels each of
-    ours launches and their times."""
-    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    ours launches and their times. ``routing``: ``moe_layer.ROUTINGS``."""
+    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E, routing)
     xt, wrt = on_gpu(x), on_gpu(w_router)
     want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
-    row = {"tokens": tokens, "queued": queued, "configs": {}, "error": {}}
+    row = {"tokens": tokens, "queued": queued, "routing": routing, "configs": {}, "error": {}}
     runs = {}
     for name, options in configs.items():
         mine, row["configs"][name] = our_runs(tokens, options, weights, (x, w_router), want,
@@ -282,6 +284,10 @@ def main() -> None:
     parser.add_argument("--queued", action="store_true",
                         help="time each call queued behind a sleep kernel: the device's time "
                         "alone, without the host's launch latency (timing.time_interleaved)")
+    parser.add_argument("--routing", choices=moe_layer.ROUTINGS, default="random",
+                        help="the tokens' routing: random, every token's first choice one "
+                        "expert (one_expert: its tiles many, the others' few), or the odd "
+                        "experts idle (moe_layer.make_routing_inputs)")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
@@ -294,7 +300,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         rows.append(measure(tokens, weights, hf, rng, args.reps, configs, args.ours,
-                            args.kernels, args.queued))
+                            args.kernels, args.queued, args.routing))
         print_row(rows[-1], args.ours)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
