@@ -49,7 +49,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
                                                          scheduler, samples))
-    has_status = strategy != "unfused"
+    # unfused launches return a stop record only for their tiles' input checks
+    has_status = strategy != "unfused" or any(f.checks for f in graph.device_funcs.values())
     if samples is None:
         meta = graph_meta(graph, dims, options, has_status)
     else:

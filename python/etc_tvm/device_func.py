@@ -23,7 +23,7 @@ A task writes a symmetric output on the rank its out-edge notifies (the owner of
 the kernel hands the body that rank's copy, so the body addresses it as its own.
 
 A value read from an input that the body indexes with (an expert id, a slot) goes through
-``input_check(value, size, n)``: outside ``0..size-1`` a persistent kernel stops and the host
+``input_check(value, size, n)``: outside ``0..size-1`` the kernel records it and the host
 raises the n-th of the function's ``checks`` messages, naming the task and the value.
 
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
@@ -58,10 +58,10 @@ INPUT_CHECK = "etc_input_check"
 
 def input_check(value, size, check: int = 0) -> tirx.PrimExpr:
     """In a body: 1 if ``0 <= value < size``, else 0, for a value read from an input that the
-    tile indexes with (an expert id, a slot). A persistent kernel that finds it outside stops
-    and the host raises the device function's ``checks[check]`` (``{value}`` in it becomes the
-    value), naming the task; the body must leave such a value unused. A placeholder call that
-    each kernel binds to its stop record and running task."""
+    tile indexes with (an expert id, a slot). Where it is outside, the kernel records it (a
+    persistent kernel stops) and the host raises the device function's ``checks[check]``
+    (``{value}`` in it becomes the value), naming the task; the body must leave such a value
+    unused. A placeholder call that each kernel binds to its stop record and running task."""
     return tirx.call_extern("int32", INPUT_CHECK, value, size, tirx.IntImm("int32", check))
 
 

@@ -194,7 +194,7 @@ def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_token
 @pytest.mark.parametrize("tile, bad", [("align", -1), ("align", E), ("align_count", E + 3)])
 def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
     """In the references an id outside 0..E-1 in topk is an error that says which tile found
-    it, where and what (a persistent kernel stops: ``expert_id_checks``)."""
+    it, where and what (so does a kernel: ``expert_id_checks``)."""
     topk = routed(rng, 70, "random")
     topk[41, 2] = bad
     tiles = moe.max_tiles(70, E, K, BT)
@@ -203,18 +203,21 @@ def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
         aligned(topk, tiles) if tile == "align" else aligned_by_chunks(topk, tiles, 32)
 
 def test_align_checks_expert_ids_where_a_kernel_can_stop():
-    """Each expert id a walk loads goes through its tile's input check: in a persistent kernel
-    ``etc_input_check`` with the stop record, the task and the check's number (count's 0,
-    place's 1), where it stops the kernel; a grid launch has no stop record, and there the
-    bare range test only leaves the pair out."""
+    """Each expert id a walk loads goes through its tile's input check, ``etc_input_check``
+    with the stop record, the task and the check's number (count's 0, place's 1): in a
+    persistent kernel the task it runs, in a grid launch the call's first task (count's 0,
+    place's 5, after 4 count tasks and 1 offsets task) plus the CTA."""
     graph = one_call_graphs(128, 32, 4, 64)["align_chunked"]
     static = build(graph, {"T": 100}, strategy="static", num_sms=132).cuda_source()
     calls = set(re.findall(r"etc_input_check\((walk_coming_ptr\w*)\[\d+\], 32, "
                            r"\(&\(status_ptr\[0\]\)\), t, (\d)\) == 0", static))
     assert calls == {("walk_coming_ptr", "0"), ("walk_coming_ptr_1", "1")}, calls
-    unfused = build(graph, {"T": 100}, strategy="unfused").cuda_source()
-    assert "etc_input_check(walk" not in unfused
-    assert "(0 <= walk_coming_ptr[0]) && (walk_coming_ptr[0] < 32)" in unfused
+    unfused = build(graph, {"T": 100}, strategy="unfused")
+    calls = set(re.findall(r"etc_input_check\(walk_coming_ptr\[\d+\], 32, "
+                           r"\(&\(status_ptr\[0\]\)\), (.*?), (\d)\) == 0",
+                           unfused.cuda_source()))
+    assert calls == {("((int)blockIdx.x)", "0"), ("(((int)blockIdx.x) + 5)", "1")}, calls
+    assert unfused.meta.has_status and len(unfused.meta.checks) == 2
 
 
 def test_align_over_chunks_refuses_empty_chunks():
@@ -760,16 +763,17 @@ def test_layer_with_large_tiles_matches_float64(tokens, tile_rows, rng):
 
 
 def test_unfused_layer_skips_the_grouped_gemm_tiles_past_the_used_ones():
-    """Unfused, the layer is five grid launches; the two grouped GEMMs launch every tile of
-    ``max_tiles`` and run the body only for a tile below ``exp_indptr[E]``: gate_up through
-    the one ``aligned`` element's range, down through the element of h_ready its tile
-    names (guarded by the same bound)."""
+    """Unfused, the layer is five grid launches (and the clear of the stop record align
+    checks into); the two grouped GEMMs launch every tile of ``max_tiles`` and run the body
+    only for a tile below ``exp_indptr[E]``: gate_up through the one ``aligned`` element's
+    range, down through the element of h_ready its tile names (guarded by the same
+    bound)."""
     mod = UnfusedTransform({"T": 16})(make_moe_layer().mod)
     tiles = moe.max_tiles(16, 128, 8, BT)
     scripts = {gv.name_hint: mod[gv].script() for gv in mod.get_global_vars()
                if gv.name_hint.endswith("_grid")}
-    assert sorted(name for name, script in scripts.items() if "skip" in script) == [
-        "h_grid", "y_grid"]
+    assert sorted(name for name, script in scripts.items()
+                  if "skip: T.int32 = 1" in script) == ["h_grid", "y_grid"]
     for name, blocks in (("h_grid", 2 * 768 // 64), ("y_grid", 2048 // 64)):
         script = scripts[name]
         assert f"bx = T.cta_id([{tiles * blocks}])" in script

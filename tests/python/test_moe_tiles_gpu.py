@@ -100,12 +100,12 @@ def test_align_over_chunks(tokens, routing, rng):
         np.testing.assert_array_equal(got, exact)
 
 
-@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 @pytest.mark.parametrize("name, bad", [("align", E), ("align_chunked", -2)])
 def test_align_stops_at_an_expert_id_outside_the_experts(name, bad, strategy, rng):
-    """An expert id outside 0..E-1 stops a persistent kernel: the error names the align task
-    that found it and the value, and the kernel ends (no out-of-range shared memory write,
-    no hang); then a good routing runs on the same library."""
+    """An expert id outside 0..E-1 is an error that names the align task that found it and
+    the value, and the kernel ends (no out-of-range shared memory write, no hang); then a good
+    routing runs on the same library (its stop record fresh)."""
     run = build(one_call_graphs(H, E, K, F)[name], one_call_dims(name, 100), strategy=strategy)
     topk = routed(rng, 100, "random", E, K)
     topk[41, 2] = bad

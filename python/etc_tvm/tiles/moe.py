@@ -582,7 +582,7 @@ def chunk_walk(topk, c, chunk_tokens: int, experts: int, warps: int, warp, lane)
 
 def expert_id_checks(experts: int) -> tuple[str]:
     """The input check of the tiles that walk topk (``PairWalk``): an expert id outside
-    0..E-1 stops the kernel with this error, and the pair is left out."""
+    0..E-1 is this error, and the pair is left out."""
     return (f"topk holds the expert id {{value}}, outside 0..{experts - 1}",)
 
 
@@ -597,7 +597,7 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
     topk (T, K) into counts (E,), exp_indptr (E+1,) in tiles, pair_row and pair_tile (T, K),
     sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles).
     Expert ids must lie in 0..E-1, as the top-k tile makes them: for others the reference
-    raises (``checked_expert_ids``) and a persistent kernel stops (``expert_id_checks``)."""
+    and the kernels raise (``checked_expert_ids``, ``expert_id_checks``)."""
     E, K, BT = experts, top_k, tile_rows
     _check_align(E, BT, threads, "align")
     warps = threads // WARP

@@ -90,8 +90,8 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
     """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``, on
     rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body); ``maps``: the
     kernel's encoded tensor maps in place of ``fn.tensor_maps``, in order. ``check(value,
-    size, number)``: what the body's ``input_check`` s become; without it, the bare test of
-    the range (a kernel with no stop record)."""
+    size, number)``: what the body's ``input_check`` s become (a call that records a failed
+    check in the kernel's stop record); a body with checks needs it."""
     if len(maps) != len(fn.tensor_maps):
         raise ValueError(f"{fn.name} reads {len(fn.tensor_maps)} tensor maps, "
                          f"{len(maps)} given")
@@ -114,6 +114,9 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
                                           if str(have.ty) != str(want.ty) else have))
                 bound.add(want)
         prologue.append(tirx.DeclBuffer(param, data=buffer_data(buf)))
+    if fn.checks and check is None:
+        raise ValueError(f"{fn.name} checks its inputs: the kernel must bind its checks to a "
+                         "stop record")
     body = _bind_placeholders(substitute(tirx.stmt_seq(*stmts), vmap), rank, world_size, check)
     if arena is not None:
         body = _into_arena(body, arena, align)
@@ -143,15 +146,13 @@ def encode_tensor_maps(tasks) -> tuple[list[list[tirx.Var]], list[tirx.Stmt]]:
 def _bind_placeholders(body: tirx.Stmt, rank: int, world_size: int,
                        check: Callable | None) -> tirx.Stmt:
     """``RANK`` and ``WORLD_SIZE`` of the body replaced by their values, its input checks by
-    ``check``'s (or the bare range test)."""
+    ``check``'s."""
     values = {RANK.args[0].value: i32(rank), WORLD_SIZE.args[0].value: i32(world_size)}
 
     def replace(call):
         if is_input_check(call):
             value, size, number = call.args[1:]
-            if check is not None:
-                return check(value, size, number.value)
-            return tirx.Cast("int32", tirx.And(i32(0) <= value, value < size))
+            return check(value, size, number.value)
         if call.op.same_as(RANK.op) and isinstance(call.args[0], tvm.ir.StringImm):
             return values.get(call.args[0].value, call)
         return call

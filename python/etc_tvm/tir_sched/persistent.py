@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import tvm
@@ -35,11 +34,11 @@ from tvm.script.ir_builder import tirx as Tb
 from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
+from .device_runtime import STATUS_WORDS, runtime_source
 from .grid_kernel import unravel
 from .inline import (ThreadScopes, encode_tensor_maps, i32, inline_task, input_check_sites,
                      shared_bytes)
 
-STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 WARP = 32
 SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM (Hopper)
@@ -49,8 +48,6 @@ CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
 CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SM_THREADS = 2048
-RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
-NVSHMEM_RUNTIME_SOURCE = RUNTIME_SOURCE.with_name("etc_runtime_nvshmem.cuh")
 
 
 def arena_limit(ctas_per_sm: int) -> int:
@@ -126,17 +123,6 @@ def returned_tensors(graph: TaskGraph, rank: int | None = None) -> list:
 def timeline_size(graph: TaskGraph) -> int:
     """int64 words of the task timeline of ``graph`` (KernelOptions.profile)."""
     return max(1, graph.num_tasks) * TIMELINE_WORDS
-
-
-def runtime_source(ranks: bool = False) -> str:
-    """The device runtime; with ``ranks``, followed by its NVSHMEM part (kernels of world size
-    above 1 only: TVM links a module against NVSHMEM when its source includes the header)."""
-    paths = [RUNTIME_SOURCE, NVSHMEM_RUNTIME_SOURCE] if ranks else [RUNTIME_SOURCE]
-    for path in paths:
-        if not path.exists():
-            raise FileNotFoundError(f"the etc_tvm device runtime {path} is missing: "
-                                    "install etc_tvm from its source tree (pip install -e .)")
-    return "\n".join(path.read_text() for path in paths)
 
 
 @dataclass(frozen=True)
