@@ -26,6 +26,10 @@ chain) launches its tasks one at a time, in a topological order, each into the s
 tensors; that order is fixed at compile time, so such edges may not be triggers or read tensors
 (``GraphError``). This is the baseline the megakernels are measured against (the same tiles as
 separate kernels); ``CompiledGraph.capture`` replays them from a CUDA graph.
+
+Tiles that check their inputs (``device_func.input_check``) write one stop record: allocated
+and cleared by a launch of its own at the start of every call, passed in place to each
+checking launch after its inputs, and returned last, as the persistent kernels return theirs.
 """
 from __future__ import annotations
 
