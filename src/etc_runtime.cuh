@@ -13,10 +13,10 @@
 //                        ready ring overflowed, 4 a data-dependent index fell outside its
 //                        event tensor or grid, 5 a run-time wait count was negative, 6 a
 //                        trigger released a task twice, 7 a CTA found nothing to run for too
-//                        long),
-//                        [1] task id (-1: none), [2] element index, ring slot or the index,
-//                        [3] counter value seen, or the edge (kind 4) or value (kind 5),
-//                        [4] SM id.
+//                        long, 8 a tile's input check failed),
+//                        [1] task id (-1: none), [2] element index, ring slot or the index
+//                        (the value checked, kind 8), [3] counter value seen, or the edge
+//                        (kind 4), value (kind 5) or check (kind 8), [4] SM id.
 //
 // Run-time events. A call whose completion something waits for counts its unfinished tasks in
 // a counter of its own; the task that takes it to zero acquires every task's writes. An event
@@ -410,6 +410,15 @@ __device__ __forceinline__ int etc_in_range(int value, int size, int* status, in
                                             int edge) {
   if (value >= 0 && value < size) return 1;
   etc_record_stop(status, 4, task, value, edge);
+  return 0;
+}
+
+// A tile's ``input_check``: 1 if 0 <= value < size; otherwise records which check of which task
+// failed and the value (kind 8) and returns 0, so that the tile leaves the value unused.
+__device__ __forceinline__ int etc_input_check(int value, int size, int* status, int task,
+                                               int check) {
+  if (value >= 0 && value < size) return 1;
+  etc_record_stop(status, 8, task, value, check);
   return 0;
 }
 

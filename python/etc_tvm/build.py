@@ -13,6 +13,7 @@ from .runtime import CompiledGraph, GraphMeta, SampledMeta
 from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout, edge_sites
+from .tir_sched.inline import input_check_sites
 from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -48,7 +49,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
                                                          scheduler, samples))
-    has_status = strategy != "unfused"
+    # unfused launches return a stop record only for their tiles' input checks
+    has_status = strategy != "unfused" or any(f.checks for f in graph.device_funcs.values())
     if samples is None:
         meta = graph_meta(graph, dims, options, has_status)
     else:
@@ -72,6 +74,7 @@ def task_graph_meta(task_graph: TaskGraph, layout: EventLayout, options: KernelO
     return GraphMeta(task_graph.name, names, layout.names(task_graph), options.timeout_s,
                      has_status=has_status,
                      edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)],
+                     checks=[c.fn.checks[k] for c, k in input_check_sites(task_graph)],
                      profiled=has_status and options.profile)
 
 

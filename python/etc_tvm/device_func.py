@@ -22,6 +22,10 @@ In a graph function of several ranks, a body reads its rank and the world size a
 A task writes a symmetric output on the rank its out-edge notifies (the owner of the element):
 the kernel hands the body that rank's copy, so the body addresses it as its own.
 
+A value read from an input that the body indexes with (an expert id, a slot) goes through
+``input_check(value, size, n)``: outside ``0..size-1`` the kernel records it and the host
+raises the n-th of the function's ``checks`` messages, naming the task and the value.
+
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
 tensors as arrays whose outputs it writes in place); the CPU reference executor runs it. A
 reference of a multi-rank graph function may also take keyword-only ``rank``, ``world_size``
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import tvm
+import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -48,6 +53,16 @@ REFERENCE_CONTEXT = ("rank", "world_size", "peers")
 # (a placeholder call, so that the script is well formed on its own).
 RANK = tirx.call_extern("int32", "etc_rank")
 WORLD_SIZE = tirx.call_extern("int32", "etc_world_size")
+INPUT_CHECK = "etc_input_check"
+
+
+def input_check(value, size, check: int = 0) -> tirx.PrimExpr:
+    """In a body: 1 if ``0 <= value < size``, else 0, for a value read from an input that the
+    tile indexes with (an expert id, a slot). Where it is outside, the kernel records it (a
+    persistent kernel stops) and the host raises the device function's ``checks[check]``
+    (``{value}`` in it becomes the value), naming the task; the body must leave such a value
+    unused. A placeholder call that each kernel binds to its stop record and running task."""
+    return tirx.call_extern("int32", INPUT_CHECK, value, size, tirx.IntImm("int32", check))
 
 
 @dataclass(frozen=True)
@@ -67,12 +82,14 @@ class DeviceFunc:
     """A tile task: its TIRx PrimFunc, its parameters, thread count, cost hint and reference."""
 
     def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
-                 cost=1.0, reference: Callable | None = None, updates=(), tensor_maps=()):
+                 cost=1.0, reference: Callable | None = None, updates=(), tensor_maps=(),
+                 checks=()):
         self.prim_func = prim_func
         self.name = name
         self.coord_params, self.buffer_params = _split_params(prim_func, name)
         self.updates = _check_updates(tuple(updates), self.buffer_params, name)
         self.tensor_maps = _check_tensor_maps(tuple(tensor_maps), self, name)
+        self.checks = _check_input_checks(tuple(checks), prim_func, name)
         self.num_threads = _thread_count(prim_func, name, num_threads)
         self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
@@ -127,7 +144,7 @@ class DeviceFunc:
 
 
 def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
-                reference: Callable | None = None, updates=(), tensor_maps=()):
+                reference: Callable | None = None, updates=(), tensor_maps=(), checks=()):
     """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
 
     ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
@@ -136,7 +153,8 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
     ``K``), evaluated for each call. ``updates`` names tensor parameters that the tile writes
     in place although they are inputs (state such as a KV cache). ``tensor_maps``: the
     ``TensorMap`` s its TMA loads read through (``etc_tvm.tensor_map``), which every kernel
-    running it encodes on the host.
+    running it encodes on the host. ``checks``: the errors its ``input_check`` s raise, by
+    number.
     """
 
     def wrap(f) -> DeviceFunc:
@@ -149,7 +167,8 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
         else:
             name, prim = f.__name__, T.prim_func(f)
         return DeviceFunc(prim, name=name, num_threads=num_threads, cost=cost,
-                          reference=reference, updates=updates, tensor_maps=tensor_maps)
+                          reference=reference, updates=updates, tensor_maps=tensor_maps,
+                          checks=checks)
 
     return wrap(fn) if fn is not None else _Decorator(wrap)
 
@@ -210,6 +229,26 @@ def _check_tensor_maps(maps: tuple, fn: DeviceFunc, name: str) -> tuple:
         param = fn.param(m.param)
         m.check(param.shape, param.dtype, f"device function {name}")
     return maps
+
+
+def is_input_check(call: tvm.ir.Call) -> bool:
+    """Whether ``call`` is an ``input_check`` placeholder."""
+    return (call.op.same_as(tvm.ir.Op.get("tirx.call_extern")) and
+            isinstance(call.args[0], tvm.ir.StringImm) and call.args[0].value == INPUT_CHECK)
+
+
+def _check_input_checks(checks: tuple, func: tirx.PrimFunc, name: str) -> tuple:
+    if not all(isinstance(c, str) for c in checks):
+        raise EtcError(f"device function {name}: checks are the messages of its input "
+                       f"checks, got {checks!r}")
+    calls = []
+    tvm_ffi.structural_walk(func.body, [(tvm.ir.Call, calls.append)], order="pre")
+    for call in filter(is_input_check, calls):
+        check = call.args[3]
+        if not isinstance(check, tirx.IntImm) or not 0 <= check.value < len(checks):
+            raise EtcError(f"device function {name}: input_check number {check} has no "
+                           f"message among its {len(checks)} checks")
+    return checks
 
 
 def _split_params(func: tirx.PrimFunc, name: str):

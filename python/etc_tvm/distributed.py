@@ -39,8 +39,8 @@ import numpy as np
 from .errors import EtcError, ExecutionError
 from .graph_func import GraphFunc
 from .profile import Timeline
-from .tir_sched.persistent import (DEFAULT_OPTIONS, RUNTIME_SOURCE, STATUS_WORDS, KernelOptions,
-                                   kernel_table, timeline_size)
+from .tir_sched.device_runtime import RUNTIME_SOURCE, STATUS_WORDS
+from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table, timeline_size
 
 HOST_SOURCE = RUNTIME_SOURCE.with_name("etc_nvshmem_host.cu")
 MODULE_HOOK = "runtime.nvshmem.cumodule_init"

@@ -45,9 +45,10 @@ class GraphFunc:
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and "etc.device_func" in f.attrs:
                 cost = f.attrs.get("etc.cost", 1.0)
                 maps = [TensorMap.from_attr(a) for a in f.attrs.get("etc.tensor_maps", [])]
+                checks = [str(c) for c in f.attrs.get("etc.checks", [])]
                 funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint, cost=cost.value if
                                                  isinstance(cost, tvm.tirx.FloatImm) else cost,
-                                                 tensor_maps=maps)
+                                                 tensor_maps=maps, checks=checks)
         return GraphFunc(name, mod, funcs)
 
     @property

@@ -35,6 +35,7 @@ class GraphMeta:
     timeout_s: float
     has_status: bool = True  # the function returns the watchdog record after its outputs
     edges: list = ()  # the edge maps, numbered as the kernel reports them
+    checks: list = ()  # the device functions' input check messages, numbered likewise
     profiled: bool = False  # the task timeline follows the watchdog record
 
     def element_name(self, flat: int) -> str:
@@ -74,6 +75,9 @@ class GraphMeta:
             nxt = self.task_names[task] if task >= 0 else "none"
             why = (f"a CTA on SM {sm} found no task ready, in its queue or the ready ring, for "
                    f"more than {self.timeout_s} s (its next queued task: {nxt})")
+        elif kind == 8:
+            why = (f"task {self.task_names[task]} on SM {sm}: "
+                   f"{self.checks[seen].replace('{value}', str(where))}")
         elif kind == 6:
             why = (f"trigger maps released task {self.task_names[task]} twice (their ranges "
                    "overlap)")

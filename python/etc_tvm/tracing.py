@@ -57,6 +57,8 @@ class Tracer:
                      "etc.cost": fn.cost}
             if fn.tensor_maps:
                 attrs["etc.tensor_maps"] = [m.as_attr() for m in fn.tensor_maps]
+            if fn.checks:
+                attrs["etc.checks"] = list(fn.checks)
             prim = fn.prim_func.with_attr(attrs)
             self._gvars[id(fn)] = self.builder.add_func(prim, name)
             self.device_funcs[name] = fn

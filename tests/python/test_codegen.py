@@ -11,7 +11,7 @@ from etc_tvm.build import build
 from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
 from etc_tvm.schedule import DynamicPlan
 from etc_tvm.task_graph import TaskGraph
-from etc_tvm.tir_sched.persistent import RUNTIME_SOURCE
+from etc_tvm.tir_sched.device_runtime import RUNTIME_SOURCE
 
 import graphs
 from moe_graph import COUNT_MODES, moe_graph

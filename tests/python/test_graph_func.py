@@ -6,7 +6,7 @@ from tvm import relax
 from tvm.script import tirx as T
 
 from etc_tvm import (ETensor, EdgeMapError, EtcError, GraphFunc, Tensor, call_device,
-                     device_func, graph_func, ops)
+                     device_func, graph_func, input_check, ops)
 from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.task_graph import TaskGraph
 
@@ -244,6 +244,31 @@ def float_coordinate(i: T.float32, A: T.Buffer((4,), "float32")):
 def test_device_func_contract(fn, match):
     with pytest.raises(EtcError, match=match):
         device_func(fn)
+
+
+@T.prim_func(check_well_formed=False)
+def slot_check(i: T.int32, slot: T.Buffer((4,), "int32"), A: T.Buffer((8,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    if input_check(slot[tx], 8, 1) != 0:
+        A[slot[tx]] = T.float32(1)
+
+
+def test_device_func_input_checks_have_messages():
+    """``input_check(value, size, n)`` reports ``checks[n]``: each number a check uses needs
+    its message when the function is declared, and the module keeps them."""
+    with pytest.raises(EtcError, match=r"slot_check: input_check number 1 has no message "
+                                       r"among its 1 checks"):
+        device_func(slot_check, checks=("slot {value} outside 0..7",))
+    tile = device_func(slot_check, checks=("unused", "slot {value} outside 0..7"))
+
+    @graph_func
+    def one(slot: Tensor((4,), "int32")):
+        return call_device(tile, tile_num=(1,), args=[slot],
+                           out=Tensor((8,), "float32", name="A"))
+
+    rebuilt = GraphFunc.from_module(one.mod, "one").device_funcs["slot_check"]
+    assert rebuilt.checks == tile.checks == ("unused", "slot {value} outside 0..7")
 
 
 def test_device_func_thread_count():

@@ -194,13 +194,31 @@ def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_token
 @pytest.mark.parametrize("tile, bad", [("align", -1), ("align", E), ("align_count", E + 3)])
 def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
     """In the references an id outside 0..E-1 in topk is an error that says which tile found
-    it, where and what (the device tiles take ids as the top-k tile makes them)."""
+    it, where and what (so does a kernel: ``expert_id_checks``)."""
     topk = routed(rng, 70, "random")
     topk[41, 2] = bad
     tiles = moe.max_tiles(70, E, K, BT)
     with pytest.raises(ExecutionError, match=rf"{tile}: topk\[41, 2\] = {bad} is no expert "
                        rf"id of 0\.\.{E - 1}"):
         aligned(topk, tiles) if tile == "align" else aligned_by_chunks(topk, tiles, 32)
+
+
+def test_align_checks_expert_ids_where_a_kernel_can_stop():
+    """Each expert id a walk loads goes through its tile's input check, ``etc_input_check``
+    with the stop record, the task and the check's number (count's 0, place's 1): in a
+    persistent kernel the task it runs, in a grid launch the call's first task (count's 0,
+    place's 5, after 4 count tasks and 1 offsets task) plus the CTA."""
+    graph = one_call_graphs(128, 32, 4, 64)["align_chunked"]
+    static = build(graph, {"T": 100}, strategy="static", num_sms=132).cuda_source()
+    calls = set(re.findall(r"etc_input_check\((walk_coming_ptr\w*)\[\d+\], 32, "
+                           r"\(&\(status_ptr\[0\]\)\), t, (\d)\) == 0", static))
+    assert calls == {("walk_coming_ptr", "0"), ("walk_coming_ptr_1", "1")}, calls
+    unfused = build(graph, {"T": 100}, strategy="unfused")
+    calls = set(re.findall(r"etc_input_check\(walk_coming_ptr\[\d+\], 32, "
+                           r"\(&\(status_ptr\[0\]\)\), (.*?), (\d)\) == 0",
+                           unfused.cuda_source()))
+    assert calls == {("((int)blockIdx.x)", "0"), ("(((int)blockIdx.x) + 5)", "1")}, calls
+    assert unfused.meta.has_status and len(unfused.meta.checks) == 2
 
 
 def test_align_over_chunks_refuses_empty_chunks():
@@ -746,16 +764,17 @@ def test_layer_with_large_tiles_matches_float64(tokens, tile_rows, rng):
 
 
 def test_unfused_layer_skips_the_grouped_gemm_tiles_past_the_used_ones():
-    """Unfused, the layer is five grid launches; the two grouped GEMMs launch every tile of
-    ``max_tiles`` and run the body only for a tile below ``exp_indptr[E]``: gate_up through
-    the one ``aligned`` element's range, down through the element of h_ready its tile
-    names (guarded by the same bound)."""
+    """Unfused, the layer is five grid launches (and the clear of the stop record align
+    checks into); the two grouped GEMMs launch every tile of ``max_tiles`` and run the body
+    only for a tile below ``exp_indptr[E]``: gate_up through the one ``aligned`` element's
+    range, down through the element of h_ready its tile names (guarded by the same
+    bound)."""
     mod = UnfusedTransform({"T": 16})(make_moe_layer().mod)
     tiles = moe.max_tiles(16, 128, 8, BT)
     scripts = {gv.name_hint: mod[gv].script() for gv in mod.get_global_vars()
                if gv.name_hint.endswith("_grid")}
-    assert sorted(name for name, script in scripts.items() if "skip" in script) == [
-        "h_grid", "y_grid"]
+    assert sorted(name for name, script in scripts.items()
+                  if "skip: T.int32 = 1" in script) == ["h_grid", "y_grid"]
     for name, blocks in (("h_grid", 2 * 768 // 64), ("y_grid", 2048 // 64)):
         script = scripts[name]
         assert f"bx = T.cta_id([{tiles * blocks}])" in script

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tvm
 
+from etc_tvm import ExecutionError
 from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -97,6 +98,23 @@ def test_align_over_chunks(tokens, routing, rng):
     for got, exact in zip((counts, indptr, pair_row, pair_tile, sorted_token, tile_expert),
                           (*want[:3], want[2] // BT, *want[3:])):
         np.testing.assert_array_equal(got, exact)
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+@pytest.mark.parametrize("name, bad", [("align", E), ("align_chunked", -2)])
+def test_align_stops_at_an_expert_id_outside_the_experts(name, bad, strategy, rng):
+    """An expert id outside 0..E-1 is an error that names the align task that found it and
+    the value, and the kernel ends (no out-of-range shared memory write, no hang); then a good
+    routing runs on the same library (its stop record fresh)."""
+    run = build(one_call_graphs(H, E, K, F)[name], one_call_dims(name, 100), strategy=strategy)
+    topk = routed(rng, 100, "random", E, K)
+    topk[41, 2] = bad
+    with pytest.raises(ExecutionError, match=rf"task align\w*\(\d+\) on SM \d+: topk holds the "
+                                             rf"expert id {bad}, outside 0\.\.{E - 1}"):
+        run(topk)
+    topk[41, 2] = 0
+    np.testing.assert_array_equal(run(topk)[0], moe.align_reference(
+        topk, E, BT, moe.max_tiles(100, E, K, BT))[0])
 
 
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -1,5 +1,7 @@
 """The host's reading of a stopped kernel's status record (src/etc_runtime.cuh): every kind
 of stop becomes an ExecutionError that names what a user needs to find the cause."""
+import re
+
 import numpy as np
 import pytest
 
@@ -7,9 +9,11 @@ from etc_tvm import ExecutionError
 from etc_tvm.build import graph_meta
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.events import EventLayout, edge_sites
+from etc_tvm.tir_sched.inline import input_check_sites
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from moe_graph import make_moe_graph
+from moe_tile_graphs import one_call_graphs
 
 GRAPH = TaskGraph.build(make_moe_graph(32, 8, 2, 16, 4, "tensor"), {"T": 7})
 LAYOUT = EventLayout.of(GRAPH)
@@ -69,3 +73,20 @@ def test_each_stop_is_named(meta, kind):
     record, message = RECORDS[kind]
     with pytest.raises(ExecutionError, match=r"moe: " + message):
         meta.check(status(*record))
+
+
+def test_a_failed_input_check_names_the_task_and_the_value():
+    """Kind 8: the message of the check that failed (numbered over the calls' device
+    functions, as ``input_check_sites``), the task that ran it and the value it found."""
+    graph = one_call_graphs(128, 32, 4, 64)["align_chunked"]
+    tasks = TaskGraph.build(graph, {"T": 100})
+    checks = input_check_sites(tasks)
+    assert [(c.fn.name, k) for c, k in checks] == [("align_count_32_top4_c32_t128", 0),
+                                                    ("align_place_32_top4_bt16_c32_t128", 0)]
+    place = checks[1][0]
+    meta = graph_meta(graph, {"T": 100}, KernelOptions(), has_status=True)
+    with pytest.raises(ExecutionError, match=rf"align_chunked: task "
+                                             rf"{re.escape(tasks.task_name(place.first_task + 2))}"
+                                             r" on SM 6: topk holds the expert id 40, outside "
+                                             r"0\.\.31; the kernel stopped"):
+        meta.check(status(8, place.first_task + 2, 40, 1, 6))

@@ -5,7 +5,10 @@ import pytest
 import tvm
 from tvm import relax
 
-from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
+from tvm.script import tirx as T
+
+from etc_tvm import (ETensor, EtcError, GraphError, Tensor, call_device, device_func, graph_func,
+                     input_check)
 from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
                                   StaticScheduleTransform, UnfusedTransform)
 from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule
@@ -94,6 +97,58 @@ def test_unfused_is_one_grid_launch_per_call():
         "C_grid", "D_grid"]
     grid = mod["C_grid"]
     assert "T.cta_id([12])" in grid.script()
+
+
+@T.prim_func(check_well_formed=False)
+def gather_rows(i: T.int32, slot: T.Buffer((4,), "int32"), A: T.Buffer((8,), "float32"),
+                B: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    B[tx] = T.float32(0)
+    if input_check(slot[tx], 8) != 0:
+        B[tx] = A[slot[tx]]
+
+
+@T.prim_func(check_well_formed=False)
+def double(i: T.int32, A: T.Buffer((8,), "float32"), C: T.Buffer((8,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([8])
+    C[tx] = A[tx] * T.float32(2)
+
+
+def test_unfused_threads_a_fresh_stop_record_through_the_launches_that_check():
+    """Before: two calls of a tile that checks the slots it gathers by, one of a tile that
+    does not. After: a stop record allocated and cleared by its own launch on every call
+    (a constant of zeros would be folded into the module and then written), written in place
+    by each checking launch after its inputs, and returned last."""
+    gather = device_func(gather_rows, checks=("slot {value} outside 0..7",))
+
+    @graph_func
+    def gathers(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
+        B = call_device(gather, tile_num=(1,), args=[slot, A],
+                        out=Tensor((4,), "float32", name="B"))
+        doubled = ETensor((1,), name="doubled")
+        C = call_device(device_func(double), tile_num=(1,), args=[A],
+                        out=Tensor((8,), "float32", name="C"), out_edges={doubled: "i->0"})
+        return call_device(gather, tile_num=(1,), args=[slot, C],
+                           out=Tensor((4,), "float32", name="D"),
+                           in_edges={doubled: "i->0"}), B
+
+    mod = UnfusedTransform()(gathers.mod)
+    relax.analysis.well_formed(mod)
+    launches = [(c.op.name, c.args[0].name_hint if isinstance(c.args[0], tvm.ir.GlobalVar)
+                 else None, [int(i) for i in c.attrs.inplace_indices]
+                 if c.op.name == "relax.call_tir_inplace" else None)
+                for c in calls_of(mod["gathers"])]
+    assert launches == [
+        ("relax.builtin.alloc_tensor", None, None),
+        ("relax.call_tir_inplace", "gathers_clear_stop_record", [0]),
+        ("relax.call_tir_inplace", "B_grid", [-1, 2]),
+        ("relax.call_tir", "C_grid", None),
+        ("relax.call_tir_inplace", "D_grid", [-1, 2]),
+    ], launches
+    assert [p.name for p in mod["D_grid"].params] == ["slot", "C", "status", "D"]
+    assert len(mod["gathers"].ret_ty.fields) == 3  # D, B and the stop record
 
 
 def test_event_layout_offsets_and_initial_counts():

@@ -26,6 +26,10 @@ chain) launches its tasks one at a time, in a topological order, each into the s
 tensors; that order is fixed at compile time, so such edges may not be triggers or read tensors
 (``GraphError``). This is the baseline the megakernels are measured against (the same tiles as
 separate kernels); ``CompiledGraph.capture`` replays them from a CUDA graph.
+
+Tiles that check their inputs (``device_func.input_check``) write one stop record: allocated
+and cleared by a launch of its own at the start of every call, passed in place to each
+checking launch after its inputs, and returned last, as the persistent kernels return theirs.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import GraphError
-from ..tir_sched.grid_kernel import build_grid_kernel
+from ..tir_sched.device_runtime import STATUS_WORDS
+from ..tir_sched.grid_kernel import build_grid_kernel, build_stop_record_clear
+from ..tir_sched.inline import input_check_sites
 from .instantiate import graph_functions, instantiate, without, without_device_funcs
 
 
@@ -60,43 +66,78 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
     internal = graph.internal_etensors()
     _check_internal_edges(name, graph, internal)
     order = graph.topological_order()
+    sites = {(c.index, k): n for n, (c, k) in enumerate(input_check_sites(graph))}
     with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
+        status = _stop_record(bb, name) if sites else None
         for call in graph.calls:
             tensors = [graph.tensors[t] for t in call.tensor_args()]
             buffers = [tirx.decl_buffer(t.shape, t.dtype, t.name) for t in tensors]
             out_tys = [relax.TensorType(list(graph.tensors[t].shape), graph.tensors[t].dtype)
                        for t in call.outputs]
-            single = len(out_tys) == 1
-            out_ty = out_tys[0] if single else out_tys
             inputs = [value[t] for t in call.inputs]
             triggers = [(e.map, graph.etensors[e.etensor].shape) for e in call.triggers]
+            checks = [sites[(call.index, k)] for k in range(len(call.fn.checks))]
+            checked = [status] if checks else []
+            launch = _Launch(bb, out_tys, checked)
             if any(e.etensor in internal for e in call.in_edges):
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_task",
-                                           num_inputs=len(inputs), triggers=triggers)
+                                           num_inputs=len(inputs), triggers=triggers,
+                                           checks=checks, first_task=call.first_task)
                 gv = bb.add_func(kernel, f"{call.name}_task")
                 outs = None
                 for task in (t for t in order if graph.task_call[t] == call.index):
                     index = relax.prim_value(tvm.tirx.IntImm("int64", task - call.first_task))
-                    if outs is None:
-                        result = bb.emit(relax.call_tir(gv, [*inputs, index], out_ty))
-                    else:
-                        n = len(inputs) + 1
-                        inplace = list(range(n, n + len(outs)))
-                        result = bb.emit(relax.op.call_tir_inplace(
-                            gv, [*inputs, index, *outs], inplace[0] if single else inplace,
-                            out_ty))
-                    outs = _unpack(bb, result, len(out_tys))
+                    outs, checked = launch(gv, [*inputs, index], checked, outs)
             else:
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_grid",
-                                           triggers=triggers)
+                                           triggers=triggers, checks=checks,
+                                           first_task=call.first_task, inputs=len(inputs))
                 gv = bb.add_func(kernel, f"{call.name}_grid")
-                outs = _unpack(bb, bb.emit(relax.call_tir(gv, inputs, out_ty), call.name),
-                               len(out_tys))
+                outs, checked = launch(gv, inputs, checked, None, call.name)
+            if checks:
+                (status,) = checked
             for t, out in zip(call.outputs, outs):
                 value[t] = out
-        bb.emit_func_output(relax.Tuple([value[t] for t in graph.outputs]))
+        bb.emit_func_output(relax.Tuple([value[t] for t in graph.outputs]
+                                        + ([status] if sites else [])))
     return bb.finalize()
+
+
+def _stop_record(bb, name: str):
+    """The stop record the input checks write (``src/etc_runtime.cuh``), allocated and
+    cleared on every call, then threaded through the launches that check."""
+    clear = bb.add_func(build_stop_record_clear(f"{name}_clear_stop_record"),
+                        f"{name}_clear_stop_record")
+    record = bb.emit(relax.op.builtin.alloc_tensor(relax.ShapeExpr([STATUS_WORDS]), "int32", 0))
+    return bb.emit(relax.op.call_tir_inplace(clear, [record], 0,
+                                             relax.TensorType([STATUS_WORDS], "int32")), "status")
+
+
+class _Launch:
+    """One grid launch of a call's kernel: its outputs fresh (``call_tir``) or, given
+    ``outs``, written in place (a call launched task by task); the stop record, if the kernel
+    takes one, written in place after the inputs."""
+
+    def __init__(self, bb, out_tys, checked):
+        self.bb, self.out_tys, self.record = bb, out_tys, len(checked)
+
+    def __call__(self, gv, args, checked, outs, name=None):
+        """(the call's outputs, the stop record as a list of one or none) after the launch."""
+        n = len(args)
+        args = [*args, *checked, *(outs or [])]
+        tys = [*self.out_tys, *([relax.TensorType([STATUS_WORDS], "int32")] * self.record)]
+        inplace = [n + self.record + k if outs else -1 for k in range(len(self.out_tys))] \
+            + list(range(n, n + self.record))
+        single = len(tys) == 1
+        if all(i == -1 for i in inplace):
+            call = relax.call_tir(gv, args, tys[0] if single else tys)
+        else:
+            call = relax.op.call_tir_inplace(gv, args, inplace[0] if single else inplace,
+                                             tys[0] if single else tys)
+        result = self.bb.emit(call, name) if name else self.bb.emit(call)
+        got = _unpack(self.bb, result, len(tys))
+        return got[:len(self.out_tys)], got[len(self.out_tys):]
 
 
 def _check_internal_edges(name, graph, internal) -> None:

@@ -83,7 +83,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..device_func import DeviceFunc, device_func
+from ..device_func import DeviceFunc, device_func, input_check
 from ..errors import EtcError, ExecutionError
 from . import gemm, wgmma_gemm
 
@@ -391,7 +391,8 @@ STEPS_AHEAD = 16  # steps of a warp's walk whose experts align loads together
 @T.meta_class
 class PairWalk:
     """The warps' walk over ``total`` (t, k) pairs of ``topk`` from flat pair ``first`` on:
-    warp w takes a contiguous share, 32 pairs (one a lane) a step, in order.
+    warp w takes a contiguous share, 32 pairs (one a lane) a step, in order. Each expert id
+    goes through ``input_check`` number 0: a tile that walks declares ``expert_id_checks``.
 
     ``count`` adds each warp's pairs of expert e into ``seen[w, e]`` (shared); after
     ``scan_warps`` turns those into offsets, ``place`` walks again and hands each pair its
@@ -431,6 +432,9 @@ class PairWalk:
             if self.pair(batch, j) < self.span and p < self.total:
                 self.coming[j] = self.topk[(self.first + p) // self.K,
                                            (self.first + p) % self.K]
+                # the walking tile's check 0 (expert_id_checks): a bad id is left out
+                if input_check(self.coming[j], self.experts) == 0:
+                    self.coming[j] = -1
 
     @T.inline
     def next_batch(self, batch):
@@ -576,6 +580,12 @@ def chunk_walk(topk, c, chunk_tokens: int, experts: int, warps: int, warp, lane)
                     warps, warp, lane)
 
 
+def expert_id_checks(experts: int) -> tuple[str]:
+    """The input check of the tiles that walk topk (``PairWalk``): an expert id outside
+    0..E-1 is this error, and the pair is left out."""
+    return (f"topk holds the expert id {{value}}, outside 0..{experts - 1}",)
+
+
 def _check_align(E: int, BT: int, threads: int, tile: str) -> None:
     if threads % WARP or E < 1 or BT < 1:
         raise EtcError(f"{tile} tile: bad configuration E={E}, BT={BT}, threads={threads}")
@@ -586,8 +596,8 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
     """The tile ``align_<E>_top<K>_bt<BT>``: one task (run it on a grid of 1) that turns
     topk (T, K) into counts (E,), exp_indptr (E+1,) in tiles, pair_row and pair_tile (T, K),
     sorted_token (rows,) (-1 on padding) and tile_expert (tiles,) (E past the used tiles).
-    Expert ids must lie in 0..E-1, as the top-k tile makes them: the reference raises for
-    others (``checked_expert_ids``), the device tile takes them as given."""
+    Expert ids must lie in 0..E-1, as the top-k tile makes them: for others the reference
+    and the kernels raise (``checked_expert_ids``, ``expert_id_checks``)."""
     E, K, BT = experts, top_k, tile_rows
     _check_align(E, BT, threads, "align")
     warps = threads // WARP
@@ -623,7 +633,8 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         walk.place(lambda e: csr.indptr[e] * BT, BT, pair_row, pair_tile, sorted_token)
 
     name = f"align_{E}_top{K}_bt{BT}_t{threads}"
-    tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4)
+    tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4,
+                       checks=expert_id_checks(E))
 
     @tile.set_reference
     def _(i, topk, counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert):
@@ -672,7 +683,8 @@ def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CH
         walk.scan_warps(tx, threads, total)
 
     name = f"align_count_{E}_top{K}_c{CT}_t{threads}"
-    tile = device_func(align_count.with_attr("global_symbol", name), cost=CT * K // threads + 2)
+    tile = device_func(align_count.with_attr("global_symbol", name), cost=CT * K // threads + 2,
+                       checks=expert_id_checks(E))
 
     @tile.set_reference
     def _(c, topk, chunk_counts):
@@ -809,7 +821,8 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
                 sorted_token[r] = -1
 
     name = f"align_place_{E}_top{K}_bt{BT}_c{CT}_t{threads}"
-    tile = device_func(align_place.with_attr("global_symbol", name), cost=CT * K // threads + 4)
+    tile = device_func(align_place.with_attr("global_symbol", name), cost=CT * K // threads + 4,
+                       checks=expert_id_checks(E))
 
     @tile.set_reference
     def _(c, topk, counts, indptr, chunk_row, pair_row, pair_tile, sorted_token, exp_indptr):

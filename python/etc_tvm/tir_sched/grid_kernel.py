@@ -20,6 +20,7 @@ from tvm.script.ir_builder import tirx as Tb
 
 from .. import edge_map as em
 from ..device_func import DeviceFunc
+from .device_runtime import STATUS_WORDS, runtime_source
 from .events import trigger_scan
 from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task
 
@@ -35,8 +36,9 @@ def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
 
 def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tirx.Buffer],
                       name: str, num_inputs: int | None = None,
-                      triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = ()
-                      ) -> tirx.PrimFunc:
+                      triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = (),
+                      checks: Sequence[int] = (), first_task: int = 0,
+                      inputs: int | None = None) -> tirx.PrimFunc:
     """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers`` (inputs, then outputs).
 
     With ``num_inputs``, the kernel runs ONE task instead, the one whose row-major index is an
@@ -46,12 +48,25 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
     ``triggers``: each trigger map of the call and the shape of its ETensor; a task that no
     element of them releases is skipped. The maps read ``fn``'s tensor parameters, which
     ``buffers`` are.
+
+    ``checks``: the graph's number of each of ``fn``'s input checks. Given them, the kernel
+    takes the stop record ``status`` (int32, ``STATUS_WORDS``) after its ``inputs`` input
+    buffers (and ``task``), and a failed check records there the task (the call's tasks
+    number from ``first_task``), the value and the check, as in the persistent kernels.
     """
+    if len(checks) != len(fn.checks):
+        raise ValueError(f"{fn.name} has {len(fn.checks)} input checks, {len(checks)} numbered")
+    if num_inputs is not None:
+        inputs = num_inputs
+    if checks and inputs is None:
+        raise ValueError(f"{fn.name}: the stop record follows the inputs: give their number")
     scopes = ThreadScopes(fn.num_threads)
     num_tasks = int(np.prod(grid, dtype=np.int64))
     task = tirx.Var("task", "int64")
-    params = list(buffers) if num_inputs is None else [*buffers[:num_inputs], task,
-                                                       *buffers[num_inputs:]]
+    status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status") if checks else None
+    inputs = len(buffers) if inputs is None else inputs
+    params = [*buffers[:inputs], *([] if num_inputs is None else [task]),
+              *([status] if checks else []), *buffers[inputs:]]
     (maps,), encodes = encode_tensor_maps([(fn, buffers, name)])
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -65,7 +80,10 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
             bx = IRBuilder.name("bx", Tb.cta_id([num_tasks if num_inputs is None else 1]))
             flat = bx if num_inputs is None else bx + tirx.Cast("int32", task)
             coords = unravel(flat, grid)
-            body = inline_task(fn, coords, buffers, scopes, arena=None, maps=maps)
+            check = None if not checks else (lambda value, size, k: Tb.cuda.func_call(
+                "etc_input_check", value, size, status.ptr_to([0]), i32(first_task) + flat,
+                i32(checks[k]), source_code=runtime_source(), return_type="int32"))
+            body = inline_task(fn, coords, buffers, scopes, arena=None, maps=maps, check=check)
             for d in scopes.defs:
                 Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
             if triggers:
@@ -82,3 +100,22 @@ def _unless_skipped(body: tirx.Stmt, triggers, coords, tensors) -> tirx.Stmt:
     scans = [trigger_scan(m, shape, coords, tensors, lambda _: cleared) for m, shape in triggers]
     return tirx.stmt_seq(tirx.AllocBuffer(skip), tirx.BufferStore(skip, i32(1), [i32(0)]),
                          *scans, tirx.IfThenElse(skip[0] == 0, body, None))
+
+
+def build_stop_record_clear(name: str) -> tirx.PrimFunc:
+    """A kernel that zeroes the stop record ``status`` in place (one CTA): the unfused
+    launches' record is allocated fresh and cleared on every call, where a constant of zeros
+    would be folded into the module and then written by the kernels."""
+    scopes = ThreadScopes(STATUS_WORDS)
+    status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
+    with IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name(name)
+            Tb.func_attr({"global_symbol": name, "tirx.is_scheduled": True})
+            Tb.arg("status", status)
+            Tb.device_entry()
+            IRBuilder.name("bx", Tb.cta_id([1]))
+            for d in scopes.defs:
+                Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
+            Tb.add_to_parent(tirx.BufferStore(status, i32(0), [scopes.tx]))
+    return ib.get()

@@ -9,14 +9,14 @@ of the kernel's buffers.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.tirx import buffer_data
 
-from ..device_func import RANK, WORLD_SIZE, DeviceFunc
+from ..device_func import RANK, WORLD_SIZE, DeviceFunc, is_input_check
 
 # ScopeIdDef.scope values (tvm/tirx/exec_scope.py) -> (parent, current) scope names
 SCOPE_NAMES = {3: ("cta", "warpgroup"), 4: ("cta", "warp"), 5: ("warpgroup", "warp"),
@@ -77,12 +77,21 @@ def shared_bytes(fn: DeviceFunc, align: int = 128) -> int:
     return total
 
 
+def input_check_sites(graph) -> list[tuple]:
+    """Every ``(call, check number)`` of ``graph``'s device functions, numbered as kernels
+    report a failed ``input_check``: calls in order, each call's checks in order."""
+    return [(c, k) for c in graph.calls for k in range(len(c.fn.checks))]
+
+
 def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
                 arena: tirx.Buffer | None, align: int = 128, rank: int = 0,
-                world_size: int = 1, maps: Sequence[tirx.Var] = ()) -> tirx.Stmt:
+                world_size: int = 1, maps: Sequence[tirx.Var] = (),
+                check: Callable | None = None) -> tirx.Stmt:
     """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``, on
     rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body); ``maps``: the
-    kernel's encoded tensor maps in place of ``fn.tensor_maps``, in order."""
+    kernel's encoded tensor maps in place of ``fn.tensor_maps``, in order. ``check(value,
+    size, number)``: what the body's ``input_check`` s become (a call that records a failed
+    check in the kernel's stop record); a body with checks needs it."""
     if len(maps) != len(fn.tensor_maps):
         raise ValueError(f"{fn.name} reads {len(fn.tensor_maps)} tensor maps, "
                          f"{len(maps)} given")
@@ -105,7 +114,10 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
                                           if str(have.ty) != str(want.ty) else have))
                 bound.add(want)
         prologue.append(tirx.DeclBuffer(param, data=buffer_data(buf)))
-    body = _with_rank(substitute(tirx.stmt_seq(*stmts), vmap), rank, world_size)
+    if fn.checks and check is None:
+        raise ValueError(f"{fn.name} checks its inputs: the kernel must bind its checks to a "
+                         "stop record")
+    body = _bind_placeholders(substitute(tirx.stmt_seq(*stmts), vmap), rank, world_size, check)
     if arena is not None:
         body = _into_arena(body, arena, align)
     return tirx.stmt_seq(*prologue, body)
@@ -131,11 +143,16 @@ def encode_tensor_maps(tasks) -> tuple[list[list[tirx.Var]], list[tirx.Stmt]]:
     return out, stmts
 
 
-def _with_rank(body: tirx.Stmt, rank: int, world_size: int) -> tirx.Stmt:
-    """``RANK`` and ``WORLD_SIZE`` of the body replaced by their values."""
+def _bind_placeholders(body: tirx.Stmt, rank: int, world_size: int,
+                       check: Callable | None) -> tirx.Stmt:
+    """``RANK`` and ``WORLD_SIZE`` of the body replaced by their values, its input checks by
+    ``check``'s."""
     values = {RANK.args[0].value: i32(rank), WORLD_SIZE.args[0].value: i32(world_size)}
 
     def replace(call):
+        if is_input_check(call):
+            value, size, number = call.args[1:]
+            return check(value, size, number.value)
         if call.op.same_as(RANK.op) and isinstance(call.args[0], tvm.ir.StringImm):
             return values.get(call.args[0].value, call)
         return call

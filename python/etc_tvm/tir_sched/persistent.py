@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import tvm
@@ -35,10 +34,11 @@ from tvm.script.ir_builder import tirx as Tb
 from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
+from .device_runtime import STATUS_WORDS, runtime_source
 from .grid_kernel import unravel
-from .inline import ThreadScopes, encode_tensor_maps, i32, inline_task, shared_bytes
+from .inline import (ThreadScopes, encode_tensor_maps, i32, inline_task, input_check_sites,
+                     shared_bytes)
 
-STATUS_WORDS = 8
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 WARP = 32
 SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM (Hopper)
@@ -48,8 +48,6 @@ CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
 CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SM_THREADS = 2048
-RUNTIME_SOURCE = Path(__file__).resolve().parents[3] / "src" / "etc_runtime.cuh"
-NVSHMEM_RUNTIME_SOURCE = RUNTIME_SOURCE.with_name("etc_runtime_nvshmem.cuh")
 
 
 def arena_limit(ctas_per_sm: int) -> int:
@@ -125,17 +123,6 @@ def returned_tensors(graph: TaskGraph, rank: int | None = None) -> list:
 def timeline_size(graph: TaskGraph) -> int:
     """int64 words of the task timeline of ``graph`` (KernelOptions.profile)."""
     return max(1, graph.num_tasks) * TIMELINE_WORDS
-
-
-def runtime_source(ranks: bool = False) -> str:
-    """The device runtime; with ``ranks``, followed by its NVSHMEM part (kernels of world size
-    above 1 only: TVM links a module against NVSHMEM when its source includes the header)."""
-    paths = [RUNTIME_SOURCE, NVSHMEM_RUNTIME_SOURCE] if ranks else [RUNTIME_SOURCE]
-    for path in paths:
-        if not path.exists():
-            raise FileNotFoundError(f"the etc_tvm device runtime {path} is missing: "
-                                    "install etc_tvm from its source tree (pip install -e .)")
-    return "\n".join(path.read_text() for path in paths)
 
 
 @dataclass(frozen=True)
@@ -223,6 +210,7 @@ class PersistentKernel:
                            "memory CTA_SHARED_OVERHEAD keeps for them")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
+        self.checks = {(c.index, n): k for k, (c, n) in enumerate(input_check_sites(graph))}
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
@@ -345,7 +333,10 @@ class PersistentKernel:
         args, peers = self._task_buffers(call, coord_vars)
         body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
             call.fn, coord_vars, args, self.scopes, self.arena, rank=self.rank or 0,
-            world_size=self.graph.world_size, maps=self.map_vars[call.index])))
+            world_size=self.graph.world_size, maps=self.map_vars[call.index],
+            check=lambda value, size, k: self.runtime_call(
+                "etc_input_check", value, size, self.status.ptr_to([0]), task,
+                i32(self.checks[(call.index, k)]), return_type="int32"))))
         run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
         stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the
