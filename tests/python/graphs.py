@@ -1,8 +1,8 @@
 """Graph functions shared by the tests, built from the tiles in ``tiles``."""
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 
-from tiles import (COLS, TILE, ROWS, matmul_tile, mix_tile, partial_rowsum_tile,
-                   reduce_scatter_tile, rowsum_tile, scale_tile)
+from tiles import (COLS, TILE, ROWS, double_tile, gather_tile, matmul_tile, mix_tile,
+                   partial_rowsum_tile, reduce_scatter_tile, rowsum_tile, scale_tile)
 
 
 @graph_func
@@ -36,3 +36,26 @@ def two_ops(X: Tensor(("M", COLS)), Y: Tensor(("M", COLS))):
                     out_edges={ready: "i->i"})
     return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, Y],
                        out=Tensor((M, COLS), name="B"), in_edges={ready: "i->i"})
+
+
+@graph_func
+def gathers(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
+    """Two calls of a tile that checks its slots, the first call of the graph among them."""
+    B = call_device(gather_tile, tile_num=(1,), args=[slot, A],
+                    out=Tensor((4,), "float32", name="B"))
+    doubled = ETensor((1,), name="doubled")
+    C = call_device(double_tile, tile_num=(1,), args=[A],
+                    out=Tensor((8,), "float32", name="C"), out_edges={doubled: "i->0"})
+    return call_device(gather_tile, tile_num=(1,), args=[slot, C],
+                       out=Tensor((4,), "float32", name="D"),
+                       in_edges={doubled: "i->0"}), B
+
+
+@graph_func
+def doubled_gather(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
+    """A tile that does not check its inputs, then one that checks its slots."""
+    doubled = ETensor((1,), name="doubled")
+    C = call_device(double_tile, tile_num=(1,), args=[A],
+                    out=Tensor((8,), "float32", name="C"), out_edges={doubled: "i->0"})
+    return call_device(gather_tile, tile_num=(1,), args=[slot, C],
+                       out=Tensor((4,), "float32", name="D"), in_edges={doubled: "i->0"})

@@ -5,14 +5,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm.script import tirx as T
-
-from etc_tvm import (ETensor, EtcError, GraphError, Tensor, call_device, device_func, graph_func,
-                     input_check)
+from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
 from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
                                   StaticScheduleTransform, UnfusedTransform)
 from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
+from etc_tvm.tir_sched.device_runtime import STATUS_WORDS
 from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
@@ -99,42 +97,12 @@ def test_unfused_is_one_grid_launch_per_call():
     assert "T.cta_id([12])" in grid.script()
 
 
-@T.prim_func(check_well_formed=False)
-def gather_rows(i: T.int32, slot: T.Buffer((4,), "int32"), A: T.Buffer((8,), "float32"),
-                B: T.Buffer((4,), "float32")):
-    T.device_entry()
-    tx = T.thread_id([4])
-    B[tx] = T.float32(0)
-    if input_check(slot[tx], 8) != 0:
-        B[tx] = A[slot[tx]]
-
-
-@T.prim_func(check_well_formed=False)
-def double(i: T.int32, A: T.Buffer((8,), "float32"), C: T.Buffer((8,), "float32")):
-    T.device_entry()
-    tx = T.thread_id([8])
-    C[tx] = A[tx] * T.float32(2)
-
-
 def test_unfused_threads_a_fresh_stop_record_through_the_launches_that_check():
     """Before: two calls of a tile that checks the slots it gathers by, one of a tile that
     does not. After: a stop record allocated and cleared by its own launch on every call
     (a constant of zeros would be folded into the module and then written), written in place
     by each checking launch after its inputs, and returned last."""
-    gather = device_func(gather_rows, checks=("slot {value} outside 0..7",))
-
-    @graph_func
-    def gathers(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
-        B = call_device(gather, tile_num=(1,), args=[slot, A],
-                        out=Tensor((4,), "float32", name="B"))
-        doubled = ETensor((1,), name="doubled")
-        C = call_device(device_func(double), tile_num=(1,), args=[A],
-                        out=Tensor((8,), "float32", name="C"), out_edges={doubled: "i->0"})
-        return call_device(gather, tile_num=(1,), args=[slot, C],
-                           out=Tensor((4,), "float32", name="D"),
-                           in_edges={doubled: "i->0"}), B
-
-    mod = UnfusedTransform()(gathers.mod)
+    mod = UnfusedTransform()(graphs.gathers.mod)
     relax.analysis.well_formed(mod)
     launches = [(c.op.name, c.args[0].name_hint if isinstance(c.args[0], tvm.ir.GlobalVar)
                  else None, [int(i) for i in c.attrs.inplace_indices]
@@ -149,6 +117,26 @@ def test_unfused_threads_a_fresh_stop_record_through_the_launches_that_check():
     ], launches
     assert [p.name for p in mod["D_grid"].params] == ["slot", "C", "status", "D"]
     assert len(mod["gathers"].ret_ty.fields) == 3  # D, B and the stop record
+
+
+def test_unfused_first_launch_clears_the_stop_record_where_it_does_not_check():
+    """Before: a tile that does not check, then one that does. After: no launch of its own
+    for the stop record; the first launch takes it in place and its first thread zeroes it
+    before its task, which stream order completes before the checking launch."""
+    mod = UnfusedTransform()(graphs.doubled_gather.mod)
+    relax.analysis.well_formed(mod)
+    launches = [(c.op.name, [int(i) for i in c.attrs.inplace_indices]
+                 if c.op.name == "relax.call_tir_inplace" else None)
+                for c in calls_of(mod["doubled_gather"])]
+    assert launches == [("relax.builtin.alloc_tensor", None),
+                        ("relax.call_tir_inplace", [-1, 1]),
+                        ("relax.call_tir_inplace", [-1, 2])], launches
+    assert "doubled_gather_clear_stop_record" not in [g.name_hint for g in mod.get_global_vars()]
+    clearing = mod["C_grid"]
+    assert [p.name for p in clearing.params] == ["A", "status", "C"]
+    script = clearing.script()
+    assert all(f"status[{w}] = 0" in script for w in range(STATUS_WORDS)), script
+    assert "if bx == 0 and tx == 0:" in script, script
 
 
 def test_event_layout_offsets_and_initial_counts():

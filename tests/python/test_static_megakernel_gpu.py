@@ -11,6 +11,7 @@ from etc_tvm.executor import execute
 from etc_tvm.schedule import list_schedule, round_robin_schedule
 from etc_tvm.tir_sched.persistent import KernelOptions
 
+import graphs
 from megakernel_cases import ATOL, CASES, RTOL
 
 pytestmark = pytest.mark.gpu
@@ -74,3 +75,18 @@ def test_a_missing_notify_stops_the_kernel_with_a_named_error(rng):
     assert match, str(err.value)
     task, sm, link = (int(g) for g in match.groups())
     assert task > dropped and link == task - 1 and 0 <= sm < 132
+
+
+@pytest.mark.parametrize("strategy", ["static", "unfused"])
+@pytest.mark.parametrize("graph", ["gathers", "doubled_gather"])
+def test_a_failed_input_check_stops_the_call_and_the_next_call_runs(graph, strategy, rng):
+    """A slot outside A's rows is an error naming the task and the value; the next call with
+    good slots returns the right rows, so the stop record was cleared for it (unfused: by a
+    launch of its own where the first call checks, else by the first launch)."""
+    run = build(getattr(graphs, graph), strategy=strategy)
+    a = rng.standard_normal(8).astype(np.float32)
+    with pytest.raises(ExecutionError, match=r"task [BD]\w*\(0\) on SM \d+: slot 9 outside 0\.\.7"):
+        run(np.array([1, 9, 2, 3], np.int32), a)
+    slot = np.array([7, 0, 5, 5], np.int32)
+    got = run(slot, a)
+    np.testing.assert_array_equal(got[0] if graph == "gathers" else got, 2 * a[slot])

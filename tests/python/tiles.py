@@ -5,7 +5,7 @@ Row tiles are ROWS rows of a (M, COLS) float32 tensor; 2-D tiles are TILE x TILE
 import numpy as np
 from tvm.script import tirx as T
 
-from etc_tvm import device_func
+from etc_tvm import device_func, input_check
 
 ROWS, COLS, TILE, THREADS = 4, 32, 16, 128
 M, N, K, P = T.int32(), T.int32(), T.int32(), T.int32()
@@ -117,3 +117,25 @@ def reduce_scatter_tile(i: T.int32, j: T.int32, C: T.Buffer((M, N), "float32"),
 def _(i, j, C, D):
     rows, cols = slice(i * TILE, (i + 1) * TILE), slice(j * TILE, (j + 1) * TILE)
     D[rows, cols] = C[rows, cols]
+
+
+@T.prim_func(check_well_formed=False)
+def _gather_rows(i: T.int32, slot: T.Buffer((4,), "int32"), A: T.Buffer((8,), "float32"),
+                 B: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    B[tx] = T.float32(0)
+    if input_check(slot[tx], 8) != 0:
+        B[tx] = A[slot[tx]]
+
+
+# B[t] = A[slot[t]], each slot checked against A's 8 rows (0 where it is out of range)
+gather_tile = device_func(_gather_rows, checks=("slot {value} outside 0..7",))
+
+
+@device_func
+def double_tile(i: T.int32, A: T.Buffer((8,), "float32"), C: T.Buffer((8,), "float32")):
+    """C = 2 A on one task of 8 threads."""
+    T.device_entry()
+    tx = T.thread_id([8])
+    C[tx] = A[tx] * T.float32(2)

@@ -28,8 +28,9 @@ tensors; that order is fixed at compile time, so such edges may not be triggers 
 separate kernels); ``CompiledGraph.capture`` replays them from a CUDA graph.
 
 Tiles that check their inputs (``device_func.input_check``) write one stop record: allocated
-and cleared by a launch of its own at the start of every call, passed in place to each
-checking launch after its inputs, and returned last, as the persistent kernels return theirs.
+on every call, cleared by the call's first launch (or by a launch of its own where that one
+checks), passed in place to each checking launch after its inputs, and returned last, as the
+persistent kernels return theirs.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
     sites = {(c.index, k): n for n, (c, k) in enumerate(input_check_sites(graph))}
     with bb.function(name, params, attrs=dict(func.attrs) if func.attrs else None):
         value = {t.index: params[t.param] for t in graph.tensors if t.param is not None}
-        status = _stop_record(bb, name) if sites else None
+        clears = bool(sites) and not graph.calls[0].fn.checks
+        status = _stop_record(bb, name, cleared=not clears) if sites else None
         for call in graph.calls:
             tensors = [graph.tensors[t] for t in call.tensor_args()]
             buffers = [tirx.decl_buffer(t.shape, t.dtype, t.name) for t in tensors]
@@ -78,12 +80,14 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
             inputs = [value[t] for t in call.inputs]
             triggers = [(e.map, graph.etensors[e.etensor].shape) for e in call.triggers]
             checks = [sites[(call.index, k)] for k in range(len(call.fn.checks))]
-            checked = [status] if checks else []
+            clears_record = clears and call.index == 0
+            checked = [status] if checks or clears_record else []
             launch = _Launch(bb, out_tys, checked)
             if any(e.etensor in internal for e in call.in_edges):
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_task",
                                            num_inputs=len(inputs), triggers=triggers,
-                                           checks=checks, first_task=call.first_task)
+                                           checks=checks, first_task=call.first_task,
+                                           clears_record=clears_record)
                 gv = bb.add_func(kernel, f"{call.name}_task")
                 outs = None
                 for task in (t for t in order if graph.task_call[t] == call.index):
@@ -92,10 +96,11 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
             else:
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_grid",
                                            triggers=triggers, checks=checks,
-                                           first_task=call.first_task, inputs=len(inputs))
+                                           first_task=call.first_task, inputs=len(inputs),
+                                           clears_record=clears_record)
                 gv = bb.add_func(kernel, f"{call.name}_grid")
                 outs, checked = launch(gv, inputs, checked, None, call.name)
-            if checks:
+            if checked:
                 (status,) = checked
             for t, out in zip(call.outputs, outs):
                 value[t] = out
@@ -104,12 +109,15 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
     return bb.finalize()
 
 
-def _stop_record(bb, name: str):
-    """The stop record the input checks write (``src/etc_runtime.cuh``), allocated and
-    cleared on every call, then threaded through the launches that check."""
+def _stop_record(bb, name: str, cleared: bool):
+    """The stop record the input checks write (``src/etc_runtime.cuh``), allocated on every
+    call and, if ``cleared``, zeroed by a launch of its own; then threaded through the
+    launches that check."""
+    record = bb.emit(relax.op.builtin.alloc_tensor(relax.ShapeExpr([STATUS_WORDS]), "int32", 0))
+    if not cleared:
+        return record
     clear = bb.add_func(build_stop_record_clear(f"{name}_clear_stop_record"),
                         f"{name}_clear_stop_record")
-    record = bb.emit(relax.op.builtin.alloc_tensor(relax.ShapeExpr([STATUS_WORDS]), "int32", 0))
     return bb.emit(relax.op.call_tir_inplace(clear, [record], 0,
                                              relax.TensorType([STATUS_WORDS], "int32")), "status")
 

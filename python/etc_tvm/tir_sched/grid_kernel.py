@@ -38,7 +38,7 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
                       name: str, num_inputs: int | None = None,
                       triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = (),
                       checks: Sequence[int] = (), first_task: int = 0,
-                      inputs: int | None = None) -> tirx.PrimFunc:
+                      inputs: int | None = None, clears_record: bool = False) -> tirx.PrimFunc:
     """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers`` (inputs, then outputs).
 
     With ``num_inputs``, the kernel runs ONE task instead, the one whose row-major index is an
@@ -53,20 +53,28 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
     takes the stop record ``status`` (int32, ``STATUS_WORDS``) after its ``inputs`` input
     buffers (and ``task``), and a failed check records there the task (the call's tasks
     number from ``first_task``), the value and the check, as in the persistent kernels.
+
+    ``clears_record``: the kernel takes the stop record there too and its first CTA zeroes it
+    before its task; the first launch of a call so clears the record that later launches'
+    checks write, which saves a launch of its own (``build_stop_record_clear``). A kernel
+    that checks cannot clear: its other CTAs may record before the first one clears.
     """
+    if checks and clears_record:
+        raise ValueError(f"{fn.name} checks its inputs, so it cannot clear the stop record")
     if len(checks) != len(fn.checks):
         raise ValueError(f"{fn.name} has {len(fn.checks)} input checks, {len(checks)} numbered")
     if num_inputs is not None:
         inputs = num_inputs
-    if checks and inputs is None:
+    takes_record = bool(checks) or clears_record
+    if takes_record and inputs is None:
         raise ValueError(f"{fn.name}: the stop record follows the inputs: give their number")
     scopes = ThreadScopes(fn.num_threads)
     num_tasks = int(np.prod(grid, dtype=np.int64))
     task = tirx.Var("task", "int64")
-    status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status") if checks else None
+    status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status") if takes_record else None
     inputs = len(buffers) if inputs is None else inputs
     params = [*buffers[:inputs], *([] if num_inputs is None else [task]),
-              *([status] if checks else []), *buffers[inputs:]]
+              *([status] if takes_record else []), *buffers[inputs:]]
     (maps,), encodes = encode_tensor_maps([(fn, buffers, name)])
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -89,8 +97,15 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
             if triggers:
                 body = _unless_skipped(body, triggers, coords,
                                        {p.name: b for p, b in zip(fn.buffer_params, buffers)})
+            if clears_record:
+                Tb.add_to_parent(_cleared_by_first_thread(status, bx, scopes.tx))
             Tb.add_to_parent(body)
     return ib.get()
+
+
+def _cleared_by_first_thread(status: tirx.Buffer, bx: tirx.Var, tx: tirx.Var) -> tirx.Stmt:
+    zeroes = [tirx.BufferStore(status, i32(0), [i32(w)]) for w in range(STATUS_WORDS)]
+    return tirx.IfThenElse(tirx.all(bx == 0, tx == 0), tirx.stmt_seq(*zeroes), None)
 
 
 def _unless_skipped(body: tirx.Stmt, triggers, coords, tensors) -> tirx.Stmt:
