@@ -287,7 +287,7 @@ def routing_cases(tokens, graphs):
     def down_inputs(rng):
         h = np.zeros((tiles * BT, F), BF16)
         h[pairs] = rng.standard_normal((len(pairs), F), dtype=np.float32).astype(BF16)
-        return [h, weights(rng, (F, H)), tile_expert, indptr]
+        return [h, weights(rng, (F, H)), sorted_token, tile_expert, indptr]
 
     def torch_down(h, w, *_):
         y = torch.zeros((tiles * BT, H), dtype=torch.float32, device=h.device)

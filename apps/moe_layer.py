@@ -170,7 +170,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                         in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
                         out_edges={h_ready: "gn->g"}, schedule="dynamic")
         y_ready = ETensor((tiles, nc), name="y_ready")
-        y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, tile_expert, exp_indptr],
+        y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, sorted_token, tile_expert,
+                                                          exp_indptr],
                         out=Tensor((tiles * BT, H), y_dtype, name="y"),
                         in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
                         out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")

@@ -33,6 +33,8 @@ def main() -> None:
                         help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
     parser.add_argument("--moe-engine", choices=moe.ENGINES, default="wgmma",
                         help="the MoE layer's grouped-GEMM engine where its tiles have 64 rows")
+    parser.add_argument("--moe-tile-rows", type=int, help="the MoE grouped GEMM tiles' rows "
+                        "(default: moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "
                         "(default: make_moe_layer's)")
     parser.add_argument("--moe-down-bn", type=int, help="the MoE down tasks' columns "
@@ -74,7 +76,8 @@ def main() -> None:
         blocked = args.moe_weights == "blocked"
         for tokens in args.moe_tokens:
             options = moe_layer.options_for(
-                tokens, engine=args.moe_engine, router_splits=args.moe_router_splits,
+                tokens, tile_rows=args.moe_tile_rows, engine=args.moe_engine,
+                router_splits=args.moe_router_splits,
                 router_engine=args.moe_router_engine,
                 bn=args.moe_bn, down_bn=args.moe_down_bn,
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,

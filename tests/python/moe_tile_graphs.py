@@ -82,9 +82,11 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
 
     @graph_func
     def down_only(h: Tensor(("R", Fi), "bfloat16"), w: Tensor((Ex, Fi, Hd), "bfloat16"),
-                  tile_expert: Tensor(("G",), "int32"), exp_indptr: Tensor((Ex + 1,), "int32")):
+                  sorted_token: Tensor(("R",), "int32"), tile_expert: Tensor(("G",), "int32"),
+                  exp_indptr: Tensor((Ex + 1,), "int32")):
         g = tile_expert.shape[0]
-        return call_device(down, tile_num=(g, Hd // 64), args=[h, w, tile_expert, exp_indptr],
+        return call_device(down, tile_num=(g, Hd // 64),
+                           args=[h, w, sorted_token, tile_expert, exp_indptr],
                            out=Tensor((h.shape[0], Hd), "float32"))
 
     @graph_func

@@ -296,7 +296,8 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
     assert np.isnan(h[indptr[E] * BT:].astype(np.float32)).all()
 
     y = poisoned((tiles * BT, H), "float32")
-    run_tasks(moe.make_down_tile(F, H, E), (tiles, H // 64), h, w_down, tile_expert, indptr, y)
+    run_tasks(moe.make_down_tile(F, H, E), (tiles, H // 64), h, w_down, sorted_token,
+              tile_expert, indptr, y)
     for r, e in zip(rows, experts):
         hr = h[r].astype(np.float64)
         wd = np.abs(w_down[e].astype(np.float64))
@@ -752,6 +753,26 @@ def test_layer_with_64_row_tiles_compiles_for_sm90a(strategy, tmp_path):
     source = build(graph, {"T": 1024}, strategy=strategy, num_sms=132).cuda_source()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_wgmma_tiles_of_two_blocks_issue_the_products_of_blocks_with_rows(tmp_path):
+    """A 128-row wgmma tile holds an expert's last rows, so its second m64 block may hold
+    none: gate_up and down count the blocks whose first row is a pair (sorted_token of row
+    64) and issue the second block's wgmmas only where it holds some, each count a straight
+    run of wgmmas (a branch around each one makes ptxas fence the accumulators)."""
+    graph = make_moe_layer(**moe_layer.options_for(1024, tile_rows=128, ctas_per_sm=2))
+    source = build(graph, {"T": 1024}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=2)).cuda_source()
+    counts = re.findall(r"if \(0 <= sorted_token_ptr\[\(\(.* \* 128\) \+ 64\)\]\) \{\s*"
+                        r"live_ptr\w*\[0\] = 2;", source)
+    assert len(counts) == 2, counts  # gate_up's and down's
+    wgmma = r"\s*(?:uint64_t \w+ = [^;]*;\s*)*tvm_builtin_ptx_wgmma\w*m64n128k16[^;]*;"
+    mine = r"\(live_ptr\w*\[0\] - \(\(warp_id_in_cta >> 2\) \* 2\)\)"
+    both = re.findall(rf"if \(2 <= {mine}\) \{{(?:{wgmma}){{8}}\s*\}} else \{{\s*"
+                      rf"if \(1 <= {mine}\) \{{(?:{wgmma}){{4}}\s*\}}", source)
+    assert len(both) == 2, len(both)  # 4 k16 steps of 2 blocks, else 4 of the first
+    report = build_cubin(source, tmp_path, allow_spills=False)[1]
+    assert "C7520" not in report  # no serialised wgmma
 
 
 @pytest.mark.parametrize("tile_rows", (64, 128))

@@ -133,7 +133,7 @@ def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
                       moe.gate_up_bound(x[tok[mine]], w_gate[e], w_up[e]))
     padding = np.flatnonzero(sorted_token[:indptr[E] * BT] < 0)  # read nothing: zero rows
     assert (h[padding].astype(np.float32) == 0).all()
-    y = compiled("down", tokens)(h, w_down, tile_expert, indptr)
+    y = compiled("down", tokens)(h, w_down, sorted_token, tile_expert, indptr)
     hr, wd = h[rows].astype(np.float64), w_down[experts].astype(np.float64)
     assert_within(y[rows], np.einsum("pf,pfh->ph", hr, wd),
                   F * 2.0 ** -22 * np.einsum("pf,pfh->ph", np.abs(hr), np.abs(wd)))
@@ -245,6 +245,20 @@ def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert
                                      combine_cols=moe_layer.combine_cols_for(512))
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
                 expert_weights, expert_weights_f64)
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+@pytest.mark.parametrize("strategy", ["barrier", "dynamic"])
+def test_128_row_wgmma_tiles_with_one_or_two_blocks_of_rows(strategy, routing, rng,
+                                                            expert_weights,
+                                                            expert_weights_f64):
+    """At 1024 tokens an expert averages 64 pairs: its 128-row tile holds rows in one m64
+    block or in both, and the wgmmas of a block without rows are not issued; one expert as
+    every token's first choice fills several tiles."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(1024, tile_rows=128,
+                                                              ctas_per_sm=2))
+    run = build(graph, {"T": 1024}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
+    check_layer(run, 1024, routing, rng, expert_weights, expert_weights_f64)
 
 
 @pytest.mark.parametrize("tokens", (1, 100))

@@ -982,6 +982,29 @@ def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
     raise EtcError(f"grouped GEMM: engine must be one of {ENGINES}, got {engine!r}")
 
 
+def _live_blocks(engine: str, tile_rows: int) -> int:
+    """m64 blocks of a grouped tile that ``_run_rows`` counts the rows of: the wgmma tiles'
+    (an expert's rows fill its tiles from the first, so only its last tile has blocks
+    without rows), none for the mma engine's."""
+    return tile_rows // 64 if engine == "wgmma" and tile_rows > 64 else 1
+
+
+@T.inline
+def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks):
+    # the tile's GEMM over its rows row0.. : padding rows (sorted_token -1) read nothing,
+    # and with several m64 blocks those without rows (a block's first row is padding)
+    # issue no products
+    if blocks > 1:
+        live = T.local_scalar("int32")
+        live = 1
+        for b in T.unroll(1, blocks):
+            if sorted_token[row0 + b * 64] >= 0:
+                live = b + 1
+        mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0, live)
+    else:
+        mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0)
+
+
 @functools.cache
 def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
                       bn: int = 64, bk: int = 64, threads: int = 128,
@@ -990,9 +1013,11 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     n*bn/2 .. (n+1)*bn/2 of tile g's rows from x rows gathered by sorted_token and the
     interleaved (E, H, 2F) weights (``blocked``: as ``block_columns`` lays them out);
     ``exp_indptr`` is read by the in-edge's trigger only. ``engine``: "mma" or "wgmma"
-    (``_engine``)."""
+    (``_engine``; on "wgmma" a tile of several m64 blocks issues the products of those that
+    hold rows only, ``_run_rows``)."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
+    live_blocks = _live_blocks(engine, BT)
     if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
         raise EtcError(f"gate_up tile: H={H} must be a multiple of bk={bk}, 2F={2 * F} of "
                        f"bn={bn}, and bn of {2 * INTERLEAVE}")
@@ -1013,9 +1038,9 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             mma = new_tile(tx, warp, lane)
             # padding rows (token -1) read nothing: their A rows land as zeros, so their h
             # rows are zero (and never read); at few tokens they are most rows of a tile
-            mma.run(lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
-                    _weight_src(w_gate_up, e, n, bn, blocked), H // bk,
-                    lambda r: sorted_token[g * BT + r] >= 0)
+            _run_rows(mma, lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
+                      _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
+                      g * BT, live_blocks)
             for m in T.unroll(mma.mi):
                 for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
                     for hh in T.unroll(2):
@@ -1054,10 +1079,13 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
                    y_dtype: str = "float32") -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
-    ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's)."""
+    ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
+    padding rows (sorted_token -1) read nothing and its m64 blocks without rows issue no
+    products: those rows of y are zero."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
     _check_y_dtype(y_dtype, "down")
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
+    live_blocks = _live_blocks(engine, BT)
     if F % bk or H % bn:
         raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
     rows, tiles = tirx.Var("rows", "int32"), tirx.Var("tiles", "int32")
@@ -1065,7 +1093,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     @T.prim_func
     def down(g: T.int32, n: T.int32, h: T.Buffer((rows, F), "bfloat16"),
              w_down: T.Buffer(grouped_weight_shape(E, F, H, bn, blocked), "bfloat16"),
-             tile_expert: T.Buffer((tiles,), "int32"),
+             sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
              exp_indptr: T.Buffer((E + 1,), "int32"), y: T.Buffer((rows, H), y_dtype)):
         T.device_entry()
         tx = T.thread_id([threads])
@@ -1075,8 +1103,9 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         e = tile_expert[g]
         if e < E:
             mma = new_tile(tx, warp, lane)
-            mma.run(lambda r, k: h.ptr_to([g * BT + r, k]),
-                    _weight_src(w_down, e, n, bn, blocked), F // bk)
+            _run_rows(mma, lambda r, k: h.ptr_to([g * BT + r, k]),
+                      _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
+                      live_blocks)
             mma.store(y, g * BT, n * bn)
 
     name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
@@ -1084,13 +1113,14 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
 
     @tile.set_reference
-    def _(g, n, h, w_down, tile_expert, exp_indptr, y):
+    def _(g, n, h, w_down, sorted_token, tile_expert, exp_indptr, y):
         e = int(tile_expert[g])
         if e >= E:
             return
         rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
-        y[rows_, cols] = (h[rows_].astype(np.float32) @ _reference_slab(
-            w_down, e, n, bn, blocked).astype(np.float32)).astype(y.dtype)
+        a = np.where(sorted_token[rows_, None] >= 0, h[rows_].astype(np.float32), 0)
+        y[rows_, cols] = (a @ _reference_slab(w_down, e, n, bn, blocked).astype(
+            np.float32)).astype(y.dtype)
 
     return tile
 

@@ -282,28 +282,51 @@ class WgmmaTile:
                 self.acc[m, e] = T.float32(0)
 
     @T.inline
-    def issue(self, slot):
-        # this warpgroup's wgmmas of the slice in ``slot``, one commit group
-        ring, acc, desc = T.meta_var((self.ring, self.acc, self.desc))
+    def issue(self, slot, live_blocks=None):
+        # this warpgroup's wgmmas of the slice in ``slot``, one commit group; with
+        # ``live_blocks``, only those of the tile's first live_blocks m64 blocks
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(self.bk // 16):
-            for m in T.unroll(self.mt):
-                self.wgmma(*[acc[m, e] for e in range(self.regs)],
-                           ring.a_desc(desc, slot, kk, m), ring.b_desc(desc, slot, kk),
-                           True, 1, 1, 0, 1)
+        if live_blocks is None:
+            self.issue_blocks(slot, self.mt)
+        else:
+            self.issue_live(slot, live_blocks - self.warp // 4 * self.mt, self.mt)
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.inline
-    def mma_step(self, ko):
+    def issue_live(self, slot, mine, blocks):
+        # the wgmmas of this warpgroup's first ``mine`` blocks (warpgroup-uniform), as one
+        # straight run of wgmmas for each count up to ``blocks``: a branch around each
+        # wgmma makes ptxas fence the accumulators before it
+        if blocks == 1:
+            if mine >= 1:
+                self.issue_blocks(slot, 1)
+        elif mine >= blocks:
+            self.issue_blocks(slot, blocks)
+        else:
+            self.issue_live(slot, mine, blocks - 1)
+
+    @T.inline
+    def issue_blocks(self, slot, blocks):
+        ring, acc, desc = T.meta_var((self.ring, self.acc, self.desc))
+        for kk in T.unroll(self.bk // 16):
+            for m in T.unroll(blocks):
+                self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                           ring.a_desc(desc, slot, kk, m), ring.b_desc(desc, slot, kk),
+                           True, 1, 1, 0, 1)
+
+    @T.inline
+    def mma_step(self, ko, live_blocks=None):
         # this warpgroup's wgmmas of slice ko-2 retired, then a barrier (so: every
         # warpgroup's, and that slot may be refilled); then slice ko's wgmmas
         T.ptx.wgmma.wait_group.sync.aligned(1)
         T.cuda.cta_sync()
-        self.issue(ko % self.stages)
+        self.issue(ko % self.stages, live_blocks)
 
     @T.inline
-    def run(self, a_src, b_src, num_k, a_valid=None):
-        # a_valid: gemm.copy_a_chunk's
+    def run(self, a_src, b_src, num_k, a_valid=None, live_blocks=None):
+        # a_valid: gemm.copy_a_chunk's; live_blocks: the m64 blocks of the tile, from the
+        # first, that hold rows (CTA-uniform): the others' products are zero and not issued,
+        # so their accumulators stay zero
         ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
         self.begin()
         for p in T.unroll(prefetch):
@@ -313,7 +336,7 @@ class WgmmaTile:
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)
             T.ptx.fence.proxy.async_.shared__cta()
-            self.mma_step(ko)
+            self.mma_step(ko, live_blocks)
             if ko + prefetch < num_k:
                 ring.load_stage((ko + prefetch) % stages, a_src, b_src,
                                 (ko + prefetch) * self.bk, self.tx, a_valid)
