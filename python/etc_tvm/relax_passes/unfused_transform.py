@@ -82,7 +82,7 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
             checks = [sites[(call.index, k)] for k in range(len(call.fn.checks))]
             clears_record = clears and call.index == 0
             checked = [status] if checks or clears_record else []
-            launch = _Launch(bb, out_tys, checked)
+            launch = _Launch(bb, out_tys, takes_record=bool(checked))
             if any(e.etensor in internal for e in call.in_edges):
                 kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_task",
                                            num_inputs=len(inputs), triggers=triggers,
@@ -127,8 +127,8 @@ class _Launch:
     ``outs``, written in place (a call launched task by task); the stop record, if the kernel
     takes one, written in place after the inputs."""
 
-    def __init__(self, bb, out_tys, checked):
-        self.bb, self.out_tys, self.record = bb, out_tys, len(checked)
+    def __init__(self, bb, out_tys, takes_record: bool):
+        self.bb, self.out_tys, self.record = bb, out_tys, int(takes_record)
 
     def __call__(self, gv, args, checked, outs, name=None):
         """(the call's outputs, the stop record as a list of one or none) after the launch."""
