@@ -138,6 +138,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         "the H200, 1-2%% faster than fp32)")
     parser.add_argument("--align-tokens", type=int, help="tokens an align task walks, 0 for "
                         "one align task (default: moe_layer.align_tokens_for the tokens)")
+    parser.add_argument("--fused-route", action="store_true", help="top-k and the one align "
+                        "task as one task (moe.make_route_tile; with --align-tokens 0)")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
@@ -172,7 +174,8 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
         down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
-        y_dtype=options.y_dtype, align_tokens=options.align_tokens)
+        y_dtype=options.y_dtype, align_tokens=options.align_tokens,
+        fused_route=options.fused_route)
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
@@ -257,7 +260,8 @@ def print_row(row: dict, ours) -> None:
                  "(down) columns" if about["bn"] else "")
               + f", combine tasks of {about['combine_cols']} columns"
               + (f", align over tasks of {about['align_tokens']} tokens"
-                 if about["align_tokens"] else ", one align task")
+                 if about["align_tokens"] else ", top-k and align in one task"
+                 if about.get("fused_route") else ", one align task")
               + f", y in {about['y_dtype']}"
               + f"{', blocked weights' if about['blocked_weights'] else ''}"
               + "".join(f"; {k} not run: {why}" for k, why in about["skipped"].items()),

@@ -48,7 +48,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
-                   y_dtype: str = "float32", align_tokens: int = 0):
+                   y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -76,7 +76,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
     bound then counting the rounding). ``align_tokens``: 0 for one align task, else the
     tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
-    ``align_tokens_for``)."""
+    ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
+    (``moe.make_route_tile``), which waits for every router task; for few tokens, where
+    top-k is one task anyway."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
@@ -94,15 +96,21 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
     router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
                                   splits=router_splits, engine=router_engine)
-    topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     if align_tokens % block_tokens:
         raise ValueError(f"align_tokens {align_tokens} must be a multiple of block_tokens "
                          f"{block_tokens}")
+    if fused_route and align_tokens:
+        raise ValueError(f"fused_route aligns in one task: it takes align_tokens 0, got "
+                         f"{align_tokens}")
+    if fused_route:
+        route = moe.make_route_tile(E, K, BT, block_tokens, threads, router_splits)
+    else:
+        topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     if align_tokens:
         align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
         align_offsets = moe.make_align_offsets_tile(E, BT, threads)
         align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
-    else:
+    elif not fused_route:
         align = moe.make_align_tile(E, K, BT, threads)
     gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
                                     blocked_weights)
@@ -121,48 +129,57 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         tokens = x.shape[0]
         tiles = max_tiles(tokens, E, K, BT)
         blocks = ceil_div(tokens, block_tokens)
-        logits_ready = ETensor((blocks,), name="logits_ready")
+        # the fused route waits for every router task: one element they all notify
+        logits_ready = ETensor((1,) if fused_route else (blocks,), name="logits_ready")
         logits = call_device(router, tile_num=(blocks, router_splits, E // experts_per_task),
                              args=[x, w_router],
                              out=Tensor((router_splits, tokens, E), "float32", name="logits"),
-                             out_edges={logits_ready: "bsj->b"})
-        chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
-        routed = ETensor((chunks,), name="routed")
-        topk, topw = call_device(
-            topk_tile, tile_num=(blocks,), args=[logits],
-            out=[Tensor((tokens, K), "int32", name="topk"),
-                 Tensor((tokens, K), "float32", name="topw")],
-            in_edges={logits_ready: "b->b"},
-            out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
-                       else "b->0"})
+                             out_edges={logits_ready: "bsj->0" if fused_route else "bsj->b"})
+        picks = [Tensor((tokens, K), "int32", name="topk"),
+                 Tensor((tokens, K), "float32", name="topw")]
         aligned = ETensor((1,), name="aligned")
         routing = [Tensor((tokens, K), "int32", name="pair_row"),
                    Tensor((tokens, K), "int32", name="pair_tile"),
                    Tensor((tiles * BT,), "int32", name="sorted_token")]
-        if align_tokens:
-            counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
-            chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
-                                       out=Tensor((chunks, E), "int32", name="chunk_counts"),
-                                       in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
-            counts, indptr, chunk_row, tile_expert = call_device(
-                align_offsets, tile_num=(1,), args=[chunk_counts],
-                out=[Tensor((E,), "int32", name="counts"),
-                     Tensor((E + 1,), "int32", name="offsets_indptr"),
-                     Tensor((chunks, E), "int32", name="chunk_row"),
-                     Tensor((tiles,), "int32", name="tile_expert")],
-                in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
-            # the triggers below read place's copy of the CSR: they arm with its completion
-            pair_row, pair_tile, sorted_token, exp_indptr = call_device(
-                align_place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
-                out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr")],
-                in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
+        if fused_route:
+            topk, topw, _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = \
+                call_device(route, tile_num=(1,), args=[logits],
+                            out=[*picks, Tensor((E,), "int32", name="counts"),
+                                 Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
+                                 Tensor((tiles,), "int32", name="tile_expert")],
+                            in_edges={logits_ready: "i->0"}, out_edges={aligned: "i->0"})
         else:
-            _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
-                align, tile_num=(1,), args=[topk],
-                out=[Tensor((E,), "int32", name="counts"),
-                     Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
-                     Tensor((tiles,), "int32", name="tile_expert")],
-                in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
+            chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
+            routed = ETensor((chunks,), name="routed")
+            topk, topw = call_device(
+                topk_tile, tile_num=(blocks,), args=[logits], out=picks,
+                in_edges={logits_ready: "b->b"},
+                out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
+                           else "b->0"})
+            if align_tokens:
+                counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
+                chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
+                                           out=Tensor((chunks, E), "int32", name="chunk_counts"),
+                                           in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
+                counts, indptr, chunk_row, tile_expert = call_device(
+                    align_offsets, tile_num=(1,), args=[chunk_counts],
+                    out=[Tensor((E,), "int32", name="counts"),
+                         Tensor((E + 1,), "int32", name="offsets_indptr"),
+                         Tensor((chunks, E), "int32", name="chunk_row"),
+                         Tensor((tiles,), "int32", name="tile_expert")],
+                    in_edges={counted: "i->0"}, out_edges={offset: "i->0"})
+                # the triggers below read place's copy of the CSR: they arm with its completion
+                pair_row, pair_tile, sorted_token, exp_indptr = call_device(
+                    align_place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
+                    out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr")],
+                    in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
+            else:
+                _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
+                    align, tile_num=(1,), args=[topk],
+                    out=[Tensor((E,), "int32", name="counts"),
+                         Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
+                         Tensor((tiles,), "int32", name="tile_expert")],
+                    in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
         h_ready = ETensor((tiles,), name="h_ready")
         h = call_device(gate_up, tile_num=(tiles, nb1),
                         args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
@@ -201,8 +218,8 @@ def options_for(tokens: int, **options) -> dict:
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
     is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
     experts (``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's
-    columns (``combine_cols_for``) and align's tokens a task (``align_tokens_for``) filled in
-    where missing or None."""
+    columns (``combine_cols_for``) and align's tokens a task (``align_tokens_for``; one
+    align task under ``fused_route``) filled in where missing or None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
@@ -213,8 +230,8 @@ def options_for(tokens: int, **options) -> dict:
             "engine": engine_for(rows, options.get("engine") or "wgmma"),
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
-            "align_tokens": align_tokens_for(tokens) if options.get("align_tokens") is None
-            else options["align_tokens"],
+            "align_tokens": options["align_tokens"] if options.get("align_tokens") is not None
+            else 0 if options.get("fused_route") else align_tokens_for(tokens),
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
             or router_splits_for(tokens, block_tokens, experts_per_task,

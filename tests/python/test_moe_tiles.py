@@ -580,6 +580,54 @@ def test_mma_router_layer_compiles_for_sm90a(tmp_path):
     assert "router_2048x128_b16_e32_s1_mma_s4_t128" in names, names
 
 
+@pytest.mark.parametrize("tokens, splits", [(1, 4), (7, 1), (20, 2)])
+def test_route_tile_writes_what_top_k_then_align_write(tokens, splits, rng):
+    """One route task over the router's partial logits: top-k of every block of 8 tokens
+    (several blocks at 20 tokens), then align of those picks."""
+    logits = rng.standard_normal((splits, tokens, E)).astype(np.float32)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    picks = [np.full((tokens, K), -7, np.int32), poisoned((tokens, K), "float32")]
+    run_tasks(moe.make_topk_tile(E, K, 8, splits=splits), (moe.ceil_div(tokens, 8),), logits,
+              *picks)
+    out = [np.full((tokens, K), -7, np.int32), poisoned((tokens, K), "float32"),
+           *(np.full(s, -7, np.int32) for s in
+             ((E,), (E + 1,), (tokens, K), (tokens, K), (tiles * BT,), (tiles,)))]
+    run_tasks(moe.make_route_tile(E, K, BT, 8, splits=splits), (1,), logits, *out)
+    np.testing.assert_array_equal(out[0], picks[0])
+    np.testing.assert_array_equal(out[1], picks[1])
+    for got, want in zip(out[2:], aligned(picks[0], tiles)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("tokens", (1, 9))
+def test_layer_with_fused_route_matches_float64(tokens, rng):
+    """Top-k and align as one task, which waits for every router task on one element."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2, fused_route=True)
+    calls = [c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls]
+    assert calls[1].startswith("route_16_top4_bt16_b8_s2") and not any(
+        n.startswith(("topk", "align")) for n in calls), calls
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(6)), want, bound)
+    with pytest.raises(ValueError, match="fused_route aligns in one task: it takes "
+                                         "align_tokens 0, got 8"):
+        make_moe_layer(H, E, K, F, fused_route=True, align_tokens=8)
+
+
+@pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
+def test_fused_route_layer_compiles_for_sm90a(strategy, tmp_path):
+    """The route task stores its picks, syncs the CTA, then walks them: no wait or notify
+    between top-k and align."""
+    graph = make_moe_layer(**moe_layer.options_for(1, fused_route=True, ctas_per_sm=2))
+    source = build(graph, {"T": 1}, strategy=strategy, num_sms=132,
+                   options=KernelOptions(ctas_per_sm=2)).cuda_source()
+    route = source[source.index("picker_vals_ptr"):]
+    route = route[:route.index("walk_ahead_ptr")]  # the picks, up to the walk's first local
+    assert "topk_ptr[" in route and "etc_notify" not in route and "etc_wait" not in route
+    assert "tvm_builtin_cuda_cta_sync();" in route[route.rindex("topw_ptr["):], route[-400:]
+    build_cubin(source, tmp_path, allow_spills=True)
+
+
 def test_split_router_layer_compiles_for_sm90a(tmp_path):
     """One token's router over 8 splits of the 2048 hidden rows: 64 tasks of 256 rows."""
     names = compile_layer(make_moe_layer(router_splits=moe_layer.router_splits_for(1)), 1,

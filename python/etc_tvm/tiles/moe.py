@@ -252,42 +252,39 @@ def _with_router_reference(tile: DeviceFunc, TB: int, EB: int, HS: int) -> Devic
     return tile
 
 
-@functools.cache
-def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
-                   threads: int = 128, splits: int = 1) -> DeviceFunc:
-    """The tile ``topk_<E>_top<K>_b<TB>_s<S>``: task b picks the top-K experts of tokens
-    b*TB .. b*TB + TB - 1 (those below T) from the router's S partial logits (S, T, E), summed
-    in s order, writing topk (T, K) int32 and their renormalised softmax weights topw (T, K)
-    fp32."""
-    E, K, TB, S = experts, top_k, block_tokens, splits
-    if threads % WARP or not 1 <= K <= E:
-        raise EtcError(f"top-k tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
-    warps, per_lane = threads // WARP, ceil_div(E, WARP)
-    rounds = ceil_div(TB, warps)  # tokens a warp picks for, one after another
-    ntok = tirx.Var("T", "int32")
+@T.meta_class
+class TopKPicker:
+    """The top-K experts of a block of TB tokens from the router's S partial logits (S, T, E),
+    summed in s order, each token's picks by one warp (``rounds`` tokens a warp, one after
+    another): the ids in topk (T, K) and their renormalised softmax weights in topw (T, K)."""
 
-    @T.prim_func
-    def topk_of(b: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
-                topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32")):
-        T.device_entry()
-        T.thread_id([threads])
-        warp = T.warp_id([warps])
-        lane = T.lane_id([WARP])
-        vals = T.alloc_local((rounds, per_lane), "float32")
-        weight = T.alloc_local((K,), "float32")
+    def __init__(self, experts, top_k, block_tokens, splits, threads, warp, lane):
+        self.E, self.K, self.TB, self.S = experts, top_k, block_tokens, splits
+        self.warp, self.lane = warp, lane
+        self.warps, self.per_lane = threads // WARP, ceil_div(experts, WARP)
+        self.rounds = ceil_div(block_tokens, self.warps)
+        self.vals = T.alloc_local((self.rounds, self.per_lane), "float32")
+        self.weight = T.alloc_local((top_k,), "float32")
+
+    @T.inline
+    def pick(self, b, logits, topk, topw):
+        E, K, TB, S = T.meta_var((self.E, self.K, self.TB, self.S))
+        warps, per_lane, lane, vals = T.meta_var((self.warps, self.per_lane, self.lane,
+                                                  self.vals))
+        ntok = T.meta_var(logits.shape[1])
         # every token's logits before any pick: in the megakernel nothing tells the compiler
         # that topk and topw do not overlap the logits, so a token's stores held the next
         # token's loads back, one round trip a token
-        for tt in T.unroll(rounds):
-            t = T.meta_var(tt * warps + warp)
+        for tt in T.unroll(self.rounds):
+            t = T.meta_var(tt * warps + self.warp)
             for v in T.unroll(per_lane):
                 vals[tt, v] = T.float32(FLT_LOWEST)
                 if t < TB and b * TB + t < ntok and lane + v * WARP < E:
                     vals[tt, v] = logits[0, b * TB + t, lane + v * WARP]
                     for s in T.unroll(1, S):
                         vals[tt, v] = vals[tt, v] + logits[s, b * TB + t, lane + v * WARP]
-        for tt in T.unroll(rounds):
-            t = T.meta_var(tt * warps + warp)
+        for tt in T.unroll(self.rounds):
+            t = T.meta_var(tt * warps + self.warp)
             if t < TB and b * TB + t < ntok:  # warp-uniform: the shuffles see every lane
                 best = T.local_scalar("float32")
                 mine = T.local_scalar("float32")
@@ -313,25 +310,58 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
                             vals[tt, v] = T.float32(FLT_LOWEST)
                     if k == 0:
                         top = best
-                    weight[k] = T.exp(best - top)
-                    lsum = lsum + weight[k]
+                    self.weight[k] = T.exp(best - top)
+                    lsum = lsum + self.weight[k]
                     if lane == 0:
                         topk[b * TB + t, k] = chosen
                 if lane == 0:
                     for k in T.unroll(K):
-                        topw[b * TB + t, k] = weight[k] / lsum
+                        topw[b * TB + t, k] = self.weight[k] / lsum
+
+
+def _check_topk(E: int, K: int, threads: int, tile: str) -> None:
+    if threads % WARP or not 1 <= K <= E:
+        raise EtcError(f"{tile} tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
+
+
+def _topk_reference(logits, rows: slice, K: int, topk, topw) -> None:
+    """topk and topw of tokens ``rows`` from the S partial logits, summed in the device's
+    order (fp32 sums do not reassociate)."""
+    total = logits[0, rows]
+    for s in range(1, logits.shape[0]):
+        total = total + logits[s, rows]
+    ids, weights = top_k_of(total, K)
+    topk[rows], topw[rows] = ids, weights.astype(np.float32)
+
+
+@functools.cache
+def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
+                   threads: int = 128, splits: int = 1) -> DeviceFunc:
+    """The tile ``topk_<E>_top<K>_b<TB>_s<S>``: task b picks the top-K experts of tokens
+    b*TB .. b*TB + TB - 1 (those below T) from the router's S partial logits (S, T, E), summed
+    in s order, writing topk (T, K) int32 and their renormalised softmax weights topw (T, K)
+    fp32 (``TopKPicker``)."""
+    E, K, TB, S = experts, top_k, block_tokens, splits
+    _check_topk(E, K, threads, "top-k")
+    ntok = tirx.Var("T", "int32")
+
+    @T.prim_func
+    def topk_of(b: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
+                topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32")):
+        T.device_entry()
+        T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        picker = TopKPicker(E, K, TB, S, threads, warp, lane)
+        picker.pick(b, logits, topk, topw)
 
     name = f"topk_{E}_top{K}_b{TB}_s{S}_t{threads}"
     tile = device_func(topk_of.with_attr("global_symbol", name), cost=1)
 
     @tile.set_reference
     def _(b, logits, topk, topw):
-        rows = slice(b * TB, min((b + 1) * TB, logits.shape[1]))
-        total = logits[0, rows]
-        for s in range(1, S):  # in the device's order: fp32 sums do not reassociate
-            total = total + logits[s, rows]
-        ids, weights = top_k_of(total, K)
-        topk[rows], topw[rows] = ids, weights.astype(np.float32)
+        _topk_reference(logits, slice(b * TB, min((b + 1) * TB, logits.shape[1])), K, topk,
+                        topw)
 
     return tile
 
@@ -591,6 +621,34 @@ def _check_align(E: int, BT: int, threads: int, tile: str) -> None:
         raise EtcError(f"{tile} tile: bad configuration E={E}, BT={BT}, threads={threads}")
 
 
+@T.inline
+def _align_pairs(topk, E, BT, threads, tx, warp, lane, counts, exp_indptr, pair_row, pair_tile,
+                 sorted_token, tile_expert):
+    # the whole of align in one CTA: count the pairs of each expert, the CSR of tiles, then
+    # each pair's row (``make_align_tile``)
+    ntok, K = T.meta_var(topk.shape)
+    rows = T.meta_var(sorted_token.shape[0])
+    walk = PairWalk(topk, 0, ntok * K, E, threads // WARP, warp, lane)
+    csr = ExpertTiles(E, BT, threads, tx)
+
+    @T.inline
+    def total(e, n):
+        csr.count[e] = n
+        counts[e] = n
+
+    walk.count()
+    T.cuda.cta_sync()
+    walk.scan_warps(tx, threads, total)
+    T.cuda.cta_sync()
+    csr.tiles(exp_indptr)
+    csr.tile_experts(tile_expert)
+    for q in T.serial((rows + threads - 1) // threads):
+        if q * threads + tx < rows:
+            sorted_token[q * threads + tx] = -1
+    T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
+    walk.place(lambda e: csr.indptr[e] * BT, BT, pair_row, pair_tile, sorted_token)
+
+
 @functools.cache
 def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
     """The tile ``align_<E>_top<K>_bt<BT>``: one task (run it on a grid of 1) that turns
@@ -612,35 +670,61 @@ def make_align_tile(experts: int, top_k: int, tile_rows: int, threads: int = 128
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
-        walk = PairWalk(topk, 0, ntok * K, E, warps, warp, lane)
-        csr = ExpertTiles(E, BT, threads, tx)
-
-        @T.inline
-        def total(e, n):
-            csr.count[e] = n
-            counts[e] = n
-
-        walk.count()
-        T.cuda.cta_sync()
-        walk.scan_warps(tx, threads, total)
-        T.cuda.cta_sync()
-        csr.tiles(exp_indptr)
-        csr.tile_experts(tile_expert)
-        for q in T.serial((rows + threads - 1) // threads):
-            if q * threads + tx < rows:
-                sorted_token[q * threads + tx] = -1
-        T.cuda.cta_sync()  # the padding marks land before the real rows overwrite them
-        walk.place(lambda e: csr.indptr[e] * BT, BT, pair_row, pair_tile, sorted_token)
+        _align_pairs(topk, E, BT, threads, tx, warp, lane, counts, exp_indptr, pair_row,
+                     pair_tile, sorted_token, tile_expert)
 
     name = f"align_{E}_top{K}_bt{BT}_t{threads}"
     tile = device_func(align.with_attr("global_symbol", name), cost=ntok * K // threads + 4,
                        checks=expert_id_checks(E))
 
     @tile.set_reference
-    def _(i, topk, counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert):
-        c, indptr, rows_, tokens, experts_ = align_reference(topk, E, BT, len(tile_expert))
-        counts[:], exp_indptr[:], pair_row[:], pair_tile[:] = c, indptr, rows_, rows_ // BT
-        sorted_token[:], tile_expert[:] = tokens, experts_
+    def _(i, topk, *outputs):
+        _align_into(topk, E, BT, *outputs)
+
+    return tile
+
+
+@functools.cache
+def make_route_tile(experts: int, top_k: int, tile_rows: int, block_tokens: int = 8,
+                    threads: int = 128, splits: int = 1) -> DeviceFunc:
+    """The tile ``route_<E>_top<K>_bt<BT>_b<TB>_s<S>``: top-k and align in one task (run it
+    on a grid of 1). It picks the top-K experts of every token from the router's S partial
+    logits, TB tokens a round (``TopKPicker``, writing topk and topw as the top-k tile
+    does), then aligns those picks in the same CTA (``make_align_tile``'s outputs after
+    topk and topw). For few tokens: the align task's wait for the top-k task's notify and its
+    loads of what that task stored are then a barrier and loads of the CTA's own stores."""
+    E, K, BT, TB, S = experts, top_k, tile_rows, block_tokens, splits
+    _check_topk(E, K, threads, "route")
+    _check_align(E, BT, threads, "route")
+    ntok, rows, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "tiles"))
+
+    @T.prim_func
+    def route(i: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
+              topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32"),
+              counts: T.Buffer((E,), "int32"), exp_indptr: T.Buffer((E + 1,), "int32"),
+              pair_row: T.Buffer((ntok, K), "int32"), pair_tile: T.Buffer((ntok, K), "int32"),
+              sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        picker = TopKPicker(E, K, TB, S, threads, warp, lane)
+        for b in T.serial((ntok + TB - 1) // TB):
+            picker.pick(b, logits, topk, topw)
+        T.cuda.cta_sync()  # every pick stored before the walk loads them
+        _align_pairs(topk, E, BT, threads, tx, warp, lane, counts, exp_indptr, pair_row,
+                     pair_tile, sorted_token, tile_expert)
+
+    name = f"route_{E}_top{K}_bt{BT}_b{TB}_s{S}_t{threads}"
+    tile = device_func(route.with_attr("global_symbol", name),
+                       cost=ntok // TB + ntok * K // threads + 5, checks=expert_id_checks(E))
+
+    @tile.set_reference
+    def _(i, logits, topk, topw, counts, exp_indptr, pair_row, pair_tile, sorted_token,
+          tile_expert):
+        _topk_reference(logits, slice(0, logits.shape[1]), K, topk, topw)
+        _align_into(topk, E, BT, counts, exp_indptr, pair_row, pair_tile, sorted_token,
+                    tile_expert)
 
     return tile
 
@@ -864,6 +948,15 @@ def align_reference(topk, experts: int, tile_rows: int, tiles: int):
     tile_expert = np.empty(tiles, np.int32)
     _fill_tile_experts(indptr, tile_expert)
     return counts, indptr, pair_row, sorted_token, tile_expert
+
+
+def _align_into(topk, experts: int, tile_rows: int, counts, exp_indptr, pair_row, pair_tile,
+                sorted_token, tile_expert) -> None:
+    """``align_reference`` written into the one-task align's outputs."""
+    c, indptr, rows, tokens, tile_experts = align_reference(topk, experts, tile_rows,
+                                                            len(tile_expert))
+    counts[:], exp_indptr[:], pair_row[:], pair_tile[:] = c, indptr, rows, rows // tile_rows
+    sorted_token[:], tile_expert[:] = tokens, tile_experts
 
 
 def _place_pairs(topk, tokens: range, first_row, pair_row, sorted_token) -> None:
