@@ -1076,9 +1076,9 @@ def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
 
 
 def _live_blocks(engine: str, tile_rows: int) -> int:
-    """m64 blocks of a grouped tile that ``_run_rows`` counts the rows of: the wgmma tiles'
-    (an expert's rows fill its tiles from the first, so only its last tile has blocks
-    without rows), none for the mma engine's."""
+    """The m64 blocks of a grouped tile whose rows ``_run_rows`` counts: a wgmma tile's (an
+    expert's rows fill its tiles from the first, so only its last tile has blocks without
+    rows); 1, nothing to count, for 64-row tiles and the mma engine's."""
     return tile_rows // 64 if engine == "wgmma" and tile_rows > 64 else 1
 
 
