@@ -83,22 +83,18 @@ def _rewrite(mod, name, graph) -> tvm.IRModule:
             clears_record = clears and call.index == 0
             checked = [status] if checks or clears_record else []
             launch = _Launch(bb, out_tys, takes_record=bool(checked))
-            if any(e.etensor in internal for e in call.in_edges):
-                kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_task",
-                                           num_inputs=len(inputs), triggers=triggers,
-                                           checks=checks, first_task=call.first_task,
-                                           clears_record=clears_record)
-                gv = bb.add_func(kernel, f"{call.name}_task")
+            one_task = any(e.etensor in internal for e in call.in_edges)
+            kernel_name = f"{call.name}_{'task' if one_task else 'grid'}"
+            gv = bb.add_func(build_grid_kernel(
+                call.fn, call.grid, buffers, kernel_name, inputs=len(inputs), one_task=one_task,
+                triggers=triggers, checks=checks, first_task=call.first_task,
+                clears_record=clears_record), kernel_name)
+            if one_task:
                 outs = None
                 for task in (t for t in order if graph.task_call[t] == call.index):
                     index = relax.prim_value(tvm.tirx.IntImm("int64", task - call.first_task))
                     outs, checked = launch(gv, [*inputs, index], checked, outs)
             else:
-                kernel = build_grid_kernel(call.fn, call.grid, buffers, f"{call.name}_grid",
-                                           triggers=triggers, checks=checks,
-                                           first_task=call.first_task, inputs=len(inputs),
-                                           clears_record=clears_record)
-                gv = bb.add_func(kernel, f"{call.name}_grid")
                 outs, checked = launch(gv, inputs, checked, None, call.name)
             if checked:
                 (status,) = checked

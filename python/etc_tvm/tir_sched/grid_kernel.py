@@ -35,13 +35,14 @@ def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
 
 
 def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tirx.Buffer],
-                      name: str, num_inputs: int | None = None,
+                      name: str, inputs: int | None = None, one_task: bool = False,
                       triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = (),
                       checks: Sequence[int] = (), first_task: int = 0,
-                      inputs: int | None = None, clears_record: bool = False) -> tirx.PrimFunc:
-    """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers`` (inputs, then outputs).
+                      clears_record: bool = False) -> tirx.PrimFunc:
+    """A kernel of ``prod(grid)`` CTAs running ``fn`` on ``buffers``: ``inputs`` of them
+    inputs (all of them if not given), then the outputs.
 
-    With ``num_inputs``, the kernel runs ONE task instead, the one whose row-major index is an
+    With ``one_task``, the kernel runs ONE task instead, the one whose row-major index is an
     int64 parameter ``task`` placed after the inputs: tasks that depend on tasks of the same
     call launch one at a time.
 
@@ -63,17 +64,16 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
         raise ValueError(f"{fn.name} checks its inputs, so it cannot clear the stop record")
     if len(checks) != len(fn.checks):
         raise ValueError(f"{fn.name} has {len(fn.checks)} input checks, {len(checks)} numbered")
-    if num_inputs is not None:
-        inputs = num_inputs
     takes_record = bool(checks) or clears_record
-    if takes_record and inputs is None:
-        raise ValueError(f"{fn.name}: the stop record follows the inputs: give their number")
+    if (takes_record or one_task) and inputs is None:
+        raise ValueError(f"{fn.name}: the task index and the stop record follow the inputs: "
+                         "give their number")
     scopes = ThreadScopes(fn.num_threads)
     num_tasks = int(np.prod(grid, dtype=np.int64))
     task = tirx.Var("task", "int64")
     status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status") if takes_record else None
     inputs = len(buffers) if inputs is None else inputs
-    params = [*buffers[:inputs], *([] if num_inputs is None else [task]),
+    params = [*buffers[:inputs], *([task] if one_task else []),
               *([status] if takes_record else []), *buffers[inputs:]]
     (maps,), encodes = encode_tensor_maps([(fn, buffers, name)])
     with IRBuilder() as ib:
@@ -85,8 +85,8 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
             for stmt in encodes:  # host: the tensor maps of the tile's TMA loads
                 Tb.add_to_parent(stmt)
             Tb.device_entry()
-            bx = IRBuilder.name("bx", Tb.cta_id([num_tasks if num_inputs is None else 1]))
-            flat = bx if num_inputs is None else bx + tirx.Cast("int32", task)
+            bx = IRBuilder.name("bx", Tb.cta_id([1 if one_task else num_tasks]))
+            flat = bx + tirx.Cast("int32", task) if one_task else bx
             coords = unravel(flat, grid)
             check = None if not checks else (lambda value, size, k: Tb.cuda.func_call(
                 "etc_input_check", value, size, status.ptr_to([0]), i32(first_task) + flat,
