@@ -138,8 +138,9 @@ def layer_parser() -> argparse.ArgumentParser:
                         "the H200, 1-2%% faster than fp32)")
     parser.add_argument("--align-tokens", type=int, help="tokens an align task walks, 0 for "
                         "one align task (default: moe_layer.align_tokens_for the tokens)")
-    parser.add_argument("--fused-route", action="store_true", help="top-k and the one align "
-                        "task as one task (moe.make_route_tile; with --align-tokens 0)")
+    parser.add_argument("--fused-route", action=argparse.BooleanOptionalAction,
+                        help="top-k and the one align task as one task (moe.make_route_tile; "
+                        "default: wherever align is one task, moe_layer.options_for)")
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")

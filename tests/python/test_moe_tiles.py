@@ -434,8 +434,12 @@ def test_align_tokens_must_be_whole_top_k_blocks():
 @pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 128),
                                                   (4096, 128)])
 def test_align_runs_over_several_ctas_from_four_chunks(tokens, align_tokens):
-    assert moe_layer.options_for(tokens)["align_tokens"] == align_tokens
-    assert moe_layer.options_for(tokens, align_tokens=0)["align_tokens"] == 0
+    options = moe_layer.options_for(tokens)
+    assert (options["align_tokens"], options["fused_route"]) == (align_tokens, not align_tokens)
+    one_task = moe_layer.options_for(tokens, align_tokens=0)
+    assert (one_task["align_tokens"], one_task["fused_route"]) == (0, True)
+    split = moe_layer.options_for(tokens, fused_route=False)
+    assert (split["align_tokens"], split["fused_route"]) == (align_tokens, False)
 
 
 @pytest.mark.parametrize("make", [

@@ -262,11 +262,12 @@ def test_128_row_wgmma_tiles_with_one_or_two_blocks_of_rows(strategy, routing, r
 
 
 @pytest.mark.parametrize("tokens", (1, 7, 20))
-@pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
+@pytest.mark.parametrize("strategy", ["barrier", "static", "dynamic", "unfused"])
 def test_fused_route_layer_megakernel(strategy, tokens, rng, expert_weights,
                                       expert_weights_f64):
     """Top-k and align as one task (20 tokens: its picks over two blocks of the tensor-core
-    router's 16 tokens), as bench_moe --fused-route runs it, two CTAs an SM, every routing."""
+    router's 16 tokens), as bench_moe runs it where align is one task, two CTAs an SM, every
+    routing."""
     graph = moe_layer.make_moe_layer(**moe_layer.options_for(tokens, fused_route=True,
                                                               ctas_per_sm=2))
     run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
