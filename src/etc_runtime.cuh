@@ -304,7 +304,8 @@ __device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* cl
 // by thread 0 of the CTA that runs it: [0] start and [1] end on the global nanosecond timer
 // (comparable across SMs), [2] start, [3] waits done and [4] end on the SM's cycle counter
 // (precise within a task), [5] the CTA (high 32 bits) and its SM (low 32 bits): several
-// persistent CTAs may share an SM. A task that never ran keeps zeros.
+// persistent CTAs may share an SM. A task that never ran keeps zeros. A row per CTA follows
+// the task rows (etc_trace_cta_ready).
 #define ETC_TIMELINE_WORDS 6
 
 __device__ __forceinline__ void etc_trace_start(int64_t* row) {
@@ -320,6 +321,24 @@ __device__ __forceinline__ void etc_trace_waited(int64_t* row) { row[3] = clock6
 __device__ __forceinline__ void etc_trace_end(int64_t* row) {
   row[4] = clock64();
   row[1] = (int64_t)etc_globaltimer_ns();
+}
+
+// A CTA's row, after the task rows: [0] it entered the kernel, [1] it passed the prologue (the
+// grid-wide barrier and any arming at launch), [2] it left, on the global nanosecond timer;
+// [5] its place, as a task row's. Thread 0 keeps the entry time until the prologue, whose
+// clearing of the timeline would overwrite it, is over.
+__device__ __forceinline__ int64_t etc_trace_now() { return (int64_t)etc_globaltimer_ns(); }
+
+__device__ __forceinline__ void etc_trace_cta_ready(int64_t* row, int64_t entered) {
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  row[0] = entered;
+  row[1] = (int64_t)etc_globaltimer_ns();
+  row[5] = ((int64_t)blockIdx.x << 32) | smid;
+}
+
+__device__ __forceinline__ void etc_trace_cta_left(int64_t* row) {
+  row[2] = (int64_t)etc_globaltimer_ns();
 }
 
 // 1 if ``counter`` is complete now (acquire), else 0: a wait that does not block.

@@ -218,14 +218,15 @@ class RankProgram:
     """One rank's persistent kernel of a graph of several ranks, and its launch."""
 
     def __init__(self, graph, executable, name: str, rank: int, arrays, meta,
-                 num_counters: int, work=()):
+                 num_counters: int, num_ctas: int, work=()):
         """``arrays``: the kernel's read-only tables, after the inputs (static: queue CSR and
         initial counts; dynamic: initial counts and ``DynamicPlan.tables``); ``num_counters``:
-        the event counters (on the symmetric heap); ``work``: the sizes of the kernel's int32
-        working state after ``status`` (a ready ring's)."""
+        the event counters (on the symmetric heap); ``num_ctas``: the kernel's persistent CTAs;
+        ``work``: the sizes of the kernel's int32 working state after ``status`` (a ready
+        ring's)."""
         self.graph, self.executable, self.name, self.rank = graph, executable, name, rank
         self.arrays, self.meta, self.work = arrays, meta, tuple(work)
-        self.num_counters = num_counters
+        self.num_counters, self.num_ctas = num_counters, num_ctas
         self.state = None  # device tensors, allocated at the first call (collective)
 
     def __call__(self, world: Nvshmem, *inputs):
@@ -288,7 +289,8 @@ class RankProgram:
             outputs.append(world.empty(t.shape, t.dtype) if t.symmetric
                            else tvm.runtime.empty(t.shape, t.dtype, dev))
         counters = world.empty((self.num_counters,), "int32")
-        timeline = [tvm.runtime.empty((timeline_size(self.graph),), "int64", dev)] \
+        timeline = [tvm.runtime.empty((timeline_size(self.graph, self.num_ctas),), "int64",
+                                      dev)] \
             if self.meta.profiled else []
         return {"arrays": [tvm.runtime.tensor(a, dev) for a in self.arrays],
                 "work": [tvm.runtime.empty((n,), "int32", dev) for n in self.work],
@@ -338,18 +340,18 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
         kernel = build_static_kernel(task_graph, schedule, layout, name, options, rank=rank)
         indptr, tasks = schedule.csr(task_graph)
         tasks = np.pad(tasks, (0, max(1, task_graph.num_tasks) - len(tasks)))  # its shape
-        arrays = (indptr, tasks, layout.initial)
+        arrays, num_ctas = (indptr, tasks, layout.initial), schedule.num_ctas
     else:
         own = {c.index for c in task_graph.calls if c.rank == rank}
         plan = DynamicPlan.of(task_graph, own, rank_local=True)
         kernel = build_dynamic_kernel(task_graph, plan, layout, name, num_sms, options,
                                       rank=rank)
         arrays = (layout.initial, *plan.tables())
-        work = tuple(plan.state_sizes().values())
+        work, num_ctas = tuple(plan.state_sizes().values()), num_sms
     target = target or default_target()
     with target, nvshmem_compiler():
         executable = tvm.compile(tvm.IRModule({name: kernel}), target=target,
                                  tir_pipeline="tirx")
     return RankProgram(task_graph, executable, name, rank, [kernel_table(a) for a in arrays],
                        task_graph_meta(task_graph, layout, options, has_status=True),
-                       len(layout.initial), work)
+                       len(layout.initial), num_ctas, work)

@@ -10,7 +10,9 @@ Build with ``options=KernelOptions(profile=True)`` and run with ``CompiledGraph.
 The kernel stamps each task three times on thread 0 (start, waits done, end; the row layout
 is in src/etc_runtime.cuh). Start and end come from the global nanosecond timer, which all SMs
 share, so tasks on different SMs line up; the split of a task into waiting and body comes from
-its SM's cycle counter, which is finer but only comparable within one SM.
+its SM's cycle counter, which is finer but only comparable within one SM. Each CTA also stamps
+its entry, the end of its prologue (the grid-wide barrier after the state's initialisation)
+and its leaving: the kernel's time outside its tasks.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from .runtime import GraphMeta
 
 WORDS = 6  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, PLACE = range(WORDS)  # PLACE: CTA << 32 | SM
+ENTERED_NS, READY_NS, LEFT_NS = range(3)  # a CTA's row, after the task rows; PLACE as a task's
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,29 @@ class TaskSpan:
         return self.end_us - self.start_us - self.wait_us
 
 
+@dataclass(frozen=True)
+class CtaSpan:
+    """One persistent CTA: times in microseconds from the first task's start (its prologue's
+    are negative)."""
+
+    cta: int
+    sm: int
+    entered_us: float
+    ready_us: float  # past the prologue
+    left_us: float
+
+
 class Timeline:
     """The tasks of one profiled run, from the kernel's timeline rows."""
 
     def __init__(self, meta: GraphMeta, rows: np.ndarray):
-        rows = np.asarray(rows, np.int64).reshape(-1, WORDS)[:len(meta.task_names)]
+        table = np.asarray(rows, np.int64).reshape(-1, WORDS)
+        rows = table[:len(meta.task_names)]
         ran = np.flatnonzero(rows[:, START_NS] != 0)  # skipped tasks keep zeros
         self.meta = meta
+        self.spans: list[TaskSpan] = []
+        self.ctas: list[CtaSpan] = []
         if ran.size == 0:
-            self.spans: list[TaskSpan] = []
             return
         origin = rows[ran, START_NS].min()
         spans = []
@@ -67,11 +84,22 @@ class Timeline:
             spans.append(TaskSpan(t, meta.task_names[t], int(r[PLACE] & 0xFFFFFFFF),
                                   int(r[PLACE] >> 32), start, end, (end - start) * waited))
         self.spans = sorted(spans, key=lambda s: (s.start_us, s.task))
+        ctas = table[max(1, len(meta.task_names)):]
+        self.ctas = [CtaSpan(int(r[PLACE] >> 32), int(r[PLACE] & 0xFFFFFFFF),
+                             *((r[k] - origin) / 1e3 for k in (ENTERED_NS, READY_NS, LEFT_NS)))
+                     for r in ctas if r[ENTERED_NS] != 0]
 
     @property
     def makespan_us(self) -> float:
         """From the first task's start to the last task's end."""
         return max((s.end_us for s in self.spans), default=0.0)
+
+    @property
+    def kernel_us(self) -> float:
+        """From the first CTA's entry to the last CTA's leaving (0 without CTA rows)."""
+        if not self.ctas:
+            return 0.0
+        return max(c.left_us for c in self.ctas) - min(c.entered_us for c in self.ctas)
 
     def handoffs_us(self) -> np.ndarray:
         """Gaps on each CTA between one task's end and the next task's start: what taking
@@ -90,7 +118,8 @@ class Timeline:
     def summary(self) -> str:
         """A table per call (tasks, median wait and body, median hand-off before its tasks,
         total busy time, and the window from its first task's start to its last task's end),
-        then the makespan, the SMs used and the median hand-off."""
+        then the makespan, the SMs used and the median hand-off, and the kernel's time
+        around its tasks."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
@@ -110,11 +139,18 @@ class Timeline:
         lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
                      f"SMs ({len({s.cta for s in self.spans})} CTAs); median hand-off "
                      f"{np.median(gaps) if gaps.size else 0.0:.2f} us")
+        if self.ctas:
+            lines.append(
+                f"kernel {self.kernel_us:.1f} us: CTAs entered from "
+                f"{min(c.entered_us for c in self.ctas):.1f} us, all past the prologue at "
+                f"{max(c.ready_us for c in self.ctas):.1f}, the last left at "
+                f"{max(c.left_us for c in self.ctas):.1f}")
         return "\n".join(lines)
 
     def chrome_trace(self) -> dict:
         """The run in the Trace Event Format: one process per SM and one thread per CTA on
-        it, each task a complete event split into its wait and its body."""
+        it, each task a complete event split into its wait and its body; each CTA's prologue
+        and, from its last task's end, its leaving."""
         events = []
         for s in self.spans:
             common = {"pid": s.sm, "tid": s.cta, "args": {"task": s.task}}
@@ -123,7 +159,15 @@ class Timeline:
             if s.wait_us > 0:
                 events.append({"name": "wait", "ph": "X", "ts": s.start_us, "dur": s.wait_us,
                                **common})
-        places = sorted({(s.sm, s.cta) for s in self.spans})
+        last = {s.cta: s.end_us for s in self.spans}  # in start order: each CTA's last task
+        for c in self.ctas:
+            common = {"pid": c.sm, "tid": c.cta}
+            events.append({"name": "prologue", "ph": "X", "ts": c.entered_us,
+                           "dur": c.ready_us - c.entered_us, **common})
+            done = last.get(c.cta, c.ready_us)
+            events.append({"name": "leaving", "ph": "X", "ts": done, "dur": c.left_us - done,
+                           **common})
+        places = sorted({(s.sm, s.cta) for s in self.spans} | {(c.sm, c.cta) for c in self.ctas})
         events += [{"name": "process_name", "ph": "M", "pid": sm, "args": {"name": f"SM {sm}"}}
                    for sm in sorted({sm for sm, _ in places})]
         events += [{"name": "thread_name", "ph": "M", "pid": sm, "tid": cta,

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from etc_tvm.build import build
-from etc_tvm.profile import (END_CLK, END_NS, PLACE, START_CLK, START_NS, WAITED_CLK, WORDS,
-                             Timeline)
+from etc_tvm.profile import (END_CLK, END_NS, ENTERED_NS, LEFT_NS, PLACE, READY_NS, START_CLK,
+                             START_NS, WAITED_CLK, WORDS, Timeline)
 from etc_tvm.relax_passes import StaticScheduleTransform
 from etc_tvm.runtime import GraphMeta
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
+from cubin import build_cubin
 from test_executor import chain
 
 PROFILE = KernelOptions(profile=True)
@@ -24,7 +25,8 @@ def test_a_profiled_function_returns_the_timeline_after_the_watchdog_record():
     assert len(fields) == len(plain["two_ops"].ret_ty.fields) + 1
     timeline = fields[-1]
     assert timeline.dtype == "int64"
-    assert [int(d) for d in timeline.shape.values] == [32 * WORDS]  # 2 calls of 16 tasks
+    # 2 calls of 16 tasks, then 8 CTAs
+    assert [int(d) for d in timeline.shape.values] == [(32 + 8) * WORDS]
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed", "barrier"])
@@ -37,7 +39,18 @@ def test_every_task_branch_stamps_start_waits_and_end(strategy):
     kernel = kernel_of(PROFILE)
     for stamp in ("etc_trace_start(", "etc_trace_waited(", "etc_trace_end("):
         assert kernel.count(stamp) == 1, stamp  # one call, one branch
+    # each CTA: its entry, the end of its prologue (after the grid-wide barrier), its leaving
+    entered, ready = kernel.index("etc_trace_now()"), kernel.index("etc_trace_cta_ready(")
+    assert entered < kernel.index("grid_sync()") < ready < kernel.index("etc_trace_start(")
+    assert kernel.rindex("etc_trace_end(") < kernel.index("etc_trace_cta_left(")
+    assert kernel.count("etc_trace_cta_left(") == 1
     assert "etc_trace" not in kernel_of(KernelOptions())
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "mixed"])
+def test_profiled_kernels_compile_for_sm90a(strategy, tmp_path):
+    build_cubin(build(chain, {"M": 32}, strategy=strategy, num_sms=4,
+                      options=PROFILE).cuda_source(), tmp_path)
 
 
 def test_sampled_functions_say_they_are_profiled():
@@ -108,6 +121,42 @@ def test_chrome_trace_has_one_track_per_cta(tmp_path):
     assert names == {("process_name", 3, None, "SM 3"), ("process_name", 4, None, "SM 4"),
                      ("thread_name", 3, 3, "CTA 3"), ("thread_name", 3, 135, "CTA 135"),
                      ("thread_name", 4, 4, "CTA 4")}
+
+
+def with_ctas(task_rows, *ctas):
+    """``task_rows`` (of ``rows_of``) followed by CTA rows from (entered ns, ready ns, left ns,
+    SM, CTA)."""
+    rows = np.zeros((len(ctas), WORDS), np.int64)
+    for r, (entered, ready, left, sm, cta) in zip(rows, ctas):
+        r[ENTERED_NS], r[READY_NS], r[LEFT_NS], r[PLACE] = entered, ready, left, cta << 32 | sm
+    return np.concatenate([task_rows, rows.ravel()])
+
+
+def test_cta_rows_give_the_kernel_time_around_its_tasks(tmp_path):
+    tasks = rows_of((5_000, 7_000, 0.0, 3), (5_500, 6_500, 0.0, 4), (7_400, 9_000, 0.0, 3),
+                    (None, None, 0, 0))
+    timeline = Timeline(META, with_ctas(tasks, (2_000, 4_800, 9_300, 3, 3),
+                                        (2_500, 4_900, 9_900, 4, 4), (0, 0, 0, 0, 0)))
+    assert [(c.cta, c.sm, c.entered_us, c.ready_us, c.left_us) for c in timeline.ctas] == [
+        (3, 3, -3.0, -0.2, 4.3), (4, 4, -2.5, -0.1, 4.9)]  # a CTA row never written: none
+    assert timeline.makespan_us == pytest.approx(4.0)
+    assert timeline.kernel_us == pytest.approx(7.9)
+    assert ("kernel 7.9 us: CTAs entered from -3.0 us, all past the prologue at -0.1, the "
+            "last left at 4.9") in timeline.summary()
+    timeline.write_chrome_trace(tmp_path / "run.json")
+    events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    around = {(e["name"], e["tid"], e["ts"], round(e["dur"], 6)) for e in events
+              if e["name"] in ("prologue", "leaving")}
+    # each CTA leaves after its last task: CTA 3 after b(0) (4.0), CTA 4 after a(1) (1.5)
+    assert around == {("prologue", 3, -3.0, 2.8), ("prologue", 4, -2.5, 2.4),
+                      ("leaving", 3, 4.0, 0.3), ("leaving", 4, 1.5, 3.4)}
+
+
+def test_a_timeline_without_cta_rows_has_no_kernel_time():
+    timeline = Timeline(META, rows_of((5_000, 7_000, 0.0, 3), (None, None, 0, 0),
+                                      (None, None, 0, 0), (None, None, 0, 0)))
+    assert timeline.ctas == [] and timeline.kernel_us == 0.0
+    assert "kernel" not in timeline.summary()
 
 
 def test_an_empty_timeline_is_empty():

@@ -2,6 +2,7 @@
 tasks on one CTA one after another, each CTA on one SM, and a chain's links in order."""
 import numpy as np
 import pytest
+import tvm
 
 from etc_tvm.build import build
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -31,3 +32,12 @@ def test_a_profiled_chain_is_stamped_in_order(strategy, ctas_per_sm, rng):
     for cta in {s.cta for s in spans}:  # a persistent CTA stays on its SM
         assert len({s.sm for s in spans if s.cta == cta}) == 1
     assert timeline.makespan_us > 0
+    # every CTA stamps its entry, its prologue's end and its leaving around its own tasks
+    num_ctas = tvm.cuda(0).multi_processor_count * ctas_per_sm
+    assert sorted(c.cta for c in timeline.ctas) == list(range(num_ctas))
+    for c in timeline.ctas:
+        own = [s for s in spans if s.cta == c.cta]
+        assert c.entered_us <= c.ready_us <= min((s.start_us for s in own), default=c.left_us)
+        assert max((s.end_us for s in own), default=c.ready_us) <= c.left_us
+        assert {s.sm for s in own} <= {c.sm}
+    assert timeline.kernel_us > timeline.makespan_us

@@ -406,7 +406,7 @@ class ReadyRing:
         steps = [self.kernel.static_notifies(call, coords), self.count_down_consumers(task)]
         return tirx.stmt_seq(*[s for s in steps if s is not None])
 
-    def launch(self, bx, num_ctas: int) -> tirx.Stmt | None:
+    def launch(self, bx) -> tirx.Stmt | None:
         """For a kernel on symbolic shapes, after the grid-wide barrier: every thread of the
         grid takes a share of the ring's tasks that count-downs push; a task inside the
         launch's grids that waits for nothing is pushed, one outside is dispatched as skipped
@@ -423,7 +423,7 @@ class ReadyRing:
             if call.index in late:
                 if late[call.index] == 0:
                     steps.append(kernel.strided_grid(
-                        bx, num_ctas, call.num_tasks,
+                        bx, call.num_tasks,
                         lambda j, c=call: self.push(i32(c.first_task) + j)))
                 continue
             coords = [tirx.Var(f"{c}_launch", "int32") for c in call.fn.coord_params]
@@ -434,7 +434,7 @@ class ReadyRing:
                                  tirx.Evaluate(self._call("etc_add", pointer(self.head_tail, 2),
                                                           i32(-1))))
             body = seed if inside is None else tirx.IfThenElse(inside, seed, skip)
-            steps.append(kernel.strided_grid(bx, num_ctas, call.num_tasks, lambda j, c=call,
+            steps.append(kernel.strided_grid(bx, call.num_tasks, lambda j, c=call,
                                              coords=coords, task=task, body=body: tirx.stmt_seq(
                 tirx.Bind(task, i32(c.first_task) + j),
                 *[tirx.Bind(v, x) for v, x in zip(coords, unravel(j, c.grid))], body)))
@@ -485,7 +485,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     at launch, those inside the launch's grids). For a graph of several ranks, rank
     ``rank``'s kernel: ``plan`` is that rank's (``DynamicPlan.of(graph, its calls,
     rank_local=True)``), its ring holds that rank's tasks."""
-    kernel = PersistentKernel(graph, layout, options, symbolic, rank)
+    kernel = PersistentKernel(graph, layout, options, num_ctas, symbolic, rank)
     ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls})
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
@@ -500,9 +500,9 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
                                      *kernel.returned(ring.outputs)],
-                              num_ctas, shared=(slot, *ring.shared),
+                              shared=(slot, *ring.shared),
                               state=ring.initialisation())
-            launch = ring.launch(bx, num_ctas)
+            launch = ring.launch(bx)
             if launch is not None:
                 Tb.add_to_parent(launch)
             Tb.add_to_parent(tirx.AllocBuffer(claim))
@@ -541,4 +541,5 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                     with Tb.Then():  # the next task's slot, claimed while this one runs
                         Tb.buffer_store(claim, ring.claim(), [0])
                 Tb.add_to_parent(dispatch)
+            kernel.end(bx)
     return ib.get()

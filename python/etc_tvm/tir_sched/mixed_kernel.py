@@ -49,7 +49,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
     """The kernel running the tasks of ``ring_calls`` from a ready ring (``plan``) and the
     others from ``schedule``'s queues (which hold none of the ring's tasks); ``symbolic``: on
     tensors of any sizes up to ``graph``'s."""
-    kernel = PersistentKernel(graph, layout, options, symbolic)
+    kernel = PersistentKernel(graph, layout, options, schedule.num_ctas, symbolic)
     ring = ReadyRing(kernel, plan, ring_calls)
     static_calls = {c.index for c in graph.calls} - set(ring_calls)
     num_queued = sum(len(q) for q in schedule.queues)
@@ -65,9 +65,9 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, *kernel.returned(ring.outputs)],
-                              schedule.num_ctas, shared=(taken, *ring.shared),
+                              shared=(taken, *ring.shared),
                               state=ring.initialisation())
-            launch = ring.launch(bx, schedule.num_ctas)
+            launch = ring.launch(bx)
             if launch is not None:
                 Tb.add_to_parent(launch)
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
@@ -135,4 +135,5 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                         Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
                         Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                         Tb.add_to_parent(dispatch)
+            kernel.end(bx)
     return ib.get()

@@ -120,9 +120,10 @@ def returned_tensors(graph: TaskGraph, rank: int | None = None) -> list:
     return [t for t in own if t.index in keep]
 
 
-def timeline_size(graph: TaskGraph) -> int:
-    """int64 words of the task timeline of ``graph`` (KernelOptions.profile)."""
-    return max(1, graph.num_tasks) * TIMELINE_WORDS
+def timeline_size(graph: TaskGraph, num_ctas: int) -> int:
+    """int64 words of the timeline of ``graph`` run by ``num_ctas`` persistent CTAs
+    (KernelOptions.profile): a row per task, then a row per CTA."""
+    return (max(1, graph.num_tasks) + num_ctas) * TIMELINE_WORDS
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,10 @@ class PersistentKernel:
     """The buffers, scopes and statement builders shared by the persistent kernels."""
 
     def __init__(self, graph: TaskGraph, layout: EventLayout, options: KernelOptions,
-                 symbolic: bool = False, rank: int | None = None):
-        """``symbolic``: the tensors keep the graph function's symbolic shapes, bound from the
+                 num_ctas: int, symbolic: bool = False, rank: int | None = None):
+        """``num_ctas``: the persistent CTAs of a launch.
+
+        ``symbolic``: the tensors keep the graph function's symbolic shapes, bound from the
         arguments at each launch; ``graph`` (instantiated for the largest sizes the kernel
         serves) then fixes the tasks, and those outside the arguments' grids are skipped.
 
@@ -165,6 +168,7 @@ class PersistentKernel:
             raise ValueError(f"the device functions of {graph.name} run different thread "
                              f"counts {sorted(threads)}; one kernel runs one")
         self.graph, self.layout, self.options = graph, layout, options
+        self.num_ctas = num_ctas
         self.scopes = ThreadScopes(threads.pop())
         self.tx = self.scopes.tx
         self.source = runtime_source(ranks=self.rank is not None)
@@ -189,8 +193,10 @@ class PersistentKernel:
         self.initial = tirx.decl_buffer((layout.size,), "int32", "initial")
         self.counters = self.state_buffer("counters", layout.size)
         self.status = tirx.decl_buffer((STATUS_WORDS,), "int32", "status")
-        self.timeline = tirx.decl_buffer((timeline_size(graph),), "int64", "timeline") \
-            if options.profile else None
+        self.timeline = tirx.decl_buffer((timeline_size(graph, num_ctas),), "int64",
+                                         "timeline") if options.profile else None
+        # thread 0's entry time, kept until the prologue has cleared the timeline
+        self.entered = tirx.decl_buffer((1,), "int64", "entered", scope="local")
         arena_bytes = max(shared_bytes(c.fn) for c in self.calls)
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
         if arena_bytes > arena_limit(per_sm) or per_sm * threads > SM_THREADS:
@@ -235,10 +241,11 @@ class PersistentKernel:
         """A call of a function of the device runtime (src/etc_runtime.cuh)."""
         return Tb.cuda.func_call(name, *args, source_code=self.source, return_type=return_type)
 
-    def begin(self, name: str, params, num_ctas: int, shared=(), state=()) -> tirx.Var:
+    def begin(self, name: str, params, shared=(), state=()) -> tirx.Var:
         """Inside ``Tb.prim_func()``: the kernel's name and attributes (a cooperative launch),
         ``params`` in order, its device entry for ``num_ctas`` CTAs, its scopes and the
-        ``shared`` buffers, then the prologue (``initialise`` with ``state``); returns ``bx``."""
+        ``shared`` buffers, then the prologue (``initialise`` with ``state``); returns ``bx``.
+        The kernel's loop over tasks follows, then ``end``."""
         Tb.func_name(name)
         attrs = {"global_symbol": name, "tirx.is_scheduled": True,
                  "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]}
@@ -250,12 +257,36 @@ class PersistentKernel:
         for stmt in self.map_encodes:  # host: the tensor maps of the tiles' TMA loads
             Tb.add_to_parent(stmt)
         Tb.device_entry()
-        bx = IRBuilder.name("bx", Tb.cta_id([num_ctas]))
+        bx = IRBuilder.name("bx", Tb.cta_id([self.num_ctas]))
         self.declare()
         for buf in shared:
             Tb.add_to_parent(tirx.AllocBuffer(buf))
-        self.initialise(bx, num_ctas, state)
+        if self.timeline is not None:
+            Tb.add_to_parent(tirx.AllocBuffer(self.entered))
+            with Tb.If(self.tx == 0):
+                with Tb.Then():
+                    Tb.buffer_store(self.entered, self.runtime_call(
+                        "etc_trace_now", return_type="int64"), [0])
+        self.initialise(bx, state)
+        if self.timeline is not None:
+            with Tb.If(self.tx == 0):
+                with Tb.Then():
+                    Tb.evaluate(self.runtime_call("etc_trace_cta_ready", self._cta_row(bx),
+                                                  self.entered[0]))
         return bx
+
+    def end(self, bx) -> None:
+        """After the kernel's loop over tasks: thread 0 stamps the CTA's leaving (profiling
+        only)."""
+        if self.timeline is not None:
+            with Tb.If(self.tx == 0):
+                with Tb.Then():
+                    Tb.evaluate(self.runtime_call("etc_trace_cta_left", self._cta_row(bx)))
+
+    def _cta_row(self, bx) -> tirx.Expr:
+        """The timeline row of CTA ``bx``, after the task rows."""
+        first = max(1, self.graph.num_tasks)
+        return self.timeline.ptr_to([(i32(first) + bx) * i32(TIMELINE_WORDS)])
 
     def declare(self) -> None:
         """Inside the kernel's device entry: scope ids, the shared flags (stop, skip, hooks)
@@ -275,11 +306,11 @@ class PersistentKernel:
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
 
-    def initialise(self, bx, num_ctas: int, extra=()) -> None:
+    def initialise(self, bx, extra=()) -> None:
         """Counters from their initial values (and each (dst, src, n) of ``extra``: src a
         buffer, a function of the index, or None for zeros), status cleared, then a grid-wide
         barrier: every launch starts from fresh state."""
-        stride = num_ctas * self.scopes.num_threads
+        stride = self.num_ctas * self.scopes.num_threads
         fills = [(self.counters, self.initial, self.layout.size), *extra]
         if self.timeline is not None:
             fills.append((self.timeline, None, int(self.timeline.shape[0])))
@@ -701,9 +732,9 @@ class PersistentKernel:
             cond = _both(cond, c < tirx.Cast("int32", n))
         return cond
 
-    def strided_grid(self, bx, num_ctas: int, n: int, body) -> tirx.Stmt:
+    def strided_grid(self, bx, n: int, body) -> tirx.Stmt:
         """``body(i)`` for i in 0..n-1, spread over every thread of the grid."""
-        stride = num_ctas * self.scopes.num_threads
+        stride = self.num_ctas * self.scopes.num_threads
         r = tirx.Var("r", "int32")
         i = r * i32(stride) + bx * i32(self.scopes.num_threads) + self.tx
         return tirx.For(r, i32(0), i32(-(-n // stride)), tirx.ForKind.SERIAL,

@@ -45,7 +45,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     ``symbolic``, on tensors of any sizes up to ``graph``'s (``PersistentKernel``). For a
     graph of several ranks, rank ``rank``'s kernel: ``schedule`` holds that rank's tasks
     (``StaticSchedule.for_rank``)."""
-    kernel = PersistentKernel(graph, layout, options, symbolic, rank)
+    kernel = PersistentKernel(graph, layout, options, schedule.num_ctas, symbolic, rank)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     task = tirx.Var("t", "int32")
@@ -55,8 +55,7 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
-                                     *kernel.returned()],
-                              schedule.num_ctas)
+                                     *kernel.returned()])
             pos = IRBuilder.name("pos", Tb.alloc_local((1,), "int32"))
             Tb.buffer_store(pos, indptr[bx], [0])
             with Tb.While(pos[0] < indptr[bx + 1]):
@@ -64,4 +63,5 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
                 Tb.add_to_parent(tirx.Bind(local, tasks[pos[0]] >> i32(30)))
                 Tb.add_to_parent(dispatch)
                 Tb.buffer_store(pos, pos[0] + 1, [0])
+            kernel.end(bx)
     return ib.get()
