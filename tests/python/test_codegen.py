@@ -71,6 +71,17 @@ def test_dynamic_kernel_pops_pushes_then_waits_runs_notifies():
     assert order == sorted(order)  # pop, early pushes, then the producer's branch, then the rest
 
 
+def test_dynamic_kernel_ctas_take_their_first_slot_without_a_claim():
+    """CTA bx holds ring slot bx from the launch: the head starts past the 132 CTAs' slots,
+    and a CTA claims (one atomic) only from its second take on."""
+    source = build(graphs.gemm_reduce_scatter, DIMS, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("gemm_reduce_scatter_dynamic_megakernel_kernel("):]
+    assert "? (head_tail0_ptr[0] + 132) : head_tail0_ptr[" in kernel
+    loop = kernel.index("while (1)")
+    assert kernel.index("claim_ptr[0] = ((int)blockIdx.x);") < loop
+    assert "claim_ptr[0] = -1;" not in kernel[:loop]
+
+
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():
     """In the MoE graph the router's and the grouping's tasks have consumers in the plan;
     scatter's, the expert tiles' (released by a trigger) and combine's have none: their

@@ -2,7 +2,8 @@
 
     grid = ctas CTAs (cooperative launch)
     prologue: counters, pending counts, ring (seeds then -1), head/tail/expected and the
-              release marks from their initial values; status cleared; grid-wide barrier
+              release marks from their initial values, the head past slots 0..ctas-1 (CTA
+              bx holds slot bx for its first take); status cleared; grid-wide barrier
     CTA:  loop:
               thread 0: t = the task held by the last round, else the task the last round
                         read from the slot it claimed, else that slot's (or a slot claimed
@@ -73,10 +74,15 @@ def _ravel(index, grid) -> tirx.Expr:
 class ReadyRing:
     """The ring operations of a dynamic kernel, as TIR statements for ``PersistentKernel``."""
 
-    def __init__(self, kernel: PersistentKernel, plan: DynamicPlan, calls: set[int]):
+    def __init__(self, kernel: PersistentKernel, plan: DynamicPlan, calls: set[int],
+                 claimed_at_launch: bool = False):
         """``calls``: the calls whose tasks go through the ring (the others run from static
-        queues of the same kernel). Declares the ring's buffers; ``kernel.ring`` becomes it."""
+        queues of the same kernel). ``claimed_at_launch``: CTA ``bx`` holds slot ``bx`` from
+        the start, the head starting past them, so that a CTA's first take needs no claim of
+        its own (the dynamic kernel's CTAs all take at once). Declares the ring's buffers;
+        ``kernel.ring`` becomes it."""
         self.kernel, self.graph, self.plan, self.calls = kernel, kernel.graph, plan, set(calls)
+        self.claimed_at_launch = claimed_at_launch
         self.triggered = plan.triggered
         n = max(1, self.graph.num_tasks)
         shapes = plan.state_sizes()
@@ -118,6 +124,10 @@ class ReadyRing:
         """``(dst, src, n)`` for ``PersistentKernel.initialise``: working state from the
         initial values, release marks zeroed."""
         src = {**self.initial, "pending": self.initial_pending}
+        if self.claimed_at_launch:
+            head_tail0 = self.initial["head_tail"]
+            src["head_tail"] = lambda i: tirx.Select(
+                i == 0, head_tail0[0] + i32(self.kernel.num_ctas), head_tail0[i])
         return [(buf, src.get(k), int(buf.shape[0])) for k, buf in self.work.items()]
 
     def _check(self, layout: EventLayout) -> None:
@@ -486,7 +496,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     ``rank``'s kernel: ``plan`` is that rank's (``DynamicPlan.of(graph, its calls,
     rank_local=True)``), its ring holds that rank's tasks."""
     kernel = PersistentKernel(graph, layout, options, num_ctas, symbolic, rank)
-    ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls})
+    ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls}, claimed_at_launch=True)
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
     peeked = tirx.decl_buffer((1,), "int32", "peeked", scope="local")  # its task, read early
@@ -510,7 +520,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
-                    Tb.buffer_store(claim, i32(-1), [0])
+                    Tb.buffer_store(claim, bx, [0])
                     Tb.buffer_store(peeked, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
