@@ -21,6 +21,7 @@ from etc_tvm.relax_passes import UnfusedTransform
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
+from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin, sass
@@ -601,6 +602,41 @@ def test_route_tile_writes_what_top_k_then_align_write(tokens, splits, rng):
     np.testing.assert_array_equal(out[1], picks[1])
     for got, want in zip(out[2:], aligned(picks[0], tiles)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("route, align_tokens", [("fused", 0), ("split", 0), ("split", 8)])
+def test_aligned_needs_no_arming(route, align_tokens):
+    """Every task of the call that writes exp_indptr notifies ``aligned`` (the route task, the
+    align task, or all of align's place tasks), so its element cannot complete before that
+    call has: it starts at its static count, fires at its last notify, and the call's
+    completion only marks the gate-up tasks it releases (for a ready ring). ``h_ready``,
+    notified by the gate-up tasks, keeps its arming by that completion."""
+    graph = TaskGraph.build(make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
+                                           fused_route=route == "fused",
+                                           align_tokens=align_tokens), {"T": 20})
+    (writer,) = [c.index for c in graph.calls
+                 if any(graph.tensors[t].name == "exp_indptr" for t in c.outputs)]
+    assert graph.trigger_marks() == {"aligned": writer}
+    assert graph.gates() == {"h_ready": {writer}}
+    layout = EventLayout.of(graph)
+    chunks = 3 if align_tokens else 1  # place tasks of 8 tokens each
+    assert layout.initial[layout.offsets["aligned"]] == chunks
+    assert layout.initial[layout.offsets["h_ready"]] == ARM_BIAS + 2 * F // 64
+    assert layout.marks == {"aligned": writer} and writer in layout.done
+
+
+def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
+    """Dynamic: the route task's notify completes ``aligned`` and fires it, and the CTA
+    publishes the gate-up run it releases before it counts its call's completion (whose
+    answer then arms ``h_ready`` and marks the released tasks)."""
+    source = build(make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
+                                  fused_route=True), {"T": 1}, strategy="dynamic",
+                   num_sms=8).cuda_source()
+    kernel = source[source.index("moe_layer_dynamic_megakernel_kernel("):]
+    route = kernel[kernel.index("etc_notify_last("):]
+    order = [route.index(s) for s in ("etc_defer_range(", "etc_claim_runs(", "etc_complete(",
+                                      "etc_unbias(", "etc_mark_range(")]
+    assert order == sorted(order)
 
 
 @pytest.mark.parametrize("tokens", (1, 9))
