@@ -782,13 +782,14 @@ def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():
 
 
 def test_hooks_of_etensors_armed_at_run_time_must_fit_their_share(monkeypatch):
-    """The layer arms two ETensors at run time (aligned, h_ready): 12 bytes of hooks, which a
-    CTA's overhead of shared memory is sized to hold; past that share, the build says so."""
+    """The layer arms one ETensor at run time (h_ready; aligned needs no arming): 8 bytes of
+    hooks, which a CTA's overhead of shared memory is sized to hold; past that share, the
+    build says so."""
     from etc_tvm.tir_sched import persistent
 
-    monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 8)
-    with pytest.raises(EtcError, match="2 ETensors armed at run time; their hooks take more "
-                                       "than the 8 bytes"):
+    monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 4)
+    with pytest.raises(EtcError, match="1 ETensors armed at run time; their hooks take more "
+                                       "than the 4 bytes"):
         build(make_moe_layer(H, E, K, F), {"T": 4}, strategy="static", num_sms=8)
 
 
@@ -811,26 +812,27 @@ def test_ring_pushes_each_released_run_of_tasks_at_once():
     """The ``aligned`` element releases gate-up tasks ``(0 .. exp_indptr[E]) x (0 .. 24)``, an
     ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids whose
     slots one atomic claims. The first, of a length known only at run time, is deferred to
-    the CTA's publish (where align's notify completes ``aligned``, and where the arming does);
-    the second, short, is pushed by the thread that completes the element."""
+    the CTA's publish after align's notify, which completes ``aligned`` (it needs no
+    arming); the second, short, is pushed by the thread that completes the element."""
     source = build(make_moe_layer(), {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("__global__"):]
     kernel = kernel[:kernel.index("\n}\n")]
     deferred = re.findall(r"etc_defer_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
-    assert len(deferred) == kernel.count("etc_defer_range(") == 2
+    assert len(deferred) == kernel.count("etc_defer_range(") == 1
     assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
 
 
 def test_arming_unbiases_every_etensor_before_marking_any():
-    """Align's completion arms aligned and h_ready: both unbiases (which push what is
-    complete) come before the marks and skip passes of gate-up and down tiles."""
+    """Align's completion arms h_ready and marks the gate-up tiles aligned released: the
+    unbias (which pushes what is complete) comes before the marks and skip passes of down
+    and gate-up tiles."""
     source = build(make_moe_layer(H, E, K, F, combine_cols=64), {"T": 16},
                    strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("_dynamic_megakernel_kernel("):]
     arming = kernel[kernel.index("etc_complete("):]
     unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
     marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
-    assert len(unbias) == 2 and len(marks) == 2 and max(unbias) < min(marks)
+    assert len(unbias) == 1 and len(marks) == 2 and max(unbias) < min(marks)
 
 
 @pytest.mark.parametrize("strategy", ["static", "unfused"])
