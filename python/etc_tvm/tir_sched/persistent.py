@@ -606,17 +606,13 @@ class PersistentKernel:
         the gates the call opens, and the CTA arms each ETensor whose gate it opened: every
         ETensor's counts and unbias (``_arm_counts``: the first pushes) before any ETensor's
         marks (``_arm_marks``), then marks the tasks released by the ETensors this completion
-        makes readable without a gate (``EventLayout.marks``). Where nothing follows, the
-        count-down is a release whose answer no one waits for."""
+        makes readable without a gate (``EventLayout.marks``)."""
         counter = self.counters.ptr_to([i32(self.layout.done[call.index])])
         opened = [(k, name, at, calls)
                   for k, (name, (at, calls)) in enumerate(self.layout.gates.items())
                   if call.index in calls]
         marks = [m for m in (self._arm_marks(name) for name, producer in self.layout.marks.items()
                              if producer == call.index) if m is not None]
-        if not opened and not marks:
-            return tirx.IfThenElse(self.tx == 0, tirx.Evaluate(
-                self.runtime_call("etc_notify", counter)), None)
         steps = [tirx.BufferStore(self.hooks, self.runtime_call(
             "etc_complete", counter, return_type="int32"), [i32(0)])]
         for k, _, at, calls in opened:
@@ -628,8 +624,9 @@ class PersistentKernel:
             steps.append(tirx.IfThenElse(self.hooks[0] != 0,
                                          tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
                                          tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
-        out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None),
-               tirx.Evaluate(Tb.cuda.cta_sync())]
+        out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
+        if opened or marks:
+            out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
         for part in (self._arm_counts, self._arm_marks):  # every first push before any mark
             for k, name, _, _ in opened:
                 stmt = part(name)
