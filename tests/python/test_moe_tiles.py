@@ -788,8 +788,8 @@ def test_hooks_of_etensors_armed_at_run_time_must_fit_their_share(monkeypatch):
     from etc_tvm.tir_sched import persistent
 
     monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 4)
-    with pytest.raises(EtcError, match="1 ETensors armed at run time; their hooks take more "
-                                       "than the 4 bytes"):
+    with pytest.raises(EtcError, match=r"ETensors armed at run time: 1 \(h_ready\); their "
+                                       "hooks take more than the 4 bytes"):
         build(make_moe_layer(H, E, K, F), {"T": 4}, strategy="static", num_sms=8)
 
 

@@ -211,9 +211,10 @@ class PersistentKernel:
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
         if 4 * (1 + len(layout.gates)) > GATE_HOOK_BYTES:
-            raise EtcError(f"{graph.name}: {len(layout.gates)} ETensors armed at run time; "
-                           f"their hooks take more than the {GATE_HOOK_BYTES} bytes of shared "
-                           "memory CTA_SHARED_OVERHEAD keeps for them")
+            raise EtcError(f"{graph.name}: ETensors armed at run time: {len(layout.gates)} "
+                           f"({', '.join(layout.gates)}); their hooks take more than the "
+                           f"{GATE_HOOK_BYTES} bytes of shared memory CTA_SHARED_OVERHEAD "
+                           "keeps for them")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.checks = {(c.index, n): k for k, (c, n) in enumerate(input_check_sites(graph))}
