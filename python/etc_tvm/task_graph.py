@@ -286,15 +286,52 @@ class TaskGraph:
 
         Those counted at run time wait for the producers of the tensors their counts read; an
         ETensor that releases tasks through a trigger map also for the producers of the
-        tensors the map reads, so that no element fires before its range can be read."""
+        tensors the map reads, so that no element fires before its range can be read, unless
+        it has one such producer and no element can complete before that producer has
+        (``trigger_marks``)."""
         gates = {name: {self.tensors[t].producer for t in need}
                  for name, need in self.arm_inputs().items()}
+        marks = self.trigger_marks()
+        for name, producers in self.trigger_producers().items():
+            if name in gates or name not in marks:
+                gates.setdefault(name, set()).update(producers)
+        return gates
+
+    def trigger_producers(self) -> dict[str, set[int]]:
+        """ETensors that release tasks through trigger maps -> the calls that write the
+        tensors those maps read."""
+        out = {}
         for call in self.calls:
             for e in call.triggers:
-                gates.setdefault(e.etensor, set()).update(
+                out.setdefault(e.etensor, set()).update(
                     self.tensors[t].producer for t in call.reads([e])
                     if self.tensors[t].producer is not None)
-        return gates
+        return out
+
+    def trigger_marks(self) -> dict[str, int]:
+        """ETensors that release tasks through trigger maps and need no arming -> the one call
+        whose completion makes their maps readable (where a ready ring marks the tasks they
+        release). Such an ETensor is counted only at launch, and none of its elements can
+        complete before that call has (``completes_after``)."""
+        counted = self.arm_inputs()
+        out = {}
+        for name, producers in self.trigger_producers().items():
+            if name not in counted and len(producers) == 1:
+                (producer,) = producers
+                if self.completes_after(name, producer):
+                    out[name] = producer
+        return out
+
+    def completes_after(self, name: str, call: int) -> bool:
+        """Whether no element of ETensor ``name`` can complete before call ``call`` has: each
+        element waits for a notify of every task of ``call``. (That the notifiers wait for
+        ``call``'s completion is not enough: a task outside a launch's grids notifies at once,
+        without waiting.)"""
+        producer = self.calls[call]
+        tasks = set(range(producer.first_task, producer.first_task + producer.num_tasks))
+        notifiers = self.element_notifiers()
+        return bool(tasks) and all(tasks <= set(notifiers.get((name, idx), ()))
+                                   for idx in np.ndindex(*self.etensors[name].shape))
 
     def element_notifiers(self) -> dict[Element, list[int]]:
         """Event element -> the tasks that notify it through static edges, in task order."""

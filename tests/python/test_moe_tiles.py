@@ -21,6 +21,7 @@ from etc_tvm.relax_passes import UnfusedTransform
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
+from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin, sass
@@ -603,6 +604,41 @@ def test_route_tile_writes_what_top_k_then_align_write(tokens, splits, rng):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("route, align_tokens", [("fused", 0), ("split", 0), ("split", 8)])
+def test_aligned_needs_no_arming(route, align_tokens):
+    """Every task of the call that writes exp_indptr notifies ``aligned`` (the route task, the
+    align task, or all of align's place tasks), so its element cannot complete before that
+    call has: it starts at its static count, fires at its last notify, and the call's
+    completion only marks the gate-up tasks it releases (for a ready ring). ``h_ready``,
+    notified by the gate-up tasks, keeps its arming by that completion."""
+    graph = TaskGraph.build(make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
+                                           fused_route=route == "fused",
+                                           align_tokens=align_tokens), {"T": 20})
+    (writer,) = [c.index for c in graph.calls
+                 if any(graph.tensors[t].name == "exp_indptr" for t in c.outputs)]
+    assert graph.trigger_marks() == {"aligned": writer}
+    assert graph.gates() == {"h_ready": {writer}}
+    layout = EventLayout.of(graph)
+    chunks = 3 if align_tokens else 1  # place tasks of 8 tokens each
+    assert layout.initial[layout.offsets["aligned"]] == chunks
+    assert layout.initial[layout.offsets["h_ready"]] == ARM_BIAS + 2 * F // 64
+    assert layout.marks == {"aligned": writer} and writer in layout.done
+
+
+def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
+    """Dynamic: the route task's notify completes ``aligned`` and fires it, and the CTA
+    publishes the gate-up run it releases before it counts its call's completion (whose
+    answer then arms ``h_ready`` and marks the released tasks)."""
+    source = build(make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
+                                  fused_route=True), {"T": 1}, strategy="dynamic",
+                   num_sms=8).cuda_source()
+    kernel = source[source.index("moe_layer_dynamic_megakernel_kernel("):]
+    route = kernel[kernel.index("etc_notify_last("):]
+    order = [route.index(s) for s in ("etc_defer_range(", "etc_claim_runs(", "etc_complete(",
+                                      "etc_unbias(", "etc_mark_range(")]
+    assert order == sorted(order)
+
+
 @pytest.mark.parametrize("tokens", (1, 9))
 def test_layer_with_fused_route_matches_float64(tokens, rng):
     """Top-k and align as one task, which waits for every router task on one element."""
@@ -746,13 +782,14 @@ def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():
 
 
 def test_hooks_of_etensors_armed_at_run_time_must_fit_their_share(monkeypatch):
-    """The layer arms two ETensors at run time (aligned, h_ready): 12 bytes of hooks, which a
-    CTA's overhead of shared memory is sized to hold; past that share, the build says so."""
+    """The layer arms one ETensor at run time (h_ready; aligned needs no arming): 8 bytes of
+    hooks, which a CTA's overhead of shared memory is sized to hold; past that share, the
+    build says so."""
     from etc_tvm.tir_sched import persistent
 
-    monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 8)
-    with pytest.raises(EtcError, match="2 ETensors armed at run time; their hooks take more "
-                                       "than the 8 bytes"):
+    monkeypatch.setattr(persistent, "GATE_HOOK_BYTES", 4)
+    with pytest.raises(EtcError, match=r"ETensors armed at run time: 1 \(h_ready\); their "
+                                       "hooks take more than the 4 bytes"):
         build(make_moe_layer(H, E, K, F), {"T": 4}, strategy="static", num_sms=8)
 
 
@@ -775,26 +812,27 @@ def test_ring_pushes_each_released_run_of_tasks_at_once():
     """The ``aligned`` element releases gate-up tasks ``(0 .. exp_indptr[E]) x (0 .. 24)``, an
     ``h_ready`` element the 32 down tasks of its tile: each a run of consecutive task ids whose
     slots one atomic claims. The first, of a length known only at run time, is deferred to
-    the CTA's publish (where align's notify completes ``aligned``, and where the arming does);
-    the second, short, is pushed by the thread that completes the element."""
+    the CTA's publish after align's notify, which completes ``aligned`` (it needs no
+    arming); the second, short, is pushed by the thread that completes the element."""
     source = build(make_moe_layer(), {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("__global__"):]
     kernel = kernel[:kernel.index("\n}\n")]
     deferred = re.findall(r"etc_defer_range\([^;]*\(exp_indptr_ptr\[128\] \* 24\), ", kernel)
-    assert len(deferred) == kernel.count("etc_defer_range(") == 2
+    assert len(deferred) == kernel.count("etc_defer_range(") == 1
     assert re.search(r"etc_push_range\([^;]*\* 32\) \+ \d+\), 32, ", kernel)
 
 
 def test_arming_unbiases_every_etensor_before_marking_any():
-    """Align's completion arms aligned and h_ready: both unbiases (which push what is
-    complete) come before the marks and skip passes of gate-up and down tiles."""
+    """Align's completion arms h_ready and marks the gate-up tiles aligned released: the
+    unbias (which pushes what is complete) comes before the marks and skip passes of down
+    and gate-up tiles."""
     source = build(make_moe_layer(H, E, K, F, combine_cols=64), {"T": 16},
                    strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("_dynamic_megakernel_kernel("):]
     arming = kernel[kernel.index("etc_complete("):]
     unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
     marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
-    assert len(unbias) == 2 and len(marks) == 2 and max(unbias) < min(marks)
+    assert len(unbias) == 1 and len(marks) == 2 and max(unbias) < min(marks)
 
 
 @pytest.mark.parametrize("strategy", ["static", "unfused"])

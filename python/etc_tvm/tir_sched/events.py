@@ -32,6 +32,8 @@ class EventLayout:
     done: call index -> its completion counter (its number of tasks at launch).
     gates: ETensor -> (its gate counter, the calls whose completion arms it); its elements
       start ``ARM_BIAS`` above their static counts.
+    marks: ETensor that releases tasks through a trigger map, armed by no gate -> the call
+      whose completion makes the map readable (``TaskGraph.trigger_marks``).
     """
 
     offsets: dict[str, int]
@@ -39,11 +41,12 @@ class EventLayout:
     initial: np.ndarray  # int32
     done: dict[int, int]
     gates: dict[str, tuple[int, tuple[int, ...]]]
+    marks: dict[str, int]
 
     @staticmethod
     def of(graph: TaskGraph) -> "EventLayout":
         counts = graph.static_counts()
-        gate_calls = graph.gates()
+        gate_calls, marks = graph.gates(), graph.trigger_marks()
         offsets, at = {}, 0
         for name, et in graph.etensors.items():
             offsets[name] = at
@@ -51,7 +54,7 @@ class EventLayout:
         flat = [counts[name].ravel() + (ARM_BIAS if name in gate_calls else 0)
                 for name in graph.etensors]
         tracked = sorted(set().union(*(graph.completion_waits(c) for c in graph.calls),
-                                     *gate_calls.values()))
+                                     *gate_calls.values(), marks.values()))
         done = {c: at + k for k, c in enumerate(tracked)}
         at += len(tracked)
         gates = {name: (at + k, tuple(sorted(calls)))
@@ -59,7 +62,7 @@ class EventLayout:
         flat.append(np.array([graph.calls[c].num_tasks for c in tracked], np.int64))
         flat.append(np.array([len(calls) for _, calls in gates.values()], np.int64))
         return EventLayout(offsets, {n: et.shape for n, et in graph.etensors.items()},
-                           np.concatenate(flat).astype(np.int32), done, gates)
+                           np.concatenate(flat).astype(np.int32), done, gates, marks)
 
     @property
     def size(self) -> int:

@@ -211,9 +211,10 @@ class PersistentKernel:
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
         if 4 * (1 + len(layout.gates)) > GATE_HOOK_BYTES:
-            raise EtcError(f"{graph.name}: {len(layout.gates)} ETensors armed at run time; "
-                           f"their hooks take more than the {GATE_HOOK_BYTES} bytes of shared "
-                           "memory CTA_SHARED_OVERHEAD keeps for them")
+            raise EtcError(f"{graph.name}: ETensors armed at run time: {len(layout.gates)} "
+                           f"({', '.join(layout.gates)}); their hooks take more than the "
+                           f"{GATE_HOOK_BYTES} bytes of shared memory CTA_SHARED_OVERHEAD "
+                           "keeps for them")
         self.hooks = tirx.decl_buffer((1 + len(layout.gates),), "int32", "hooks", scope="shared")
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.checks = {(c.index, n): k for k, (c, n) in enumerate(input_check_sites(graph))}
@@ -380,12 +381,14 @@ class PersistentKernel:
             if self.options.drop_notify is not None:
                 cond = tirx.And(cond, task != i32(self.options.drop_notify))
             stmts.append(tirx.IfThenElse(cond, notifies, None))
-        # runs the notifies deferred are published even where no arming (which publishes
-        # its own) runs
-        unpublished = self.ring is not None and self.ring.unpublished
+        # the runs the notifies deferred go out before the completion's round trips (an
+        # element that needs no arming fires at its last notify), then those the arming
+        # deferred
+        if self.ring is not None and self.ring.unpublished:
+            stmts.append(self.ring.publish())
         if call.index in self.layout.done:
             stmts.append(self._completion(call))
-        if unpublished or (self.ring is not None and self.ring.unpublished):
+        if self.ring is not None and self.ring.unpublished:
             stmts.append(self.ring.publish())
         stmts.append(self._trace("etc_trace_end", task))
         return tirx.stmt_seq(*[s for s in stmts if s is not None])
@@ -603,13 +606,16 @@ class PersistentKernel:
         """Thread 0 counts the call's completion down; the task that completes it counts down
         the gates the call opens, and the CTA arms each ETensor whose gate it opened: every
         ETensor's counts and unbias (``_arm_counts``: the first pushes) before any ETensor's
-        marks (``_arm_marks``)."""
-        done = self.runtime_call("etc_complete", self.counters.ptr_to([i32(self.layout.done[
-            call.index])]), return_type="int32")
-        steps = [tirx.BufferStore(self.hooks, done, [i32(0)])]
+        marks (``_arm_marks``), then marks the tasks released by the ETensors this completion
+        makes readable without a gate (``EventLayout.marks``)."""
+        counter = self.counters.ptr_to([i32(self.layout.done[call.index])])
         opened = [(k, name, at, calls)
                   for k, (name, (at, calls)) in enumerate(self.layout.gates.items())
                   if call.index in calls]
+        marks = [m for m in (self._arm_marks(name) for name, producer in self.layout.marks.items()
+                             if producer == call.index) if m is not None]
+        steps = [tirx.BufferStore(self.hooks, self.runtime_call(
+            "etc_complete", counter, return_type="int32"), [i32(0)])]
         for k, _, at, calls in opened:
             if calls == (call.index,):  # this call's completion alone arms it
                 steps.append(tirx.BufferStore(self.hooks, self.hooks[0], [i32(k + 1)]))
@@ -620,13 +626,14 @@ class PersistentKernel:
                                          tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
                                          tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
         out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
-        if opened:  # every ETensor's first pushes before any ETensor's marks
+        if opened or marks:
             out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-            for part in (self._arm_counts, self._arm_marks):
-                for k, name, _, _ in opened:
-                    stmt = part(name)
-                    if stmt is not None:
-                        out.append(tirx.IfThenElse(self.hooks[k + 1] != 0, stmt, None))
+        for part in (self._arm_counts, self._arm_marks):  # every first push before any mark
+            for k, name, _, _ in opened:
+                stmt = part(name)
+                if stmt is not None:
+                    out.append(tirx.IfThenElse(self.hooks[k + 1] != 0, stmt, None))
+        out += [tirx.IfThenElse(self.hooks[0] != 0, m, None) for m in marks]
         return tirx.stmt_seq(*out)
 
     def _arm_counts(self, name: str) -> tirx.Stmt:
