@@ -165,8 +165,8 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
     return medians
 
 
-# (slower, faster) pairs printed as slower/faster: each launch mode against its own kind (a
-# VM call against a VM call, a CUDA-graph replay against a replay), and unfused + graph
+# (a, b) printed as a/b, how many times faster b ran: each launch mode against its own kind
+# (a VM call against a VM call, a CUDA-graph replay against a replay), and unfused + graph
 # against the static VM call as well
 RATIOS = (("unfused", "static"), ("unfused+graph", "static+graph"), ("unfused+graph", "static"),
           ("barrier", "static"))
