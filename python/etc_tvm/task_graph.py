@@ -328,10 +328,9 @@ class TaskGraph:
         ``call``'s completion is not enough: a task outside a launch's grids notifies at once,
         without waiting.)"""
         producer = self.calls[call]
-        tasks = set(range(producer.first_task, producer.first_task + producer.num_tasks))
-        notifiers = self.element_notifiers()
-        return bool(tasks) and all(tasks <= set(notifiers.get((name, idx), ()))
-                                   for idx in np.ndindex(*self.etensors[name].shape))
+        tasks = range(producer.first_task, producer.first_task + producer.num_tasks)
+        every = {(name, idx) for idx in np.ndindex(*self.etensors[name].shape)}
+        return bool(tasks) and all(every <= set(self.notifies[t]) for t in tasks)
 
     def element_notifiers(self) -> dict[Element, list[int]]:
         """Event element -> the tasks that notify it through static edges, in task order."""
