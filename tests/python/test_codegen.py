@@ -56,6 +56,24 @@ def test_wait_before_body_before_notify():
     assert "etc_notify" not in consumer
 
 
+def test_a_cta_polls_a_counter_of_fixed_index_until_it_saw_it_complete():
+    """The barrier between two calls is one counter: a CTA that saw it complete skips the
+    waits of its later tasks on it; a tile-level wait, whose element moves with the task,
+    polls every time."""
+    def waits(strategy):
+        lines = [line.strip() for line in build(graphs.gemm_reduce_scatter, DIMS,
+                                                strategy=strategy, num_sms=132)
+                 .cuda_source().splitlines()]
+        return [(lines[k - 1], re.search(r"counters_ptr\[(.*?)\]", lines[k]).group(1),
+                 lines[k + 1]) for k, line in enumerate(lines) if "= etc_wait(" in line]
+
+    assert waits("barrier") == [("if ((halt_ptr[0] == 0) && (seen_ptr[0] == 0)) {", "0",
+                                 "seen_ptr[0] = (1 - halt_ptr[0]);")]
+    [(guard, element, after)] = waits("static")
+    assert (guard, element) == ("if (halt_ptr[0] == 0) {", "(t % 12)")
+    assert "seen_ptr" not in after
+
+
 def test_persistent_kernel_is_cooperative_with_one_cta_per_sm():
     mod = StaticScheduleTransform(DIMS, num_sms=132)(graphs.gemm_reduce_scatter.mod)
     kernel = mod["gemm_reduce_scatter_megakernel"]

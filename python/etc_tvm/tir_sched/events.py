@@ -76,8 +76,12 @@ class EventLayout:
         return out
 
     def flat_index(self, etensor: str, idx) -> tirx.Expr:
-        """The counter index of ``etensor[idx]`` (``idx``: TIR or int coordinates)."""
+        """The counter index of ``etensor[idx]`` (``idx``: TIR or int coordinates); of a
+        one-element ETensor, its offset whatever ``idx`` says (a map such as ``i->i//n``
+        reaches only element 0)."""
         flat = tirx.IntImm("int32", self.offsets[etensor])
+        if all(n == 1 for n in self.shapes[etensor]):
+            return flat
         stride = 1
         for i, n in reversed(list(zip(idx, self.shapes[etensor]))):
             flat = flat + i * stride

@@ -47,6 +47,7 @@ CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
 # keeps for each CTA, and the scheduler's own shared words (flags, hooks, release marks)
 CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
+SEEN_SLOTS = 32  # counters of fixed index a CTA remembers complete (``PersistentKernel._wait``)
 SM_THREADS = 2048
 
 
@@ -210,6 +211,10 @@ class PersistentKernel:
         # a waiting thread's own stop flag, published to ``stop`` once its waits are done
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
+        # seen[k] = 1 once this CTA saw counter seen_slots^-1[k] complete
+        self.seen = tirx.decl_buffer((SEEN_SLOTS,), "int32", "seen", scope="shared")
+        self.seen_slots: dict[int, int] = {}
+        self.analyzer = tvm.sym.Analyzer()
         if 4 * (1 + len(layout.gates)) > GATE_HOOK_BYTES:
             raise EtcError(f"{graph.name}: ETensors armed at run time: {len(layout.gates)} "
                            f"({', '.join(layout.gates)}); their hooks take more than the "
@@ -302,7 +307,7 @@ class PersistentKernel:
         if self.workspace is not None:
             for stmt in self.workspace.declarations():
                 Tb.add_to_parent(stmt)
-        for buf in (self.stop, self.skip, self.hooks, self.halt):
+        for buf in (self.stop, self.skip, self.hooks, self.seen, self.halt):
             Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
@@ -326,6 +331,8 @@ class PersistentKernel:
         with Tb.If(tirx.And(bx == 0, self.tx < STATUS_WORDS)):
             with Tb.Then():
                 Tb.buffer_store(self.status, i32(0), [self.tx])
+        Tb.add_to_parent(self.strided(SEEN_SLOTS, lambda i: tirx.BufferStore(
+            self.seen, i32(0), [i])))
         if self.ring is not None:
             Tb.add_to_parent(self.ring.clear_runs())
         Tb.evaluate(Tb.cuda.grid_sync())
@@ -525,12 +532,30 @@ class PersistentKernel:
                                tirx.BufferStore(self.halt, i32(1) - ready, [i32(0)]), None)
 
     def _wait(self, flat: tirx.Expr, task) -> tirx.Stmt:
+        """A bounded wait on counter ``flat``. A counter of fixed index (a barrier between
+        calls, a call's completion, a one-element ETensor) is polled until this CTA has seen
+        it complete, and no more: a complete counter stays complete for the launch, and an
+        acquire the CTA already made orders its later tasks too, where each poll of it costs
+        a round trip to L2 (0.5 us and more a task, with several such waits)."""
         name = "etc_wait" if self.rank is None else "etc_wait_sys"
-        wait = self.runtime_call(name, self.counters.ptr_to([flat]),
-                                 self.status.ptr_to([0]), task, flat, self.limit,
-                                 return_type="int32")
-        return tirx.IfThenElse(self.halt[0] == 0,
-                               tirx.BufferStore(self.halt, wait, [i32(0)]), None)
+        wait = tirx.BufferStore(self.halt, self.runtime_call(
+            name, self.counters.ptr_to([flat]), self.status.ptr_to([0]), task, flat, self.limit,
+            return_type="int32"), [i32(0)])
+        slot = self._seen_slot(flat)
+        if slot is None:
+            return tirx.IfThenElse(self.halt[0] == 0, wait, None)
+        return tirx.IfThenElse(
+            tirx.And(self.halt[0] == 0, self.seen[slot] == 0),
+            tirx.stmt_seq(wait, tirx.BufferStore(self.seen, i32(1) - self.halt[0], [slot])),
+            None)
+
+    def _seen_slot(self, flat: tirx.Expr) -> tirx.IntImm | None:
+        """The ``seen`` word of counter ``flat`` if its index is fixed and a word is left."""
+        flat = self.analyzer.simplify(flat)
+        if not isinstance(flat, tirx.IntImm):
+            return None
+        slot = self.seen_slots.setdefault(flat.value, len(self.seen_slots))
+        return i32(slot) if slot < SEEN_SLOTS else None
 
     def checked(self, call, edge, task, index, then, shape=None) -> tirx.Stmt:
         """``then(flat counter index)`` if every coordinate of ``index`` lies inside the
