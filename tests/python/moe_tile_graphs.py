@@ -41,6 +41,16 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
 
         return router_only
 
+    topk_splits = 2
+    topk_tile = moe.make_topk_tile(Ex, Kk, 8, splits=topk_splits)
+
+    @graph_func
+    def topk_only(logits: Tensor((topk_splits, "T", Ex), "float32")):
+        """The top-K of the sums of 2 partial logits, tokens 8 a task."""
+        n = logits.shape[1]
+        return call_device(topk_tile, tile_num=(moe.ceil_div(n, 8),), args=[logits],
+                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")])
+
     @graph_func
     def align_only(topk: Tensor(("T", Kk), "int32")):
         n = topk.shape[0]
@@ -108,14 +118,16 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
                                 Tensor((n, Hk * 128), "bfloat16")])
 
     return {"router": routing_only("fma", 8, 16), "router_mma": routing_only("mma", 16, 32),
-            "align": align_only, "align_chunked": align_chunked, "gate_up": gate_up_only,
-            "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
+            "topk": topk_only, "align": align_only, "align_chunked": align_chunked,
+            "gate_up": gate_up_only, "down": down_only, "combine": combine_only,
+            "qk_norm_rope": qk_norm_rope_only}
 
 
 def one_call_dims(name, tokens, experts=128, top_k=8):
     """The sizes the graph ``name`` of ``one_call_graphs`` takes for ``tokens`` tokens."""
     tiles = moe.max_tiles(tokens, experts, top_k, BT)
-    return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "align": {"T": tokens},
+    return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "topk": {"T": tokens},
+            "align": {"T": tokens},
             "align_chunked": {"T": tokens}, "qk_norm_rope": {"T": tokens},
             "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
             "down": {"R": tiles * BT, "G": tiles},

@@ -11,6 +11,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import tvm
+from tvm.script import tirx as T
 
 from etc_tvm import EtcError
 from etc_tvm.errors import ExecutionError
@@ -516,6 +518,40 @@ def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     if name in ("router_mma", "gate_up", "down"):
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+def test_topk_rounds_reduce_the_warp_with_redux(tmp_path):
+    """Each of a token's K rounds takes the warp's maximum and the lowest index holding it
+    with one ``redux.sync`` each, and no butterfly shuffles: 2 tokens a warp, 8 rounds each."""
+    graph = one_call_graphs(2048, 128, 8, 768)["topk"]
+    cubin, _ = build_cubin(build(graph, one_call_dims("topk", 16), strategy="unfused")
+                           .cuda_source(), tmp_path)
+    code = sass(cubin)
+    assert len(re.findall(r"REDUX\.MAX\.S32", code)) == 16
+    assert len(re.findall(r"REDUX\.MIN\.S32", code)) == 16
+    assert "SHFL.BFLY" not in code
+
+
+@T.prim_func
+def _order_keys(values: T.Buffer((8,), "float32"), keys: T.Buffer((8,), "int32"),
+                back: T.Buffer((8,), "float32")):
+    for i in range(8):
+        keys[i] = moe.order_key(values[i])
+        back[i] = moe.order_value(keys[i])
+
+
+def test_order_key_orders_floats_with_both_zeros_alike():
+    """The order key of TopKPicker's rounds, compiled for the CPU: its order is the floats',
+    -0 and +0 map to one key, and the key maps back to the value (+0 for -0)."""
+    values = np.array([-np.finfo(np.float32).max, -2.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 3e38],
+                      np.float32)
+    keys, back = np.zeros(8, np.int32), np.full(8, np.nan, np.float32)
+    args = [tvm.runtime.tensor(a) for a in (values, keys, back)]
+    tvm.compile(_order_keys, target="llvm")(*args)
+    keys, back = args[1].numpy(), args[2].numpy()
+    assert list(keys) == sorted(keys) and keys[3] == keys[4] == 0 and len(set(keys)) == 7
+    np.testing.assert_array_equal(back, np.where(values == 0, 0, values))
+    assert not np.signbit(back[3])
 
 
 def compile_layer(graph, tokens, tmp_path, strategy="barrier", ctas_per_sm=1) -> set:

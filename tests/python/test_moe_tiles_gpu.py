@@ -71,6 +71,20 @@ def test_router_tile(tokens, name, rng):
     assert_within(topw, want_w, moe.router_weight_bound(x, w, want_w))
 
 
+@pytest.mark.parametrize("tokens", (1, 37))
+def test_topk_tile_breaks_ties_by_lower_index_as_numpy(tokens, rng):
+    """Two partial logits whose sums tie exactly, +0 and -0 among the ties at the K-th place:
+    the picks are NumPy's stable sort's, the weights its softmax over them."""
+    first = rng.choice(np.array([-1.0, 0.0, -0.0, 0.5], np.float32), (tokens, E),
+                       p=[0.55, 0.21, 0.21, 0.03])
+    second = rng.choice(np.array([0.0, -0.0], np.float32), (tokens, E))
+    logits = np.stack([first, second])
+    topk, topw = compiled("topk", tokens)(logits)
+    want_k, want_w = moe.top_k_of(logits[0] + logits[1], K)
+    np.testing.assert_array_equal(topk, want_k)
+    np.testing.assert_allclose(topw, want_w, rtol=1e-6)
+
+
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS + (3, 4096))  # 3: 24 threads with pairs
 def test_align_tile(tokens, routing, rng):

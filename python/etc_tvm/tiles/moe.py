@@ -252,11 +252,29 @@ def _with_router_reference(tile: DeviceFunc, TB: int, EB: int, HS: int) -> Devic
     return tile
 
 
+FULL_MASK = 0xFFFFFFFF
+
+
+def order_key(value):
+    """The int32 whose order is ``value``'s (a float32, not NaN), -0 and +0 alike: a warp's
+    maximum is then one ``redux.sync``, where a float's takes five dependent shuffles."""
+    bits = T.reinterpret("int32", value)
+    return T.if_then_else(bits < 0, T.int32(0) - (bits & T.int32(0x7FFFFFFF)), bits)
+
+
+def order_value(key):
+    """The float32 of ``order_key`` ``key`` (+0 for either zero)."""
+    return T.if_then_else(key < 0, T.float32(0) - T.reinterpret("float32", T.int32(0) - key),
+                          T.reinterpret("float32", key))
+
+
 @T.meta_class
 class TopKPicker:
     """The top-K experts of a block of TB tokens from the router's S partial logits (S, T, E),
     summed in s order, each token's picks by one warp (``rounds`` tokens a warp, one after
-    another): the ids in topk (T, K) and their renormalised softmax weights in topw (T, K)."""
+    another): the ids in topk (T, K) and their renormalised softmax weights in topw (T, K).
+    A round's maximum and the lowest index holding it are two ``redux.sync`` of the warp
+    (``order_key``)."""
 
     def __init__(self, experts, top_k, block_tokens, splits, threads, warp, lane):
         self.E, self.K, self.TB, self.S = experts, top_k, block_tokens, splits
@@ -291,6 +309,7 @@ class TopKPicker:
                 arg = T.local_scalar("int32")
                 top = T.local_scalar("float32")
                 chosen = T.local_scalar("int32")
+                best_key = T.local_scalar("int32")
                 lsum = T.local_scalar("float32")
                 lsum = T.float32(0)
                 top = T.float32(0)
@@ -301,10 +320,13 @@ class TopKPicker:
                         if lane + v * WARP < E and vals[tt, v] > mine:
                             mine = vals[tt, v]
                             arg = lane + v * WARP
-                    best = T.cuda.warp_max(mine)
-                    if mine != best:
+                    key = T.meta_var(order_key(mine))
+                    T.ptx.redux_sync.max.s32(best_key, key, T.uint32(FULL_MASK))
+                    best = order_value(best_key)
+                    if key != best_key:
                         arg = E
-                    chosen = T.cuda.warp_min(arg)  # the lowest index holding the maximum
+                    # the lowest index holding the maximum
+                    T.ptx.redux_sync.min.s32(chosen, arg, T.uint32(FULL_MASK))
                     for v in T.unroll(per_lane):
                         if lane + v * WARP == chosen:
                             vals[tt, v] = T.float32(FLT_LOWEST)
