@@ -308,12 +308,17 @@ __device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* cl
 // the task rows (etc_trace_cta_ready).
 #define ETC_TIMELINE_WORDS 6
 
-__device__ __forceinline__ void etc_trace_start(int64_t* row) {
+// Word [5] of a row: the CTA (high 32 bits) and its SM (low 32 bits).
+__device__ __forceinline__ int64_t etc_trace_place() {
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  return ((int64_t)blockIdx.x << 32) | smid;
+}
+
+__device__ __forceinline__ void etc_trace_start(int64_t* row) {
   row[0] = (int64_t)etc_globaltimer_ns();
   row[2] = clock64();
-  row[5] = ((int64_t)blockIdx.x << 32) | smid;
+  row[5] = etc_trace_place();
 }
 
 __device__ __forceinline__ void etc_trace_waited(int64_t* row) { row[3] = clock64(); }
@@ -330,11 +335,9 @@ __device__ __forceinline__ void etc_trace_end(int64_t* row) {
 __device__ __forceinline__ int64_t etc_trace_now() { return (int64_t)etc_globaltimer_ns(); }
 
 __device__ __forceinline__ void etc_trace_cta_ready(int64_t* row, int64_t entered) {
-  unsigned smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   row[0] = entered;
   row[1] = (int64_t)etc_globaltimer_ns();
-  row[5] = ((int64_t)blockIdx.x << 32) | smid;
+  row[5] = etc_trace_place();
 }
 
 __device__ __forceinline__ void etc_trace_cta_left(int64_t* row) {
