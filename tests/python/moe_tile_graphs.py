@@ -127,8 +127,7 @@ def one_call_dims(name, tokens, experts=128, top_k=8):
     """The sizes the graph ``name`` of ``one_call_graphs`` takes for ``tokens`` tokens."""
     tiles = moe.max_tiles(tokens, experts, top_k, BT)
     return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "topk": {"T": tokens},
-            "align": {"T": tokens},
-            "align_chunked": {"T": tokens}, "qk_norm_rope": {"T": tokens},
+            "align": {"T": tokens}, "align_chunked": {"T": tokens}, "qk_norm_rope": {"T": tokens},
             "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
             "down": {"R": tiles * BT, "G": tiles},
             "combine": {"T": tokens, "R": tiles * BT}}[name]

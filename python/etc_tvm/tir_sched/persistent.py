@@ -211,7 +211,7 @@ class PersistentKernel:
         # a waiting thread's own stop flag, published to ``stop`` once its waits are done
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
-        # seen[k] = 1 once this CTA saw counter seen_slots^-1[k] complete
+        # seen[seen_slots[c]] = 1 once this CTA saw counter c complete
         self.seen = tirx.decl_buffer((SEEN_SLOTS,), "int32", "seen", scope="shared")
         self.seen_slots: dict[int, int] = {}
         self.analyzer = tvm.sym.Analyzer()
