@@ -7,8 +7,9 @@ the watchdog ``status`` record), its thread scopes and shared-memory arena, and 
   initial values, status cleared, a grid-wide barrier (the kernel is launched cooperatively),
   then the arming of the ETensors whose run-time counts read only the graph's inputs;
 * ``dispatch(task, skip_waits, before_notifies)``: the if/elif over calls that runs global
-  task ``task``: coordinates decoded, waits (thread 0, bounded, then a barrier; the loop is
-  left if the grid is stopping), the inlined body, then a barrier and thread 0's notifies
+  task ``task``: coordinates decoded, waits (warp 0, bounded, then a barrier; the loop is
+  left if the grid is stopping; a counter of fixed index the CTA saw complete is not polled
+  again), the inlined body, then a barrier and thread 0's notifies
   (after ``before_notifies``, whose loads then overlap the notifies' release); a task of a call
   whose completion others wait for counts it down, and the one completing it arms the
   ETensors that completion gates (``events.EventLayout``);
