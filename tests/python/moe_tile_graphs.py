@@ -41,14 +41,14 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
 
         return router_only
 
-    topk_splits = 2
-    topk_tile = moe.make_topk_tile(Ex, Kk, 8, splits=topk_splits)
+    topk_splits, topk_block = 2, 8
+    topk_tile = moe.make_topk_tile(Ex, Kk, topk_block, splits=topk_splits)
 
     @graph_func
     def topk_only(logits: Tensor((topk_splits, "T", Ex), "float32")):
         """The top-K of the sums of 2 partial logits, tokens 8 a task."""
         n = logits.shape[1]
-        return call_device(topk_tile, tile_num=(moe.ceil_div(n, 8),), args=[logits],
+        return call_device(topk_tile, tile_num=(moe.ceil_div(n, topk_block),), args=[logits],
                            out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32")])
 
     @graph_func

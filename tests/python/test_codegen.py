@@ -56,16 +56,21 @@ def test_wait_before_body_before_notify():
     assert "etc_notify" not in consumer
 
 
+def counter_waits(source: str) -> list[tuple[str, str, str]]:
+    """Each bounded wait of a generated kernel: (the line before it, its counter index as
+    the CUDA writes it, the line after it)."""
+    lines = [line.strip() for line in source.splitlines()]
+    return [(lines[k - 1], re.search(r"counters_ptr\[(.*?)\]", lines[k]).group(1),
+             lines[k + 1]) for k, line in enumerate(lines) if "= etc_wait(" in line]
+
+
 def test_a_cta_polls_a_counter_of_fixed_index_until_it_saw_it_complete():
     """The barrier between two calls is one counter: a CTA that saw it complete skips the
     waits of its later tasks on it; a tile-level wait, whose element moves with the task,
     polls every time."""
     def waits(strategy):
-        lines = [line.strip() for line in build(graphs.gemm_reduce_scatter, DIMS,
-                                                strategy=strategy, num_sms=132)
-                 .cuda_source().splitlines()]
-        return [(lines[k - 1], re.search(r"counters_ptr\[(.*?)\]", lines[k]).group(1),
-                 lines[k + 1]) for k, line in enumerate(lines) if "= etc_wait(" in line]
+        return counter_waits(build(graphs.gemm_reduce_scatter, DIMS, strategy=strategy,
+                                   num_sms=132).cuda_source())
 
     assert waits("barrier") == [("if ((halt_ptr[0] == 0) && (seen_ptr[0] == 0)) {", "0",
                                  "seen_ptr[0] = (1 - halt_ptr[0]);")]
