@@ -22,6 +22,8 @@ Strategies (the same device functions in every one):
     unfused+graph       those launches replayed from a CUDA graph
     static+graph        the persistent kernel's launch replayed from a CUDA graph (no host
                         work: the GPU-side cost alone)
+    barrier+graph       the barrier kernel's, likewise: tile-level edges against barriers
+                        with the host's part of a call out of both
 
 Times are medians of CUDA-event timings of one call, the variants taking turns call by call.
 Per-hop cost is the slope over N. Prints one table per part and writes every number to JSON
@@ -61,6 +63,7 @@ VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA gra
     "unfused": ("unfused", list_schedule, 1, False),
     "unfused+graph": ("unfused", list_schedule, 1, True),
     "static+graph": ("static", list_schedule, 1, True),
+    "barrier+graph": ("barrier", list_schedule, 1, True),
 }
 
 
@@ -169,7 +172,7 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
 # (a VM call against a VM call, a CUDA-graph replay against a replay), and unfused + graph
 # against the static VM call as well
 RATIOS = (("unfused", "static"), ("unfused+graph", "static+graph"), ("unfused+graph", "static"),
-          ("barrier", "static"))
+          ("barrier", "static"), ("barrier+graph", "static+graph"))
 
 
 def predicted_barrier_gain(graph, dims, num_sms: int) -> float:
