@@ -144,6 +144,9 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", choices=("blocked", "in-place"), default="blocked",
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
+    parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=False,
+                        help="the static and barrier megakernels' CTAs claim the schedule's "
+                        "tasks in its order at run time (KernelOptions.claim)")
     return parser
 
 
@@ -186,7 +189,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
         expert_weights = weights[key]
     inputs = (*inputs, *expert_weights)
     on_device = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in inputs]
-    kernel_options = KernelOptions(ctas_per_sm=options.ctas_per_sm)
+    kernel_options = KernelOptions(ctas_per_sm=options.ctas_per_sm, claim=options.claim)
     runs, libraries = {}, {}
     for label in ours:
         strategy, replay = label.split("+")[0], label.endswith("+graph")

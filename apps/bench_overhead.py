@@ -14,6 +14,11 @@ Strategies (the same device functions in every one):
     static-2, static-4  the same with 2 or 4 persistent CTAs per SM
     static-rr           the same kernel, topological order dealt round-robin onto the SMs (a
                         chain then crosses SMs at every hop: the hand-off cost)
+    claimed, claimed+graph
+                        the same kernel whose CTAs claim the tasks in id order at run time
+                        (KernelOptions.claim): each CTA takes the next task when it frees up
+    barrier-claimed+graph
+                        the barrier kernel, likewise, replayed from a CUDA graph
     dynamic             one persistent kernel whose CTAs pop ready tasks from a ring
     barrier, barrier-2, barrier-4
                         the persistent kernel with one barrier between operators (2 or 4
@@ -51,8 +56,11 @@ from timing import checked_run, time_interleaved
 WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
 
-VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA graph)
+VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA graph, claimed)
     "static": ("static", list_schedule, 1, False),
+    "claimed": ("static", list_schedule, 1, False, True),
+    "claimed+graph": ("static", list_schedule, 1, True, True),
+    "barrier-claimed+graph": ("barrier", list_schedule, 1, True, True),
     "static-2": ("static", list_schedule, 2, False),
     "static-4": ("static", list_schedule, 4, False),
     "static-rr": ("static", round_robin_schedule, 1, False),
@@ -158,9 +166,9 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
     runs = {}
     for label in labels:
-        strategy, scheduler, ctas, replay = VARIANTS[label]
+        strategy, scheduler, ctas, replay, *claim = VARIANTS[label]
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
-                         options=KernelOptions(ctas_per_sm=ctas))
+                         options=KernelOptions(ctas_per_sm=ctas, claim=bool(claim)))
         runs[label] = checked_run(label, compiled, on_device, want, rtol, replay)
     medians = time_interleaved(runs)
     print(f"{graph.name} {dims}: "
@@ -172,7 +180,8 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
 # (a VM call against a VM call, a CUDA-graph replay against a replay), and unfused + graph
 # against the static VM call as well
 RATIOS = (("unfused", "static"), ("unfused+graph", "static+graph"), ("unfused+graph", "static"),
-          ("barrier", "static"), ("barrier+graph", "static+graph"))
+          ("barrier", "static"), ("barrier+graph", "static+graph"),
+          ("barrier+graph", "claimed+graph"), ("barrier-claimed+graph", "claimed+graph"))
 
 
 def predicted_barrier_gain(graph, dims, num_sms: int) -> float:

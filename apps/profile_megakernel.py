@@ -54,6 +54,9 @@ def main() -> None:
                         "0 for one task (default: moe_layer.align_tokens_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int, default=1,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share)")
+    parser.add_argument("--claim", action="store_true",
+                        help="the static and barrier CTAs claim their tasks at run time "
+                        "(KernelOptions.claim)")
     parser.add_argument("--out", default="timelines")
     args = parser.parse_args()
     out = Path(args.out)
@@ -92,7 +95,8 @@ def main() -> None:
     for name, (graph, dims, inputs) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy,
-                             options=KernelOptions(profile=True, ctas_per_sm=args.ctas_per_sm))
+                             options=KernelOptions(profile=True, ctas_per_sm=args.ctas_per_sm,
+                                                 claim=args.claim))
             compiled.profile(*inputs)
             _, timeline = compiled.profile(*inputs)
             print(f"\n{name}, {strategy}\n{timeline.summary()}")

@@ -449,4 +449,17 @@ __device__ __forceinline__ void etc_notify(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], -1;" ::"l"(counter) : "memory");
 }
 
+// A decrement after ``etc_fence``: the fence made it a release (one fence for every notify of
+// a task, and an acquire for the relaxed loads before it).
+__device__ __forceinline__ void etc_notify_fenced(int* counter) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], -1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ void etc_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// 1 if ``counter`` looks complete (a relaxed load: an ``etc_fence`` after it acquires).
+__device__ __forceinline__ int etc_peek_complete(const int* counter) {
+  return etc_load_relaxed(counter) <= 0;
+}
+
 #endif  // ETC_TVM_RUNTIME_CUH_

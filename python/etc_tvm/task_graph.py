@@ -469,6 +469,17 @@ class TaskGraph:
                     edge(("c", producer), ("t", task))
         return succ, indeg
 
+    def ids_are_topological(self) -> bool:
+        """Whether every task waits only on tasks of lower ids (through elements and calls,
+        ``dependency_graph``), so that tasks taken in id order cannot wait on a later one."""
+        succ, _ = self.dependency_graph()
+        last_producer = {}
+        for task in range(self.num_tasks):  # ascending: each node ends at its last producer
+            for node in succ.get(("t", task), ()):
+                last_producer[node] = task
+        return all(m[1] > last for node, last in last_producer.items()
+                   for m in succ.get(node, ()))
+
     def topological_order(self) -> list[int]:
         """Task ids in an order that respects every edge, dynamic ones conservatively
         (``dependency_graph``). Raises ``GraphError`` naming a cycle."""

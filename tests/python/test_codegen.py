@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 
 from etc_tvm.build import build
+from etc_tvm.errors import EtcError
 from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
 from etc_tvm.schedule import DynamicPlan
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.device_runtime import RUNTIME_SOURCE
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from moe_graph import COUNT_MODES, moe_graph
+from test_task_graph import backward_chain
+from tiles import ROWS
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 DIMS = {"M": 64, "K": 32, "N": 48}
@@ -54,6 +58,39 @@ def test_wait_before_body_before_notify():
     assert consumer.index("etc_wait(") < consumer.index("tvm_builtin_cuda_cta_sync") \
         < consumer.index("D_ptr[")
     assert "etc_notify" not in consumer
+
+
+@needs_nvcc
+@pytest.mark.parametrize("graph, dims", [(graphs.gemm_reduce_scatter, DIMS),
+                                         (moe_graph(2, "tensor"), {"T": 7})])
+@pytest.mark.parametrize("strategy", ["static", "barrier"])
+def test_claiming_kernel_compiles_for_sm90a(graph, dims, strategy, tmp_path):
+    nvcc(build(graph, dims, strategy=strategy, num_sms=132,
+               options=KernelOptions(claim=True)).cuda_source(), tmp_path)
+
+
+def test_claiming_kernel_claims_after_the_waits_and_peeks_before_fenced_notifies():
+    """A CTA claims its next task once the current one's waits are done; before the
+    notifies it peeks at the next task's element and fences (the release of the relaxed
+    notifies, the acquire of the peek); a next task seen complete skips its wait."""
+    source = build(graphs.gemm_reduce_scatter, DIMS, num_sms=132,
+                   options=KernelOptions(claim=True)).cuda_source()
+    kernel = source[source.index("gemm_reduce_scatter_megakernel_kernel("):]
+    assert "queue" not in kernel and "indptr" not in kernel
+    loop = kernel[kernel.index("while (1)"):]
+    scatter = loop.index("if (t < 24) {")  # the second call's branch
+    producer, consumer = loop[:scatter], loop[scatter:]
+    assert producer.index("etc_claim(") < producer.index("C_ptr[") \
+        < producer.index("etc_peek_complete(") < producer.index("etc_fence()") \
+        < producer.index("etc_notify_fenced(")
+    assert "etc_notify(" not in kernel
+    assert consumer.index("if (ready == 0) {") < consumer.index("etc_wait(") \
+        < consumer.index("etc_claim(") < consumer.index("D_ptr[")
+
+
+def test_claiming_needs_tasks_that_wait_only_on_lower_ids():
+    with pytest.raises(EtcError, match="a task waits on a task of a higher id"):
+        build(backward_chain(), {"M": 4 * ROWS}, num_sms=132, options=KernelOptions(claim=True))
 
 
 def counter_waits(source: str) -> list[tuple[str, str, str]]:

@@ -289,6 +289,19 @@ def test_fused_route_layer_megakernel(strategy, tokens, rng, expert_weights,
         check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens", (1, 16, 1024))
+@pytest.mark.parametrize("strategy", ["static", "barrier"])
+def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+    """CTAs that claim their tasks at run time (``KernelOptions.claim``), on the layer as
+    bench_moe runs it, every routing: the tiles of unused experts are claimed and skipped, the
+    peek before a task's notifies lets its next task skip waits its producers completed."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(tokens, ctas_per_sm=2))
+    run = build(graph, {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=2, claim=True))
+    for routing in moe_layer.ROUTINGS:
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens", (1, 100))
 def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
                                                 expert_weights_f64):

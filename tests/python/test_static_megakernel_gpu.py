@@ -17,14 +17,15 @@ from megakernel_cases import ATOL, CASES, RTOL
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "dynamic", "mixed",
-                                      "barrier", "unfused"])
+@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "static_claimed",
+                                      "dynamic", "mixed", "barrier", "barrier_claimed",
+                                      "unfused"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_float64_and_the_reference_executor(case, strategy, rng):
     graph, dims, make, reference = CASES[case]
-    compiled = build(graph, dims, strategy=strategy.replace("_round_robin", ""),
+    compiled = build(graph, dims, strategy=strategy.split("_")[0],
                      scheduler=round_robin_schedule if "round_robin" in strategy
-                     else list_schedule)
+                     else list_schedule, options=KernelOptions(claim="claimed" in strategy))
     inputs = make(rng)
     got = compiled(*inputs)
     np.testing.assert_allclose(got, reference(*inputs), rtol=RTOL, atol=ATOL)
@@ -48,23 +49,27 @@ def test_unfused_replayed_from_a_cuda_graph(case, rng):
                                rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("claim", [False, True])
 @pytest.mark.parametrize("case", ["two_ops", "gemm_reduce_scatter"])
-def test_100_launches_are_identical(case, rng):
+def test_100_launches_are_identical(case, claim, rng):
     graph, dims, make, _ = CASES[case]
-    compiled = build(graph, dims)
+    compiled = build(graph, dims, options=KernelOptions(claim=claim))
     inputs = make(rng)
     first = compiled(*inputs)
     for _ in range(99):
         np.testing.assert_array_equal(compiled(*inputs), first)
 
 
-def test_a_missing_notify_stops_the_kernel_with_a_named_error(rng):
+@pytest.mark.parametrize("claim", [False, True])
+def test_a_missing_notify_stops_the_kernel_with_a_named_error(claim, rng):
     """Every task after the one whose notify is dropped waits on its predecessor's link; the
     first to time out names itself, the link it waited on and the SM, well within the limit.
-    Round-robin queues put each hop on another SM (a same-SM producer's wait is elided)."""
+    Round-robin queues put each hop on another SM (a same-SM producer's wait is elided); so
+    do claims, which never elide a wait."""
     graph, dims, make, _ = CASES["dependent_chain"]
     dropped = 10
-    compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped),
+    compiled = build(graph, dims, options=KernelOptions(timeout_s=0.5, drop_notify=dropped,
+                                                        claim=claim),
                      scheduler=round_robin_schedule)
     start = time.perf_counter()
     with pytest.raises(ExecutionError) as err:

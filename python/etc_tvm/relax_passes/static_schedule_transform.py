@@ -24,7 +24,6 @@ the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
 """
 from __future__ import annotations
 
-
 import tvm
 
 from ..tir_sched.events import EventLayout
@@ -43,7 +42,7 @@ class StaticScheduleTransform(PersistentScheduleTransform):
         layout = EventLayout.of(graph)
         kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
                                      symbolic=variant is not None)
-        indptr, tasks = schedule.csr(graph)
+        tables = [] if self.options.claim else list(schedule.csr(graph))
         return replace_with_persistent_kernel(mod, name, graph, kernel,
-                                              [indptr, tasks, layout.initial], variant)
+                                              [*tables, layout.initial], variant)
 

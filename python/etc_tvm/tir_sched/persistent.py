@@ -136,12 +136,17 @@ class KernelOptions:
       (``__launch_bounds__``), and the build refuses shared memory or threads that do not fit.
     drop_notify: a task id whose notifies are left out (a test hook for the watchdog).
     profile: record each task's timeline (start, waits done, end, SM) in an extra output
-      (``etc_tvm.profile``); a few stores per task."""
+      (``etc_tvm.profile``); a few stores per task.
+    claim: (static queues) the CTAs take the schedule's tasks one by one in its placement
+      order from a shared counter, each CTA the next when it frees up, instead of running
+      the queues fixed at compile time: the list schedule's own rule, applied with the
+      tasks' real times."""
 
     timeout_s: float = 4.0
     ctas_per_sm: int = 1
     drop_notify: int | None = None
     profile: bool = False
+    claim: bool = False
 
 
 DEFAULT_OPTIONS = KernelOptions()
@@ -225,6 +230,9 @@ class PersistentKernel:
         self.sites = {(c.index, e): k for k, (c, e) in enumerate(edge_sites(graph))}
         self.checks = {(c.index, n): k for k, (c, n) in enumerate(input_check_sites(graph))}
         self.ring = None  # the ready ring's operations, set by the dynamic kernel
+        # whether thread 0 runs an ``etc_fence`` before every task's notifies, which are then
+        # relaxed (set by a kernel that places the fence)
+        self.fenced_notifies = False
         self.limit = tirx.IntImm("int64", int(options.timeout_s * 1e9))
 
     def state_buffer(self, name: str, size: int) -> tirx.Buffer:
@@ -347,28 +355,39 @@ class PersistentKernel:
             Tb.add_to_parent(arm)
 
     def dispatch(self, task: tirx.Var, skip_waits: tirx.Expr | None = None,
-                 before_notifies: tirx.Stmt | None = None) -> tirx.Stmt:
+                 before_notifies: tirx.Stmt | None = None,
+                 after_waits: tirx.Stmt | None = None,
+                 static_done: tirx.Expr | None = None) -> tirx.Stmt:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits;
-        ``before_notifies`` runs after the body's closing barrier, before the notifies."""
+        ``static_done`` (when nonzero) elides its waits on static edges and completions (a
+        ``peek`` saw them complete), not those its trigger and data-dependent edges read;
+        ``after_waits`` runs once they are done (or skipped), before the body;
+        ``before_notifies`` (a statement, or a function that makes a fresh one for each
+        call's branch) runs after the body's closing barrier, before the notifies."""
         out = None
         for call in reversed([c for c in self.calls if c.num_tasks]):
             cond = task < i32(call.first_task + call.num_tasks)
-            out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits, before_notifies),
-                                  out)
+            out = tirx.IfThenElse(cond, self._branch(call, task, skip_waits, before_notifies,
+                                                     after_waits, static_done), out)
         return out
 
     # ------------------------------------------------------------------ one task
-    def _branch(self, call, task, skip_waits, before_notifies=None) -> tirx.Stmt:
+    def _branch(self, call, task, skip_waits, before_notifies=None, after_waits=None,
+                static_done=None) -> tirx.Stmt:
         coord_vars = [tirx.Var(c, "int32") for c in call.fn.coord_params]
         values = unravel(task - i32(call.first_task), call.grid)
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
         inside = self.inside(call, coord_vars)
         stmts.append(self._trace("etc_trace_start", task))
-        waits = self._waits(call, task, coord_vars)
+        reads = self._reads_at_wait(call)
+        waits = self._waits(call, task, coord_vars, static_done if reads else None)
         if waits is not None:
             run_waits = None if skip_waits is None else skip_waits == 0
+            if static_done is not None and not reads:
+                run_waits = _both(run_waits, static_done == 0)
             run_waits = _both(run_waits, inside)
             stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
+        stmts.append(after_waits)
         stmts.append(self._trace("etc_trace_waited", task))
         args, peers = self._task_buffers(call, coord_vars)
         body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
@@ -382,7 +401,7 @@ class PersistentKernel:
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
-        stmts.append(before_notifies)
+        stmts.append(before_notifies() if callable(before_notifies) else before_notifies)
         notifies = self._notifies(call, task, coord_vars)
         if notifies is not None:
             cond = self.tx == 0
@@ -438,7 +457,7 @@ class PersistentKernel:
         row = self.timeline.ptr_to([task * i32(TIMELINE_WORDS)])
         return tirx.IfThenElse(self.tx == 0, tirx.Evaluate(self.runtime_call(name, row)), None)
 
-    def _waits(self, call, task, coords) -> tirx.Stmt | None:
+    def _waits(self, call, task, coords, static_done=None) -> tirx.Stmt | None:
         """Warp 0 waits on: the elements of static in-edges and the completion of the calls
         whose tensors the in-edge maps read; then (after a warp barrier: the maps below read
         those tensors) the elements that release the task through a trigger map (none: the
@@ -448,7 +467,7 @@ class PersistentKernel:
         stopping."""
         warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
         lane = self.tx if warp else None
-        steps = self._wait_steps(call, task, coords, self._wait, lane)
+        steps = self._wait_steps(call, task, coords, self._wait, lane, static_done)
         if steps is None:
             return None
         publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
@@ -459,10 +478,12 @@ class PersistentKernel:
                              tirx.Evaluate(Tb.cuda.cta_sync()),
                              tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
 
-    def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
+    def _wait_steps(self, call, task, coords, wait, lane=None,
+                    static_done=None) -> tirx.Stmt | None:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
         thread in turn, or, given ``lane`` (the thread's lane in warp 0), shared out over the
-        warp's lanes (``spread``). A wait that fails sets the thread's ``halt``."""
+        warp's lanes (``spread``). A wait that fails sets the thread's ``halt``. Where
+        ``static_done`` is nonzero, the waits on static edges and completions are left out."""
         layout, singles = self.layout, itertools.count()
 
         def one_lane(stmt):
@@ -483,6 +504,8 @@ class PersistentKernel:
                 steps.append(spread(lowered, wait(layout.flat_index(e.etensor, index), task)))
         for producer in sorted(self.graph.completion_waits(call)):
             steps.append(one_lane(wait(i32(layout.done[producer]), task)))
+        if static_done is not None and steps:
+            steps = [tirx.IfThenElse(static_done == 0, tirx.stmt_seq(*steps), None)]
         # the maps below read tensors only once their producers are complete
         reading = []
         if self._scans(call):
@@ -507,6 +530,43 @@ class PersistentKernel:
         """Every lane of warp 0: ``halt`` = whether any lane's wait failed."""
         return tirx.BufferStore(self.halt, Tb.cuda.any_sync(
             tirx.const(0xFFFFFFFF, "uint32"), self.halt[0]), [i32(0)])
+
+    def _reads_at_wait(self, call) -> bool:
+        """Whether ``call``'s waits read tensors: trigger scans, data-dependent elements."""
+        return self._scans(call) or any(e.map.is_data_dependent and not e.map.is_trigger
+                                        for e in call.in_edges)
+
+    def peek(self, task: tirx.Expr, complete: tirx.Buffer) -> tirx.Stmt:
+        """One thread: ``complete[0]`` = whether every static-edge element and completion
+        ``task`` (any task, or -1 for none) waits on looks complete now, by relaxed loads
+        that all leave before any is looked at; an ``etc_fence`` after them makes it an
+        acquire, so that the task may then skip those waits (``dispatch``'s
+        ``static_done``)."""
+        out = None
+        for call in reversed([c for c in self.calls if c.num_tasks]):
+            coords = [tirx.Var(f"{c}_ahead", "int32") for c in call.fn.coord_params]
+            looks = []
+            for e in call.in_edges:
+                if not (e.map.is_data_dependent or e.map.is_trigger):
+                    lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
+                    flat = self.layout.flat_index(e.etensor, self.global_index(e, lowered.index))
+                    looks.append(lowered.nest(tirx.BufferStore(
+                        complete, complete[0] & self.runtime_call(
+                            "etc_peek_complete", self.counters.ptr_to([flat]),
+                            return_type="int32"), [i32(0)])))
+            for producer in sorted(self.graph.completion_waits(call)):
+                looks.append(tirx.BufferStore(complete, complete[0] & self.runtime_call(
+                    "etc_peek_complete", self.counters.ptr_to([i32(self.layout.done[producer])]),
+                    return_type="int32"), [i32(0)]))
+            if not looks:
+                continue
+            branch = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
+                coords, unravel(task - i32(call.first_task), call.grid))], *looks)
+            out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
+                                           task < i32(call.first_task + call.num_tasks)),
+                                  branch, out)
+        return tirx.stmt_seq(tirx.BufferStore(complete, i32(1), [i32(0)]),
+                             *([] if out is None else [out]))
 
     def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
         """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
@@ -620,7 +680,8 @@ class PersistentKernel:
         that completes it fires it."""
         counter = self.counters.ptr_to([flat])
         if self.ring is None or edge.etensor not in self.ring.trigger_sources:
-            return tirx.Evaluate(self.runtime_call("etc_notify", counter))
+            return tirx.Evaluate(self.runtime_call(
+                "etc_notify_fenced" if self.fenced_notifies else "etc_notify", counter))
         last = self.runtime_call("etc_notify_last", counter, return_type="int32")
         shape = self.layout.shapes[edge.etensor]
         return tirx.IfThenElse(last != 0, self.ring.fire(

@@ -31,6 +31,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
+from ..errors import EtcError
 from ..schedule import LOCAL_WAITS, StaticSchedule
 from ..task_graph import TaskGraph
 from .events import EventLayout
@@ -46,6 +47,8 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     graph of several ranks, rank ``rank``'s kernel: ``schedule`` holds that rank's tasks
     (``StaticSchedule.for_rank``)."""
     kernel = PersistentKernel(graph, layout, options, schedule.num_ctas, symbolic, rank)
+    if options.claim:
+        return _claiming_kernel(kernel, name)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     task = tirx.Var("t", "int32")
@@ -63,5 +66,61 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
                 Tb.add_to_parent(tirx.Bind(local, tasks[pos[0]] >> i32(30)))
                 Tb.add_to_parent(dispatch)
                 Tb.buffer_store(pos, pos[0] + 1, [0])
+            kernel.end(bx)
+    return ib.get()
+
+
+def _claiming_kernel(kernel: PersistentKernel, name: str) -> tirx.PrimFunc:
+    """The kernel whose CTAs claim the tasks in id order (``KernelOptions.claim``).
+
+    Thread 0 claims its CTA's next task once the current task's waits are done, so that the
+    claim's round trip overlaps the body; before the notifies it peeks at what that next task
+    waits on, and the fence that makes the notifies releases makes the peek an acquire: a
+    next task whose producers are done starts without a wait. A CTA holds a claimed task only
+    while it runs one whose waits are done, and every task waits only on tasks of lower ids,
+    so the lowest unfinished task is always running or about to: claiming cannot deadlock.
+
+    Parameters: the graph's inputs, ``initial``, then what the call returns (the claim
+    counter is state of the workspace)."""
+    graph = kernel.graph
+    if kernel.workspace is None:
+        raise NotImplementedError(f"{graph.name}: claimed tasks on several ranks")
+    if not graph.ids_are_topological():
+        raise EtcError(f"{graph.name}: a task waits on a task of a higher id (an edge within a "
+                       "call that points forward in its grid): its CTAs cannot claim the "
+                       "tasks in id order; build it without KernelOptions.claim")
+    kernel.fenced_notifies = True
+    counter = kernel.state_buffer("claim", 1)
+    head = tirx.decl_buffer((2,), "int32", "head", scope="shared")  # next task, its peek
+    claimed = tirx.decl_buffer((1,), "int32", "claimed", scope="local")
+    looked = tirx.decl_buffer((1,), "int32", "looked", scope="local")  # the next task's peek
+    task, ready = tirx.Var("t", "int32"), tirx.Var("ready", "int32")
+    first = kernel.tx == 0
+
+    def thread0(*stmts):
+        return tirx.IfThenElse(first, tirx.stmt_seq(*stmts), None)
+
+    claim = tirx.BufferStore(claimed, kernel.runtime_call(
+        "etc_claim", counter.ptr_to([0]), return_type="int32"), [i32(0)])
+    upcoming = tirx.if_then_else(claimed[0] < i32(graph.num_tasks), claimed[0], i32(-1))
+    dispatch = kernel.dispatch(
+        task, static_done=ready, after_waits=thread0(claim),
+        before_notifies=lambda: thread0(kernel.peek(upcoming, looked),
+                                        tirx.Evaluate(kernel.runtime_call("etc_fence"))))
+
+    with IRBuilder() as ib:
+        with Tb.prim_func():
+            bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *kernel.returned()],
+                              shared=(head, claimed, looked), state=[(counter, None, 1)])
+            Tb.add_to_parent(thread0(claim, tirx.BufferStore(head, upcoming, [i32(0)]),
+                                     tirx.BufferStore(head, i32(0), [i32(1)])))
+            Tb.evaluate(Tb.cuda.cta_sync())
+            with Tb.While(head[0] >= i32(0)):
+                Tb.add_to_parent(tirx.Bind(task, head[0]))
+                Tb.add_to_parent(tirx.Bind(ready, head[1]))
+                Tb.add_to_parent(dispatch)
+                Tb.add_to_parent(thread0(tirx.BufferStore(head, upcoming, [i32(0)]),
+                                         tirx.BufferStore(head, looked[0], [i32(1)])))
+                Tb.evaluate(Tb.cuda.cta_sync())
             kernel.end(bx)
     return ib.get()
