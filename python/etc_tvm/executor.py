@@ -11,6 +11,8 @@ is the order's choice, so one graph can be run
 * ``DynamicQueueOrder(num_ctas)``: as the GPU dynamic schedule, persistent CTAs popping a ring
   that a task enters when its producers have been dispatched (early push);
 * ``MixedOrder(queues, ring_calls)``: as the GPU mixed schedule, static queues and a ring;
+* ``ClaimedOrder(num_ctas)``: as the persistent kernel whose CTAs claim tasks in id order
+  (``KernelOptions.claim``);
 * ``RandomOrder(seed)``: as a random valid interleaving.
 
 It is the oracle for schedules and GPU results: outputs start poisoned (NaN, or the most
@@ -145,6 +147,42 @@ class StaticOrder(Order):
     def blocked(self):
         return [(q[self.heads[sm]], self.labels[sm]) for sm, q in enumerate(self.queues)
                 if self.heads[sm] < len(q)]
+
+
+class ClaimedOrder(Order):
+    """The persistent kernel whose CTAs claim tasks in id order (``KernelOptions.claim``),
+    modelled: each of ``num_ctas`` CTAs holds the task it claimed and blocks on it until it
+    can start; when it starts, the CTA claims the next id (the kernel claims once a task's
+    waits are done, which in this model's atomic tasks is the start). Among the CTAs whose
+    task can start, the lowest-numbered goes first, or a random one given ``seed``. A task
+    that waits on a higher id can deadlock it, as it would the kernel (which refuses such
+    graphs)."""
+
+    def __init__(self, num_ctas: int = 132, seed: int | None = None):
+        if num_ctas < 1:
+            raise EtcError(f"num_ctas must be positive, got {num_ctas}")
+        self.num_ctas = num_ctas
+        self.rng = random.Random(seed) if seed is not None else None
+
+    def start(self, run):
+        super().start(run)
+        self.claimed = 0
+        self.ctas = [self._claim() for _ in range(self.num_ctas)]
+
+    def _claim(self) -> int | None:
+        task, self.claimed = self.claimed, self.claimed + 1
+        return task if task < self.run.graph.num_tasks else None
+
+    def next(self):
+        ready = [k for k, t in enumerate(self.ctas) if t is not None and self.run.is_ready(t)]
+        if not ready:
+            return None
+        cta = self.rng.choice(ready) if self.rng else ready[0]
+        task, self.ctas[cta] = self.ctas[cta], self._claim()
+        return task
+
+    def blocked(self):
+        return [(t, f" claimed by CTA {k}") for k, t in enumerate(self.ctas) if t is not None]
 
 
 class DynamicQueueOrder(Order):

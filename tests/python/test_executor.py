@@ -5,8 +5,8 @@ from tvm.script import tirx as T
 
 from etc_tvm import (DeadlockError, ETensor, EtcError, ExecutionError, Tensor, call_device,
                      device_func, graph_func)
-from etc_tvm.executor import (DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder,
-                              execute)
+from etc_tvm.executor import (ClaimedOrder, DynamicQueueOrder, RandomOrder, ReadyQueueOrder,
+                              StaticOrder, execute)
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 
@@ -16,7 +16,8 @@ from tiles import COLS, ROWS, scale_tile
 
 def orders(graph, dims):
     """Every kind of order: ready queue, GPU dynamic schedule (early push or not, 1 and 5 CTAs),
-    random interleavings, static queues on 1, 3 and 8 SMs."""
+    random interleavings, static queues on 1, 3 and 8 SMs, CTAs claiming in id order (1 and 5,
+    in CTA order and at random)."""
     topo = TaskGraph.build(graph, dims).topological_order()
     yield ReadyQueueOrder()
     for ctas in (1, 5):
@@ -27,6 +28,9 @@ def orders(graph, dims):
     for sms in (1, 3, 8):
         yield StaticOrder([topo[k::sms] for k in range(sms)])
         yield StaticOrder([topo[k::sms] for k in range(sms)], seed=sms)
+    for ctas in (1, 5):
+        yield ClaimedOrder(ctas)
+        yield ClaimedOrder(ctas, seed=ctas)
 
 
 @pytest.mark.parametrize("M,K,N", [(16, 16, 16), (64, 48, 32), (32, 80, 112)])
@@ -92,6 +96,34 @@ def test_deadlock_report_names_task_event_counter_and_sm(rng):
     msg = str(err.value)
     assert "3 tasks left" in msg
     assert "scale_tile0(2) on SM 0 waits on link[1]: counter 1 of wait count 1" in msg
+
+
+def test_claimed_tasks_run_in_id_order_on_one_cta_and_spread_over_many(rng):
+    X = rng.standard_normal((6 * ROWS, COLS)).astype("float32")
+    Y = rng.standard_normal((6 * ROWS, COLS)).astype("float32")
+    for ctas, seed in ((1, None), (4, None), (4, 3)):
+        trace = []
+        execute(two_ops, X, Y, order=ClaimedOrder(ctas, seed), trace=trace)
+        assert sorted(trace) == list(range(12))
+        if ctas == 1:
+            assert trace == list(range(12))
+
+
+def test_claims_deadlock_on_a_wait_for_a_higher_id(rng):
+    """Tile i waits on tile i + 1: one CTA holds tile 0 and never claims tile 1. The kernel
+    refuses such graphs (``TaskGraph.ids_are_topological``); the model reports the hang."""
+    @graph_func
+    def backward(X: Tensor(("M", COLS))):
+        M = X.shape[0]
+        E = ETensor((M // ROWS,), name="link")
+        return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
+                           in_edges={E: "i->i+1 if i < 2"}, out_edges={E: "i->i"})
+
+    X = rng.standard_normal((3 * ROWS, COLS)).astype("float32")
+    with pytest.raises(DeadlockError, match=r"scale_tile0\(0\) claimed by CTA 0 waits on "
+                                            r"link\[1\]"):
+        execute(backward, X, order=ClaimedOrder(1))
+    np.testing.assert_allclose(execute(backward, X, order=ClaimedOrder(3)), 2 * X + 1)
 
 
 def test_outputs_are_poisoned_before_the_run(rng):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from etc_tvm import EtcError, ExecutionError, GraphError
-from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
-                              StaticOrder, execute)
+from etc_tvm.executor import (ClaimedOrder, DynamicQueueOrder, MixedOrder, RandomOrder,
+                              ReadyQueueOrder, StaticOrder, execute)
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 
@@ -33,6 +33,8 @@ ORDERS = {
     "static7-seeded": lambda tg: StaticOrder(deal(tg.topological_order(), 7), seed=12),
     "mixed3": lambda tg: MixedOrder(*_mixed(tg, 3)),
     "mixed1": lambda tg: MixedOrder(*_mixed(tg, 1)),
+    "claimed1": lambda tg: ClaimedOrder(1),
+    "claimed5-seeded": lambda tg: ClaimedOrder(5, seed=13),
 }
 
 

@@ -4,8 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
-from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
-                              StaticOrder, execute)
+from etc_tvm.executor import (ClaimedOrder, DynamicQueueOrder, MixedOrder, RandomOrder,
+                              ReadyQueueOrder, StaticOrder, execute)
 from etc_tvm.schedule import mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 
@@ -77,11 +77,12 @@ def test_every_valid_order_gives_the_same_result(dag, seed, ring, ctas):
     x = np.random.default_rng(seed).standard_normal((tiles * ROWS, COLS)).astype("float32")
     task_graph = TaskGraph.build(graph, {"M": tiles * ROWS})
     topo = task_graph.topological_order()
+    assert task_graph.ids_are_topological()  # edges between calls point to later calls
     queues, ring_calls = mixed_schedule(task_graph, ctas, ring & set(range(len(calls))))
     orders = [ReadyQueueOrder(), DynamicQueueOrder(1), DynamicQueueOrder(3),
               DynamicQueueOrder(2, early_push=False), RandomOrder(seed), RandomOrder(seed + 1),
               StaticOrder([topo]), StaticOrder([topo[k::3] for k in range(3)], seed=seed),
-              MixedOrder(queues.queues, ring_calls)]
+              MixedOrder(queues.queues, ring_calls), ClaimedOrder(1), ClaimedOrder(ctas, seed)]
     results = [execute(graph, x, order=o) for o in orders]
     for got, want in zip(results[0], numpy_dag(calls, x)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,9 @@ scheduled onto one queue per persistent CTA (stored as constants the kernel read
 ``tir_sched.static_kernel``. The device functions, now inlined, leave the module. The function
 also returns the watchdog ``status`` record, last; ``etc_tvm.runtime`` checks it. Run it before
 the standard Relax lowering (``etc_tvm.relax_passes.pipeline``).
+
+With ``KernelOptions(claim=True)`` the kernel takes no queues: its CTAs claim the tasks in id
+order at run time, each the next when it frees up (``tir_sched.static_kernel``).
 """
 from __future__ import annotations
 

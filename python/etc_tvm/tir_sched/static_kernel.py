@@ -13,6 +13,9 @@
                     body:   the device function, inlined
                     notify: barrier; thread 0 decrements each element of the out_edges
 
+With ``KernelOptions.claim`` the loop takes no queues: thread 0 claims the next task id from a
+counter (``_claiming_kernel``).
+
 Kernel parameters, in order (the DPS order of ``R.call_tir``): the graph's input tensors,
 ``indptr`` int32[num_ctas + 1], ``tasks`` int32[num_tasks] and ``initial`` int32[n] (the
 counts every launch starts from, never written), then the outputs ``counters`` int32[n] and
