@@ -137,10 +137,10 @@ class KernelOptions:
     drop_notify: a task id whose notifies are left out (a test hook for the watchdog).
     profile: record each task's timeline (start, waits done, end, SM) in an extra output
       (``etc_tvm.profile``); a few stores per task.
-    claim: (static queues) the CTAs take the schedule's tasks one by one in its placement
-      order from a shared counter, each CTA the next when it frees up, instead of running
-      the queues fixed at compile time: the list schedule's own rule, applied with the
-      tasks' real times."""
+    claim: (the static and barrier kernels) no queues fixed at compile time: a CTA that
+      frees up claims the next task id from one counter, so that tasks spread by their real
+      times (the list schedule's rule, without its cost model). Every wait is kept; the
+      graph's tasks must wait only on lower ids (``TaskGraph.ids_are_topological``)."""
 
     timeout_s: float = 4.0
     ctas_per_sm: int = 1
