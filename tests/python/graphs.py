@@ -59,3 +59,13 @@ def doubled_gather(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
                     out=Tensor((8,), "float32", name="C"), out_edges={doubled: "i->0"})
     return call_device(gather_tile, tile_num=(1,), args=[slot, C],
                        out=Tensor((4,), "float32", name="D"), in_edges={doubled: "i->0"})
+
+
+@graph_func
+def backward_chain(X: Tensor(("M", COLS))):
+    """Row tile i waits on tile i + 1 (up to tile 3): a valid graph whose tasks' ids are not
+    a topological order."""
+    M = X.shape[0]
+    E = ETensor((M // ROWS,), name="E")
+    return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
+                       in_edges={E: "i->i+1 if i < 3"}, out_edges={E: "i->i"})

@@ -17,7 +17,6 @@ from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from moe_graph import COUNT_MODES, moe_graph
-from test_task_graph import backward_chain
 from tiles import ROWS
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -90,7 +89,8 @@ def test_claiming_kernel_claims_after_the_waits_and_peeks_before_fenced_notifies
 
 def test_claiming_needs_tasks_that_wait_only_on_lower_ids():
     with pytest.raises(EtcError, match="a task waits on a task of a higher id"):
-        build(backward_chain(), {"M": 4 * ROWS}, num_sms=132, options=KernelOptions(claim=True))
+        build(graphs.backward_chain, {"M": 4 * ROWS}, num_sms=132,
+              options=KernelOptions(claim=True))
 
 
 def counter_waits(source: str) -> list[tuple[str, str, str]]:

@@ -10,7 +10,7 @@ from etc_tvm.executor import (ClaimedOrder, DynamicQueueOrder, RandomOrder, Read
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 
-from graphs import gemm_reduce_scatter, row_sum, two_ops
+from graphs import backward_chain, gemm_reduce_scatter, row_sum, two_ops
 from tiles import COLS, ROWS, scale_tile
 
 
@@ -112,18 +112,11 @@ def test_claimed_tasks_run_in_id_order_on_one_cta_and_spread_over_many(rng):
 def test_claims_deadlock_on_a_wait_for_a_higher_id(rng):
     """Tile i waits on tile i + 1: one CTA holds tile 0 and never claims tile 1. The kernel
     refuses such graphs (``TaskGraph.ids_are_topological``); the model reports the hang."""
-    @graph_func
-    def backward(X: Tensor(("M", COLS))):
-        M = X.shape[0]
-        E = ETensor((M // ROWS,), name="link")
-        return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
-                           in_edges={E: "i->i+1 if i < 2"}, out_edges={E: "i->i"})
-
-    X = rng.standard_normal((3 * ROWS, COLS)).astype("float32")
+    X = rng.standard_normal((4 * ROWS, COLS)).astype("float32")
     with pytest.raises(DeadlockError, match=r"scale_tile0\(0\) claimed by CTA 0 waits on "
-                                            r"link\[1\]"):
-        execute(backward, X, order=ClaimedOrder(1))
-    np.testing.assert_allclose(execute(backward, X, order=ClaimedOrder(3)), 2 * X + 1)
+                                            r"E\[1\]"):
+        execute(backward_chain, X, order=ClaimedOrder(1))
+    np.testing.assert_allclose(execute(backward_chain, X, order=ClaimedOrder(4)), 2 * X + 1)
 
 
 def test_outputs_are_poisoned_before_the_run(rng):

@@ -5,7 +5,7 @@ import pytest
 from etc_tvm import ETensor, GraphError, Tensor, call_device, graph_func
 from etc_tvm.task_graph import TaskGraph
 
-from graphs import gemm_reduce_scatter, row_sum, two_ops
+from graphs import backward_chain, gemm_reduce_scatter, row_sum, two_ops
 from tiles import COLS, ROWS, TILE, mix_tile, partial_rowsum_tile, scale_tile
 
 
@@ -105,22 +105,10 @@ def test_cycle_is_reported_with_its_path():
         TaskGraph.build(g, {"M": 3 * ROWS}).validate()
 
 
-def backward_chain():
-    """Task i waits on task i + 1: a valid graph whose id order is not topological."""
-    @graph_func
-    def g(X: Tensor(("M", COLS))):
-        M = X.shape[0]
-        E = ETensor((M // ROWS,), name="E")
-        return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
-                           in_edges={E: "i->i+1 if i < 3"}, out_edges={E: "i->i"})
-
-    return g
-
-
 def test_ids_are_topological_when_every_wait_points_to_a_lower_id():
     assert TaskGraph.build(gemm_reduce_scatter, {"M": 32, "K": 16, "N": 48}).ids_are_topological()
     assert TaskGraph.build(two_ops, {"M": 4 * ROWS}).ids_are_topological()
-    graph = TaskGraph.build(backward_chain(), {"M": 4 * ROWS})
+    graph = TaskGraph.build(backward_chain, {"M": 4 * ROWS})
     graph.validate()
     assert not graph.ids_are_topological()
 
