@@ -484,7 +484,7 @@ class PersistentKernel:
         thread in turn, or, given ``lane`` (the thread's lane in warp 0), shared out over the
         warp's lanes (``spread``). A wait that fails sets the thread's ``halt``. Where
         ``static_done`` is nonzero, the waits on static edges and completions are left out."""
-        layout, singles = self.layout, itertools.count()
+        singles = itertools.count()
 
         def one_lane(stmt):
             """A wait on one element: the next lane in turn takes it."""
@@ -496,14 +496,9 @@ class PersistentKernel:
                 return one_lane(lowered.nest(body))
             return lowered.nest_strided(body, lane, WARP)
 
-        steps = []
-        for e in call.in_edges:
-            if not (e.map.is_data_dependent or e.map.is_trigger):
-                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
-                index = self.global_index(e, lowered.index)
-                steps.append(spread(lowered, wait(layout.flat_index(e.etensor, index), task)))
-        for producer in sorted(self.graph.completion_waits(call)):
-            steps.append(one_lane(wait(i32(layout.done[producer]), task)))
+        steps = [one_lane(wait(flat, task)) if lowered is None
+                 else spread(lowered, wait(flat, task))
+                 for lowered, flat in self._known_waits(call, coords)]
         if static_done is not None and steps:
             steps = [tirx.IfThenElse(static_done == 0, tirx.stmt_seq(*steps), None)]
         # the maps below read tensors only once their producers are complete
@@ -531,6 +526,20 @@ class PersistentKernel:
         return tirx.BufferStore(self.halt, Tb.cuda.any_sync(
             tirx.const(0xFFFFFFFF, "uint32"), self.halt[0]), [i32(0)])
 
+    def _known_waits(self, call, coords) -> list:
+        """(the lowered edge, or None for a call's completion; the flat counter index, in the
+        edge's loop variables) of each element a task of ``call`` at ``coords`` waits on
+        whatever the data: its static in-edges' elements and the completions of the calls
+        whose tensors its maps read."""
+        out = []
+        for e in call.in_edges:
+            if not (e.map.is_data_dependent or e.map.is_trigger):
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
+                out.append((lowered, self.layout.flat_index(
+                    e.etensor, self.global_index(e, lowered.index))))
+        return out + [(None, i32(self.layout.done[p]))
+                      for p in sorted(self.graph.completion_waits(call))]
+
     def _reads_at_wait(self, call) -> bool:
         """Whether ``call``'s waits read tensors: trigger scans, data-dependent elements."""
         return self._scans(call) or any(e.map.is_data_dependent and not e.map.is_trigger
@@ -546,18 +555,11 @@ class PersistentKernel:
         for call in reversed([c for c in self.calls if c.num_tasks]):
             coords = [tirx.Var(f"{c}_ahead", "int32") for c in call.fn.coord_params]
             looks = []
-            for e in call.in_edges:
-                if not (e.map.is_data_dependent or e.map.is_trigger):
-                    lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
-                    flat = self.layout.flat_index(e.etensor, self.global_index(e, lowered.index))
-                    looks.append(lowered.nest(tirx.BufferStore(
-                        complete, complete[0] & self.runtime_call(
-                            "etc_peek_complete", self.counters.ptr_to([flat]),
-                            return_type="int32"), [i32(0)])))
-            for producer in sorted(self.graph.completion_waits(call)):
-                looks.append(tirx.BufferStore(complete, complete[0] & self.runtime_call(
-                    "etc_peek_complete", self.counters.ptr_to([i32(self.layout.done[producer])]),
-                    return_type="int32"), [i32(0)]))
+            for lowered, flat in self._known_waits(call, coords):
+                look = tirx.BufferStore(complete, complete[0] & self.runtime_call(
+                    "etc_peek_complete", self.counters.ptr_to([flat]), return_type="int32"),
+                    [i32(0)])
+                looks.append(look if lowered is None else lowered.nest(look))
             if not looks:
                 continue
             branch = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
