@@ -30,7 +30,7 @@ from __future__ import annotations
 import tvm
 
 from ..tir_sched.events import EventLayout
-from ..tir_sched.static_kernel import build_static_kernel
+from ..tir_sched.static_kernel import build_claiming_kernel, build_static_kernel
 from .instantiate import PersistentScheduleTransform, replace_with_persistent_kernel
 
 
@@ -41,11 +41,17 @@ class StaticScheduleTransform(PersistentScheduleTransform):
     ``PersistentScheduleTransform``."""
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
-        schedule = self.scheduler(graph, self.num_sms * self.options.ctas_per_sm)
-        layout = EventLayout.of(graph)
-        kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
-                                     symbolic=variant is not None)
-        tables = [] if self.options.claim else list(schedule.csr(graph))
+        num_ctas, layout = self.num_sms * self.options.ctas_per_sm, EventLayout.of(graph)
+        symbolic = variant is not None
+        if self.options.claim:  # no queues: the CTAs claim the tasks at run time
+            kernel = build_claiming_kernel(graph, num_ctas, layout, kernel_name, self.options,
+                                           symbolic)
+            tables = []
+        else:
+            schedule = self.scheduler(graph, num_ctas)
+            kernel = build_static_kernel(graph, schedule, layout, kernel_name, self.options,
+                                         symbolic)
+            tables = list(schedule.csr(graph))
         return replace_with_persistent_kernel(mod, name, graph, kernel,
                                               [*tables, layout.initial], variant)
 

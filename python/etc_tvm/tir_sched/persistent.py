@@ -137,10 +137,11 @@ class KernelOptions:
     drop_notify: a task id whose notifies are left out (a test hook for the watchdog).
     profile: record each task's timeline (start, waits done, end, SM) in an extra output
       (``etc_tvm.profile``); a few stores per task.
-    claim: (the static and barrier kernels) no queues fixed at compile time: a CTA that
-      frees up claims the next task id from one counter, so that tasks spread by their real
-      times (the list schedule's rule, without its cost model). Every wait is kept; the
-      graph's tasks must wait only on lower ids (``TaskGraph.ids_are_topological``)."""
+    claim: (the static and barrier kernels) no queues fixed at compile time (no scheduler
+      runs): a CTA that frees up claims the next task id from one counter, so that tasks
+      spread by their real times (the list schedule's rule, without its cost model). Every
+      wait is kept; the graph's tasks must wait only on lower ids
+      (``TaskGraph.ids_are_topological``)."""
 
     timeout_s: float = 4.0
     ctas_per_sm: int = 1

@@ -14,7 +14,7 @@
                     notify: barrier; thread 0 decrements each element of the out_edges
 
 With ``KernelOptions.claim`` the loop takes no queues: thread 0 claims the next task id from a
-counter (``_claiming_kernel``).
+counter (``build_claiming_kernel``).
 
 Kernel parameters, in order (the DPS order of ``R.call_tir``): the graph's input tensors,
 ``indptr`` int32[num_ctas + 1], ``tasks`` int32[num_tasks] and ``initial`` int32[n] (the
@@ -49,9 +49,10 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     ``symbolic``, on tensors of any sizes up to ``graph``'s (``PersistentKernel``). For a
     graph of several ranks, rank ``rank``'s kernel: ``schedule`` holds that rank's tasks
     (``StaticSchedule.for_rank``)."""
-    kernel = PersistentKernel(graph, layout, options, schedule.num_ctas, symbolic, rank)
     if options.claim:
-        return _claiming_kernel(kernel, name)
+        raise NotImplementedError(f"{graph.name}: KernelOptions.claim needs no queues "
+                                  "(build_claiming_kernel, one rank)")
+    kernel = PersistentKernel(graph, layout, options, schedule.num_ctas, symbolic, rank)
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, graph.num_tasks),), "int32", "tasks")
     task = tirx.Var("t", "int32")
@@ -73,8 +74,11 @@ def build_static_kernel(graph: TaskGraph, schedule: StaticSchedule, layout: Even
     return ib.get()
 
 
-def _claiming_kernel(kernel: PersistentKernel, name: str) -> tirx.PrimFunc:
-    """The kernel whose CTAs claim the tasks in id order (``KernelOptions.claim``).
+def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, name: str,
+                          options: KernelOptions = DEFAULT_OPTIONS,
+                          symbolic: bool = False) -> tirx.PrimFunc:
+    """The persistent kernel of ``num_ctas`` CTAs that claim the tasks of ``graph`` (one
+    rank) in id order (``KernelOptions.claim``); ``symbolic`` as ``build_static_kernel``.
 
     Thread 0 claims its CTA's next task once the current task's waits are done, so that the
     claim's round trip overlaps the body; before the notifies it peeks at what that next task
@@ -85,13 +89,11 @@ def _claiming_kernel(kernel: PersistentKernel, name: str) -> tirx.PrimFunc:
 
     Parameters: the graph's inputs, ``initial``, then what the call returns (the claim
     counter is state of the workspace)."""
-    graph = kernel.graph
-    if kernel.workspace is None:
-        raise NotImplementedError(f"{graph.name}: claimed tasks on several ranks")
     if not graph.ids_are_topological():
         raise EtcError(f"{graph.name}: a task waits on a task of a higher id (an edge within a "
                        "call that points forward in its grid): its CTAs cannot claim the "
                        "tasks in id order; build it without KernelOptions.claim")
+    kernel = PersistentKernel(graph, layout, options, num_ctas, symbolic)
     kernel.fenced_notifies = True
     counter = kernel.state_buffer("claim", 1)
     head = tirx.decl_buffer((2,), "int32", "head", scope="shared")  # next task, its peek
