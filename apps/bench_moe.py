@@ -145,8 +145,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="our expert weights' layout: moe.block_columns (each task's slab "
                         "contiguous; at T=1024 on the H200, 3-5%% faster) or (E, K, N)")
     parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=False,
-                        help="the static and barrier megakernels' CTAs claim the schedule's "
-                        "tasks in its order at run time (KernelOptions.claim)")
+                        help="the static and barrier megakernels' CTAs claim the tasks in "
+                        "id order at run time (KernelOptions.claim)")
     return parser
 
 

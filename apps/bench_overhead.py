@@ -57,21 +57,21 @@ WIDTH, THREADS = 128, 128
 N_ROWS = T.int32()
 
 VARIANTS = {  # label: (strategy, scheduler, CTAs per SM, replay from a CUDA graph, claimed)
-    "static": ("static", list_schedule, 1, False),
+    "static": ("static", list_schedule, 1, False, False),
     "claimed": ("static", list_schedule, 1, False, True),
     "claimed+graph": ("static", list_schedule, 1, True, True),
     "barrier-claimed+graph": ("barrier", list_schedule, 1, True, True),
-    "static-2": ("static", list_schedule, 2, False),
-    "static-4": ("static", list_schedule, 4, False),
-    "static-rr": ("static", round_robin_schedule, 1, False),
-    "dynamic": ("dynamic", list_schedule, 1, False),
-    "barrier": ("barrier", list_schedule, 1, False),
-    "barrier-2": ("barrier", list_schedule, 2, False),
-    "barrier-4": ("barrier", list_schedule, 4, False),
-    "unfused": ("unfused", list_schedule, 1, False),
-    "unfused+graph": ("unfused", list_schedule, 1, True),
-    "static+graph": ("static", list_schedule, 1, True),
-    "barrier+graph": ("barrier", list_schedule, 1, True),
+    "static-2": ("static", list_schedule, 2, False, False),
+    "static-4": ("static", list_schedule, 4, False, False),
+    "static-rr": ("static", round_robin_schedule, 1, False, False),
+    "dynamic": ("dynamic", list_schedule, 1, False, False),
+    "barrier": ("barrier", list_schedule, 1, False, False),
+    "barrier-2": ("barrier", list_schedule, 2, False, False),
+    "barrier-4": ("barrier", list_schedule, 4, False, False),
+    "unfused": ("unfused", list_schedule, 1, False, False),
+    "unfused+graph": ("unfused", list_schedule, 1, True, False),
+    "static+graph": ("static", list_schedule, 1, True, False),
+    "barrier+graph": ("barrier", list_schedule, 1, True, False),
 }
 
 
@@ -166,9 +166,9 @@ def measure(graph, dims, inputs, want, rtol, labels) -> dict:
     on_device = [tvm.runtime.tensor(x, dev) for x in inputs]
     runs = {}
     for label in labels:
-        strategy, scheduler, ctas, replay, *claim = VARIANTS[label]
+        strategy, scheduler, ctas, replay, claim = VARIANTS[label]
         compiled = build(graph, dims, strategy=strategy, scheduler=scheduler,
-                         options=KernelOptions(ctas_per_sm=ctas, claim=bool(claim)))
+                         options=KernelOptions(ctas_per_sm=ctas, claim=claim))
         runs[label] = checked_run(label, compiled, on_device, want, rtol, replay)
     medians = time_interleaved(runs)
     print(f"{graph.name} {dims}: "
