@@ -87,6 +87,21 @@ def test_claiming_kernel_claims_after_the_waits_and_peeks_before_fenced_notifies
         < consumer.index("etc_claim(") < consumer.index("D_ptr[")
 
 
+def test_claimed_expert_tasks_are_peeked_through_their_trigger():
+    """The peek at a next expert task reads the trigger's tensor only once the CTA has seen
+    the routing complete, and a peek that found the trigger releasing nothing skips the
+    task's body (and its data-dependent notifies) without its waits."""
+    source = build(moe_graph(2, "tensor"), {"T": 7}, num_sms=132,
+                   options=KernelOptions(claim=True)).cuda_source()
+    kernel = source[source.index("megakernel_kernel("):]
+    peek = kernel[kernel.index("following_ptr[0] = "):]
+    peek = peek[:peek.index("etc_fence()")]
+    seen = peek.index("if (seen_ptr[")
+    assert seen < peek.index("looked_ptr[1] = 2;") < peek.index("exp_indptr_ptr[") \
+        < peek.index("looked_ptr[1] = 1;", seen) < peek.index("etc_peek_complete(", seen)
+    assert "if ((ready != 0) ? (ready == 1) : (skip_ptr[0] == 0)) {" in kernel
+
+
 def test_claiming_needs_tasks_that_wait_only_on_lower_ids():
     with pytest.raises(EtcError, match="a task waits on a task of a higher id"):
         build(graphs.backward_chain, {"M": 4 * ROWS}, num_sms=132,

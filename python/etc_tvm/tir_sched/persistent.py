@@ -50,6 +50,7 @@ CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SEEN_SLOTS = 32  # counters of fixed index a CTA remembers complete (``PersistentKernel._wait``)
 SM_THREADS = 2048
+READY, SKIPPED = 1, 2  # what ``PersistentKernel.peek`` saw of a task's waits (0: unknown)
 
 
 def arena_limit(ctas_per_sm: int) -> int:
@@ -360,8 +361,8 @@ class PersistentKernel:
                  after_waits: tirx.Stmt | None = None,
                  static_done: tirx.Expr | None = None) -> tirx.Stmt:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits;
-        ``static_done`` (when nonzero) elides its waits on static edges and completions (a
-        ``peek`` saw them complete), not those its trigger and data-dependent edges read;
+        ``static_done`` (when nonzero: ``peek``'s ``READY`` or ``SKIPPED``) elides its waits,
+        and for ``SKIPPED`` its body, as a trigger that releases nothing would;
         ``after_waits`` runs once they are done (or skipped), before the body;
         ``before_notifies`` (a statement, or a function that makes a fresh one for each
         call's branch) runs after the body's closing barrier, before the notifies."""
@@ -380,11 +381,10 @@ class PersistentKernel:
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
         inside = self.inside(call, coord_vars)
         stmts.append(self._trace("etc_trace_start", task))
-        reads = self._reads_at_wait(call)
-        waits = self._waits(call, task, coord_vars, static_done if reads else None)
+        waits = self._waits(call, task, coord_vars)
         if waits is not None:
             run_waits = None if skip_waits is None else skip_waits == 0
-            if static_done is not None and not reads:
+            if static_done is not None:
                 run_waits = _both(run_waits, static_done == 0)
             run_waits = _both(run_waits, inside)
             stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
@@ -397,13 +397,18 @@ class PersistentKernel:
             check=lambda value, size, k: self.runtime_call(
                 "etc_input_check", value, size, self.status.ptr_to([0]), task,
                 i32(self.checks[(call.index, k)]), return_type="int32"))))
-        run_body = _both(self.skip[0] == 0 if self._scans(call) else None, inside)
+        released = None
+        if self._scans(call):
+            released = self.skip[0] == 0
+            if static_done is not None:  # a peek that saw the trigger decided it
+                released = tirx.Select(static_done != 0, static_done == i32(READY), released)
+        run_body = _both(released, inside)
         stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
         stmts.append(before_notifies() if callable(before_notifies) else before_notifies)
-        notifies = self._notifies(call, task, coord_vars)
+        notifies = self._notifies(call, task, coord_vars, released)
         if notifies is not None:
             cond = self.tx == 0
             if self.options.drop_notify is not None:
@@ -458,7 +463,7 @@ class PersistentKernel:
         row = self.timeline.ptr_to([task * i32(TIMELINE_WORDS)])
         return tirx.IfThenElse(self.tx == 0, tirx.Evaluate(self.runtime_call(name, row)), None)
 
-    def _waits(self, call, task, coords, static_done=None) -> tirx.Stmt | None:
+    def _waits(self, call, task, coords) -> tirx.Stmt | None:
         """Warp 0 waits on: the elements of static in-edges and the completion of the calls
         whose tensors the in-edge maps read; then (after a warp barrier: the maps below read
         those tensors) the elements that release the task through a trigger map (none: the
@@ -468,7 +473,7 @@ class PersistentKernel:
         stopping."""
         warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
         lane = self.tx if warp else None
-        steps = self._wait_steps(call, task, coords, self._wait, lane, static_done)
+        steps = self._wait_steps(call, task, coords, self._wait, lane)
         if steps is None:
             return None
         publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
@@ -479,12 +484,10 @@ class PersistentKernel:
                              tirx.Evaluate(Tb.cuda.cta_sync()),
                              tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
 
-    def _wait_steps(self, call, task, coords, wait, lane=None,
-                    static_done=None) -> tirx.Stmt | None:
+    def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
         thread in turn, or, given ``lane`` (the thread's lane in warp 0), shared out over the
-        warp's lanes (``spread``). A wait that fails sets the thread's ``halt``. Where
-        ``static_done`` is nonzero, the waits on static edges and completions are left out."""
+        warp's lanes (``spread``). A wait that fails sets the thread's ``halt``."""
         singles = itertools.count()
 
         def one_lane(stmt):
@@ -500,8 +503,6 @@ class PersistentKernel:
         steps = [one_lane(wait(flat, task)) if lowered is None
                  else spread(lowered, wait(flat, task))
                  for lowered, flat in self._known_waits(call, coords)]
-        if static_done is not None and steps:
-            steps = [tirx.IfThenElse(static_done == 0, tirx.stmt_seq(*steps), None)]
         # the maps below read tensors only once their producers are complete
         reading = []
         if self._scans(call):
@@ -541,35 +542,68 @@ class PersistentKernel:
         return out + [(None, i32(self.layout.done[p]))
                       for p in sorted(self.graph.completion_waits(call))]
 
-    def _reads_at_wait(self, call) -> bool:
-        """Whether ``call``'s waits read tensors: trigger scans, data-dependent elements."""
-        return self._scans(call) or any(e.map.is_data_dependent and not e.map.is_trigger
-                                        for e in call.in_edges)
-
-    def peek(self, task: tirx.Expr, complete: tirx.Buffer) -> tirx.Stmt:
-        """One thread: ``complete[0]`` = whether every static-edge element and completion
-        ``task`` (any task, or -1 for none) waits on looks complete now, by relaxed loads
-        that all leave before any is looked at; an ``etc_fence`` after them makes it an
-        acquire, so that the task may then skip those waits (``dispatch``'s
-        ``static_done``)."""
+    def peek(self, task: tirx.Expr, looked: tirx.Buffer) -> tirx.Stmt:
+        """One thread: ``looked[0]`` = ``READY`` if every wait of ``task`` (any task, or -1 for
+        none) looks satisfied now, ``SKIPPED`` if besides its trigger releases nothing, else 0
+        (or where a wait cannot be looked at: a data-dependent in-edge, a trigger map whose
+        tensors this CTA has not yet seen complete). The counters are read with relaxed loads
+        that all leave before any is looked at; an ``etc_fence`` after them makes the look an
+        acquire, so that the task may then skip its waits (``dispatch``'s ``static_done``)."""
         out = None
         for call in reversed([c for c in self.calls if c.num_tasks]):
             coords = [tirx.Var(f"{c}_ahead", "int32") for c in call.fn.coord_params]
-            looks = []
-            for lowered, flat in self._known_waits(call, coords):
-                look = tirx.BufferStore(complete, complete[0] & self.runtime_call(
-                    "etc_peek_complete", self.counters.ptr_to([flat]), return_type="int32"),
-                    [i32(0)])
-                looks.append(look if lowered is None else lowered.nest(look))
-            if not looks:
+            branch = self._peek_call(call, coords, looked)
+            if branch is None:
                 continue
             branch = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
-                coords, unravel(task - i32(call.first_task), call.grid))], *looks)
+                coords, unravel(task - i32(call.first_task), call.grid))], branch)
             out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
                                            task < i32(call.first_task + call.num_tasks)),
                                   branch, out)
-        return tirx.stmt_seq(tirx.BufferStore(complete, i32(1), [i32(0)]),
-                             *([] if out is None else [out]))
+        return tirx.stmt_seq(tirx.BufferStore(looked, i32(READY), [i32(1)]),
+                             tirx.BufferStore(looked, i32(READY), [i32(0)]),
+                             *([] if out is None else [out]),
+                             tirx.BufferStore(looked, looked[0] * looked[1], [i32(0)]))
+
+    def _peek_call(self, call, coords, looked) -> tirx.Stmt | None:
+        """``peek`` for a task of ``call`` at ``coords``: clears ``looked[0]`` where a wait is
+        not done or cannot be looked at; ``looked[1]`` becomes ``SKIPPED`` where a trigger
+        releases nothing. None where the task waits for nothing."""
+        def look(flat):
+            return tirx.BufferStore(looked, looked[0] & self.runtime_call(
+                "etc_peek_complete", self.counters.ptr_to([flat]), return_type="int32"),
+                [i32(0)])
+
+        never = tirx.BufferStore(looked, i32(0), [i32(0)])
+        if any(e.map.is_data_dependent and not e.map.is_trigger for e in call.in_edges):
+            return never
+        looks, completions = [], []
+        for lowered, flat in self._known_waits(call, coords):
+            if lowered is None:
+                completions.append(flat)
+            else:
+                looks.append(lowered.nest(look(flat)))
+        if not self._scans(call):  # counters alone: any task's are in range
+            looks += [look(flat) for flat in completions]
+            return tirx.stmt_seq(*looks) if looks else None
+        # the trigger maps read tensors: only once this CTA has acquired their completion
+        slots = [self._seen_slot(flat) for flat in completions]
+        if any(slot is None for slot in slots):
+            return never
+        seen = None
+        for slot in slots:
+            seen = _both(seen, self.seen[slot] != 0)
+        scans = [tirx.BufferStore(looked, i32(SKIPPED), [i32(1)])]
+        for e in call.triggers:
+            scans.append(trigger_scan(
+                e.map, self.layout.shapes[e.etensor], coords, self.params(call),
+                lambda elem, e=e: tirx.stmt_seq(
+                    tirx.BufferStore(looked, i32(READY), [i32(1)]),
+                    look(self.layout.flat_index(e.etensor, elem)))))
+        body = tirx.stmt_seq(*looks, *scans)
+        body = body if seen is None else tirx.IfThenElse(seen, body, never)
+        inside = self.inside(call, coords)  # a task outside the launch's grids reads nothing
+        return body if inside is None else tirx.IfThenElse(inside, body, never)
 
     def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
         """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
@@ -647,9 +681,10 @@ class PersistentKernel:
         kernel); a ready ring instead pushes them when an element completes."""
         return bool(call.triggers) and (self.ring is None or call.index not in self.ring.calls)
 
-    def _notifies(self, call, task, coords) -> tirx.Stmt | None:
+    def _notifies(self, call, task, coords, released=None) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
-        fan-ins over whole grids complete), data-dependent ones unless skipped."""
+        fan-ins over whole grids complete), data-dependent ones where ``released`` (the
+        trigger's verdict; None: always)."""
         steps = [self.static_notifies(call, coords, defer=True)]
         for e in call.out_edges:
             if e.map.is_data_dependent:
@@ -657,8 +692,7 @@ class PersistentKernel:
                 step = lowered.nest(self.checked(
                     call, e, task, lowered.index,
                     lambda flat, e=e: self._notify(e, flat, defer=True)))
-                run = _both(self.skip[0] == 0 if self._scans(call) else None,
-                            self.inside(call, coords))
+                run = _both(released, self.inside(call, coords))
                 steps.append(step if run is None else tirx.IfThenElse(run, step, None))
         steps = [s for s in steps if s is not None]
         return tirx.stmt_seq(*steps) if steps else None

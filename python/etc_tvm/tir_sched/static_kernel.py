@@ -82,10 +82,12 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
 
     Thread 0 claims its CTA's next task once the current task's waits are done, so that the
     claim's round trip overlaps the body; before the notifies it peeks at what that next task
-    waits on, and the fence that makes the notifies releases makes the peek an acquire: a
-    next task whose producers are done starts without a wait. A CTA holds a claimed task only
-    while it runs one whose waits are done, and every task waits only on tasks of lower ids,
-    so the lowest unfinished task is always running or about to: claiming cannot deadlock.
+    waits on (``PersistentKernel.peek``, through its trigger maps too), and the fence that
+    makes the notifies releases makes the peek an acquire: a next task whose producers are
+    done starts without a wait, or is skipped at once where its trigger releases nothing. A
+    CTA holds a claimed task only while it runs one whose waits are done, and every task
+    waits only on tasks of lower ids, so the lowest unfinished task is always running or
+    about to: claiming cannot deadlock.
 
     Parameters: the graph's inputs, ``initial``, then what the call returns (the claim
     counter is state of the workspace)."""
@@ -98,7 +100,7 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
     counter = kernel.state_buffer("claim", 1)
     head = tirx.decl_buffer((2,), "int32", "head", scope="shared")  # next task, its peek
     claimed = tirx.decl_buffer((1,), "int32", "claimed", scope="local")
-    looked = tirx.decl_buffer((1,), "int32", "looked", scope="local")  # the next task's peek
+    looked = tirx.decl_buffer((2,), "int32", "looked", scope="local")  # the next task's peek
     task, ready = tirx.Var("t", "int32"), tirx.Var("ready", "int32")
     first = kernel.tx == 0
 
@@ -108,15 +110,18 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
     claim = tirx.BufferStore(claimed, kernel.runtime_call(
         "etc_claim", counter.ptr_to([0]), return_type="int32"), [i32(0)])
     upcoming = tirx.if_then_else(claimed[0] < i32(graph.num_tasks), claimed[0], i32(-1))
+    following = tirx.decl_buffer((1,), "int32", "following", scope="local")  # upcoming's value
     dispatch = kernel.dispatch(
         task, static_done=ready, after_waits=thread0(claim),
-        before_notifies=lambda: thread0(kernel.peek(upcoming, looked),
+        before_notifies=lambda: thread0(tirx.BufferStore(following, upcoming, [i32(0)]),
+                                        kernel.peek(following[0], looked),
                                         tirx.Evaluate(kernel.runtime_call("etc_fence"))))
 
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *kernel.returned()],
-                              shared=(head, claimed, looked), state=[(counter, None, 1)])
+                              shared=(head, claimed, following, looked),
+                              state=[(counter, None, 1)])
             Tb.add_to_parent(thread0(claim, tirx.BufferStore(head, upcoming, [i32(0)]),
                                      tirx.BufferStore(head, i32(0), [i32(1)])))
             Tb.evaluate(Tb.cuda.cta_sync())
@@ -124,7 +129,7 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
                 Tb.add_to_parent(tirx.Bind(task, head[0]))
                 Tb.add_to_parent(tirx.Bind(ready, head[1]))
                 Tb.add_to_parent(dispatch)
-                Tb.add_to_parent(thread0(tirx.BufferStore(head, upcoming, [i32(0)]),
+                Tb.add_to_parent(thread0(tirx.BufferStore(head, following[0], [i32(0)]),
                                          tirx.BufferStore(head, looked[0], [i32(1)])))
                 Tb.evaluate(Tb.cuda.cta_sync())
             kernel.end(bx)
