@@ -125,8 +125,11 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="threads of every tile (and of the megakernels' CTAs)")
     parser.add_argument("--router-splits", type=int, help="splits of the hidden rows over "
                         "router tasks (default: moe_layer.router_splits_for the tokens)")
-    parser.add_argument("--block-tokens", type=int, help="tokens a router and a top-k task "
-                        "take (default: moe_layer.ROUTER_BLOCKS of the router's engine)")
+    parser.add_argument("--block-tokens", type=int, help="tokens a top-k task takes (default: "
+                        "moe_layer.ROUTER_BLOCKS of the router's engine)")
+    parser.add_argument("--router-tokens", type=int, help="tokens a router task scores, a "
+                        "multiple of --block-tokens (default: moe_layer.router_block_for the "
+                        "tokens)")
     parser.add_argument("--router-engine", choices=moe.ROUTER_ENGINES,
                         help="the router's engine (default: moe_layer.router_engine_for the "
                         "tokens)")
@@ -174,7 +177,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     layer = moe_layer.options_for(
         tokens, tile_rows=options.tile_rows, engine=options.engine,
         router_splits=options.router_splits, router_engine=options.router_engine,
-        block_tokens=options.block_tokens, bn=options.bn,
+        block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
         down_bn=options.down_bn, stages=options.stages, threads=options.threads,
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
@@ -258,7 +261,8 @@ def print_row(row: dict, ours) -> None:
           + ", ".join(f"{k} {v:.1e}" for k, v in row["error"].items()), flush=True)
     for name, about in row["configs"].items():
         print(f"{'':>17} {name or '-'}: {about['tile_rows']}-row expert tiles on "
-              f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router over "
+              f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router tasks of "
+              f"{about['router_tokens']} tokens x {about['experts_per_task']} experts over "
               f"{about['router_splits']} splits on {about['router_engine']}"
               + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
                  "(down) columns" if about["bn"] else "")

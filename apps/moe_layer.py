@@ -1,11 +1,12 @@
 """Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference.
 
-    router (ceil(T/TB) x S x E/EB)  --logits_ready "bsj->b"-->  topk (ceil(T/TB))
+    router (ceil(T/RT) x S x E/EB)  --logits_ready "bsj->b"-->  topk (ceil(T/TB))
         --routed "b->0"-->  align (1)
         --aligned, trigger "a=>0:exp_indptr[E], 0:NB1"-->  gate_up (tiles x NB1)
         --h_ready "gn->g", trigger "g=>g:g+1, 0:NB2 if g < exp_indptr[E]"-->  down (tiles x NB2)
         --y_ready "gn->g, n//R", data-dependent "tc->pair_tile[t,:], c"-->  combine (T x NC)
 
+(top-k's in-edge is "b->b//(RT/TB)" where a router task scores several top-k blocks.)
 Tiles past ``exp_indptr[E]`` are never released by a trigger, so both grouped GEMMs skip
 them (their static ``h_ready``/``y_ready`` notifies still run, so the fan-ins complete; the
 guard keeps the completed ``h_ready`` of a skipped tile from releasing its down tiles). The
@@ -42,6 +43,7 @@ QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768
 @functools.cache
 def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    intermediate: int = 768, *, tile_rows: int = 16, block_tokens: int = 8,
+                   router_tokens: int | None = None,
                    experts_per_task: int = 16, router_splits: int = 1,
                    router_engine: str = "fma",
                    bn: int | None = None, down_bn: int | None = None, bk: int = 64,
@@ -53,9 +55,11 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
 
-    ``experts_per_task``, ``router_splits`` and ``router_engine``: a router task's experts,
-    the splits of the hidden rows over router tasks and their engine
-    (``moe.make_router_tile``; ``router_splits_for``, ``router_engine_for``).
+    ``block_tokens``: the tokens of a top-k task; ``router_tokens``: of a router task, a
+    multiple of them (by default as many; ``router_block_for``). ``experts_per_task``,
+    ``router_splits`` and ``router_engine``: a router task's experts, the splits of the hidden
+    rows over router tasks and their engine (``moe.make_router_tile``; ``router_splits_for``,
+    ``router_engine_for``).
     ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
     few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
     on the H200 the static layer went from 1504 to 1149 us). ``down_bn``: the down tasks'
@@ -94,7 +98,12 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
-    router = moe.make_router_tile(H, E, block_tokens, experts_per_task, threads,
+    router_tokens = router_tokens or block_tokens
+    if router_tokens % block_tokens:
+        raise ValueError(f"router_tokens {router_tokens} must be a multiple of block_tokens "
+                         f"{block_tokens}")
+    per_router_block = router_tokens // block_tokens  # top-k blocks a router task scores
+    router = moe.make_router_tile(H, E, router_tokens, experts_per_task, threads,
                                   splits=router_splits, engine=router_engine)
     if align_tokens % block_tokens:
         raise ValueError(f"align_tokens {align_tokens} must be a multiple of block_tokens "
@@ -128,10 +137,11 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                   w_down: Tensor(down_shape, "bfloat16")):
         tokens = x.shape[0]
         tiles = max_tiles(tokens, E, K, BT)
-        blocks = ceil_div(tokens, block_tokens)
+        blocks, router_blocks = ceil_div(tokens, block_tokens), ceil_div(tokens, router_tokens)
         # the fused route waits for every router task: one element they all notify
-        logits_ready = ETensor((1,) if fused_route else (blocks,), name="logits_ready")
-        logits = call_device(router, tile_num=(blocks, router_splits, E // experts_per_task),
+        logits_ready = ETensor((1,) if fused_route else (router_blocks,), name="logits_ready")
+        logits = call_device(router, tile_num=(router_blocks, router_splits,
+                                               E // experts_per_task),
                              args=[x, w_router],
                              out=Tensor((router_splits, tokens, E), "float32", name="logits"),
                              out_edges={logits_ready: "bsj->0" if fused_route else "bsj->b"})
@@ -153,7 +163,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
             routed = ETensor((chunks,), name="routed")
             topk, topw = call_device(
                 topk_tile, tile_num=(blocks,), args=[logits], out=picks,
-                in_edges={logits_ready: "b->b"},
+                in_edges={logits_ready: f"b->b//{per_router_block}" if per_router_block > 1
+                          else "b->b"},
                 out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
                            else "b->0"})
             if align_tokens:
@@ -217,15 +228,19 @@ def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
     is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
-    experts (``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's
-    columns (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one
-    align task under ``fused_route``) and ``fused_route`` (wherever align is one task: on
-    the H200 at 1 and 16 tokens it was as fast under barrier and 0.3 - 2 us faster under
-    static, dynamic and unfused) filled in where missing or None."""
+    experts (``router_block_for``; top-k's tokens from ``ROUTER_BLOCKS``), its splits
+    (``router_splits_for``), the combine's columns (``combine_cols_for``), align's tokens a
+    task (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
+    (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
+    and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
+    None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
-    block_tokens, experts_per_task = ROUTER_BLOCKS[router_engine]
-    block_tokens = options.get("block_tokens") or block_tokens
+    block_tokens = options.get("block_tokens") or ROUTER_BLOCKS[router_engine][0]
+    router_tokens, experts_per_task = router_block_for(tokens, router_engine)
+    # whole top-k blocks
+    router_tokens = options.get("router_tokens") or ceil_div(router_tokens,
+                                                             block_tokens) * block_tokens
     experts_per_task = options.get("experts_per_task") or experts_per_task
     hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])
     align_tokens = options["align_tokens"] if options.get("align_tokens") is not None \
@@ -236,16 +251,21 @@ def options_for(tokens: int, **options) -> dict:
             "engine": engine_for(rows, options.get("engine") or "wgmma"),
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
+            "router_tokens": router_tokens,
             "align_tokens": align_tokens, "fused_route": fused_route,
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
-            or router_splits_for(tokens, block_tokens, experts_per_task,
+            or router_splits_for(tokens, router_tokens, experts_per_task,
                                  options.get("experts", QWEN3_30B_A3B["experts"]))}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
 # m16 block of tokens, and 32 experts, so that 1024 tokens make 256 tasks.
 ROUTER_BLOCKS = {"fma": (8, 16), "mma": (16, 32)}
+# From this many tokens, tensor-core router tasks of 32 tokens x 64 experts: each reads its x
+# rows and router columns for twice the products of a 16 x 32 task (on the H200 the router
+# took 13.0 -> 7.5 us at 1024 tokens, 44.2 -> 21.6 at 4096), while top-k keeps 16-token tasks.
+WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK = 1024, (32, 64)
 ROUTER_TASKS = 128  # about one router task an SM
 
 
@@ -255,14 +275,22 @@ def router_engine_for(tokens: int) -> str:
     return "fma" if tokens <= ROUTER_BLOCKS["fma"][0] else "mma"
 
 
-def router_splits_for(tokens: int, block_tokens: int = 8, experts_per_task: int = 16,
+def router_block_for(tokens: int, engine: str) -> tuple[int, int]:
+    """(tokens, experts) of a router task on ``engine`` for ``tokens`` tokens:
+    ``ROUTER_BLOCKS``, or ``WIDE_ROUTER_BLOCK`` on tensor cores from ``WIDE_ROUTER_TOKENS``."""
+    if engine == "mma" and tokens >= WIDE_ROUTER_TOKENS:
+        return WIDE_ROUTER_BLOCK
+    return ROUTER_BLOCKS[engine]
+
+
+def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int = 16,
                       experts: int = 128) -> int:
     """Splits of the hidden rows over router tasks for ``tokens``: the fewest of 1, 2, 4, 8
     that make ``ROUTER_TASKS`` tasks, as blocks of tokens alone leave SMs idle (one token on
     CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the router's 512 KB instead of 8; 128
     tokens on tensor cores: 32 tasks, so 4 splits, 400.6 -> 388.5 us on the H200), and more
     splits than that only add partial logits to write and sum."""
-    tasks = ceil_div(tokens, block_tokens) * (experts // experts_per_task)
+    tasks = ceil_div(tokens, router_tokens) * (experts // experts_per_task)
     splits = 1
     while splits < 8 and tasks * splits < ROUTER_TASKS:
         splits *= 2

@@ -582,13 +582,34 @@ def test_layer_with_mma_router_matches_float64(tokens, rng):
     assert_within(execute(graph, *inputs, order=RandomOrder(5)), want, bound)
 
 
+@pytest.mark.parametrize("tokens", (16, 41))
+def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens, rng):
+    """Router tasks of 32 tokens, top-k tasks of 16: a top-k task waits for the router block
+    holding its tokens (41: a partial last router block and top-k block)."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_engine="mma", block_tokens=16,
+                           router_tokens=32)
+    calls = {c.fn.name.split("_")[0]: c for c in TaskGraph.build(graph, {"T": tokens}).calls}
+    assert calls["router"].grid == (-(-tokens // 32), 1, 1)
+    assert calls["topk"].grid == (-(-tokens // 16),)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(3)), want, bound)
+
+
+def test_router_tokens_must_be_whole_top_k_blocks():
+    with pytest.raises(ValueError, match="router_tokens 24 must be a multiple of block_tokens 16"):
+        make_moe_layer(H, E, K, F, router_engine="mma", block_tokens=16, router_tokens=24)
+
+
 def test_layer_options_pick_the_router_engine_by_tokens():
-    one, many = moe_layer.options_for(1), moe_layer.options_for(1024)
-    assert (one["router_engine"], one["block_tokens"], one["experts_per_task"],
-            one["router_splits"]) == ("fma", 8, 16, 8)
-    assert (many["router_engine"], many["block_tokens"], many["experts_per_task"],
-            many["router_splits"]) == ("mma", 16, 32, 1)
+    one, some, many = (moe_layer.options_for(t) for t in (1, 512, 1024))
+    key = ("router_engine", "block_tokens", "router_tokens", "experts_per_task", "router_splits")
+    assert tuple(one[k] for k in key) == ("fma", 8, 8, 16, 8)
+    assert tuple(some[k] for k in key) == ("mma", 16, 16, 32, 1)
+    assert tuple(many[k] for k in key) == ("mma", 16, 32, 64, 2)
     assert moe_layer.options_for(1024, router_engine="fma")["block_tokens"] == 8
+    # router tasks take whole top-k blocks
+    assert moe_layer.options_for(1024, block_tokens=24)["router_tokens"] == 48
 
 
 @pytest.mark.parametrize("tokens, hidden, cols", [(1, 2048, 512), (64, 2048, 512),
@@ -603,22 +624,22 @@ def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
 
 @pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),
                                                     (16, "mma", 8), (128, "mma", 4),
-                                                    (512, "mma", 1), (1024, "mma", 1),
-                                                    (1024, "fma", 1)])
+                                                    (512, "mma", 1), (1024, "mma", 2),
+                                                    (4096, "mma", 1), (1024, "fma", 1)])
 def test_router_splits_make_a_task_for_about_every_sm(tokens, engine, splits):
     options = moe_layer.options_for(tokens, router_engine=engine)
     assert options["router_splits"] == splits
-    blocks = -(-tokens // options["block_tokens"])
+    blocks = -(-tokens // options["router_tokens"])
     tasks = blocks * (128 // options["experts_per_task"]) * splits
     assert tasks >= moe_layer.ROUTER_TASKS or splits == 8
     assert splits == 1 or tasks // 2 < moe_layer.ROUTER_TASKS
 
 
 def test_mma_router_layer_compiles_for_sm90a(tmp_path):
-    """1024 tokens: 64 blocks x 4 expert groups of router tasks on tensor cores."""
+    """1024 tokens: 32 blocks x 2 expert groups x 2 splits of router tasks on tensor cores."""
     graph = make_moe_layer(**moe_layer.options_for(1024, engine="wgmma", ctas_per_sm=2))
     names = compile_layer(graph, 1024, tmp_path, ctas_per_sm=2)
-    assert "router_2048x128_b16_e32_s1_mma_s4_t128" in names, names
+    assert "router_2048x128_b32_e64_s2_mma_s4_t128" in names, names
 
 
 @pytest.mark.parametrize("tokens, splits", [(1, 4), (7, 1), (20, 2)])

@@ -335,6 +335,16 @@ def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
     return options
 
 
+@pytest.mark.parametrize("tokens", (1100,))  # partial last router and top-k blocks
+@pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
+def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                      expert_weights_f64):
+    """Router tasks of 32 tokens x 64 experts beside top-k tasks of 16 (the default from 1024
+    tokens), as bench_moe runs the layer."""
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    assert (options["router_tokens"], options["block_tokens"]) == (32, 16)
+
+
 @pytest.mark.parametrize("tokens", (600,))  # 5 chunks of 128 tokens, the last of 88
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
