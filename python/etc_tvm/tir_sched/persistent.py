@@ -549,17 +549,8 @@ class PersistentKernel:
         tensors this CTA has not yet seen complete). The counters are read with relaxed loads
         that all leave before any is looked at; an ``etc_fence`` after them makes the look an
         acquire, so that the task may then skip its waits (``dispatch``'s ``static_done``)."""
-        out = None
-        for call in reversed([c for c in self.calls if c.num_tasks]):
-            coords = [tirx.Var(f"{c}_ahead", "int32") for c in call.fn.coord_params]
-            branch = self._peek_call(call, coords, looked)
-            if branch is None:
-                continue
-            branch = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
-                coords, unravel(task - i32(call.first_task), call.grid))], branch)
-            out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
-                                           task < i32(call.first_task + call.num_tasks)),
-                                  branch, out)
+        out = self._by_call(task, [c for c in self.calls if c.num_tasks], "ahead",
+                            lambda call, coords: self._peek_call(call, coords, looked))
         return tirx.stmt_seq(tirx.BufferStore(looked, i32(READY), [i32(1)]),
                              tirx.BufferStore(looked, i32(READY), [i32(0)]),
                              *([] if out is None else [out]),
@@ -608,21 +599,37 @@ class PersistentKernel:
     def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
         """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
         one of ``calls``) is satisfied now, else nonzero."""
-        out = tirx.BufferStore(self.halt, i32(0), [i32(0)])
-        for call in reversed([self.graph.calls[c] for c in sorted(calls)]):
-            coords = [tirx.Var(f"{c}_poll", "int32") for c in call.fn.coord_params]
+        clear = tirx.BufferStore(self.halt, i32(0), [i32(0)])
+
+        def steps(call, coords):
             steps = self._wait_steps(call, task, coords, self._poll)
-            if steps is not None:
-                inside = self.inside(call, coords)
-                if inside is not None:  # a task outside the launch's grids waits for nothing
-                    steps = tirx.IfThenElse(inside, steps,
-                                            tirx.BufferStore(self.halt, i32(0), [i32(0)]))
-                steps = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
-                    coords, unravel(task - i32(call.first_task), call.grid))], steps)
-                out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
-                                               task < i32(call.first_task + call.num_tasks)),
-                                      steps, out)
+            inside = self.inside(call, coords)
+            if steps is None or inside is None:
+                return steps
+            # a task outside the launch's grids waits for nothing
+            return tirx.IfThenElse(inside, steps, clear)
+
+        out = self._by_call(task, [self.graph.calls[c] for c in sorted(calls)], "poll", steps,
+                            otherwise=clear)
         return tirx.stmt_seq(out, tirx.BufferStore(self.stop, self.halt[0], [i32(0)]))
+
+    @staticmethod
+    def _by_call(task, calls, suffix: str, branch, otherwise=None) -> tirx.Stmt | None:
+        """An if-chain over ``calls`` by the range of ids ``task`` (any task) falls in:
+        ``branch(call, coords)``, with the coordinates (``{name}_{suffix}``) bound from
+        ``task``, for the calls whose branch is not None; ``otherwise`` for any other."""
+        out = otherwise
+        for call in reversed(calls):
+            coords = [tirx.Var(f"{c}_{suffix}", "int32") for c in call.fn.coord_params]
+            body = branch(call, coords)
+            if body is None:
+                continue
+            body = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
+                coords, unravel(task - i32(call.first_task), call.grid))], body)
+            out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
+                                           task < i32(call.first_task + call.num_tasks)),
+                                  body, out)
+        return out
 
     def _poll(self, flat: tirx.Expr, task) -> tirx.Stmt:
         ready = self.runtime_call("etc_poll", self.counters.ptr_to([flat]), return_type="int32")
