@@ -96,10 +96,28 @@ def test_claimed_expert_tasks_are_peeked_through_their_trigger():
     kernel = source[source.index("megakernel_kernel("):]
     peek = kernel[kernel.index("following_ptr[0] = "):]
     peek = peek[:peek.index("etc_fence()")]
-    seen = peek.index("if (seen_ptr[")
+    seen = re.search(r"if \(seen_ptr\[\d+\] != 0\)", peek).start()
     assert seen < peek.index("looked_ptr[1] = 2;") < peek.index("exp_indptr_ptr[") \
         < peek.index("looked_ptr[1] = 1;", seen) < peek.index("etc_peek_complete(", seen)
     assert "if ((ready != 0) ? (ready == 1) : (skip_ptr[0] == 0)) {" in kernel
+
+
+def test_a_claimed_peek_reads_no_counter_this_cta_saw_complete():
+    """A counter of fixed index (a barrier, a call's completion, a one-element ETensor) stays
+    complete once a CTA's wait saw it so: the peek at the next task reads it only before
+    that, where a tile-level counter, whose element moves with the task, is read every time."""
+    for graph, dims, strategy in ((graphs.gemm_reduce_scatter, DIMS, "barrier"),
+                                  (moe_graph(2, "tensor"), {"T": 7}, "static")):
+        source = build(graph, dims, strategy=strategy, num_sms=132,
+                       options=KernelOptions(claim=True)).cuda_source()
+        lines = [line.strip() for line in source.splitlines()]
+        peeks = [(lines[k - 1], re.search(r"counters_ptr\[(.*?)\]", line).group(1))
+                 for k, line in enumerate(lines) if "etc_peek_complete((&(counters_ptr[" in line]
+        fixed = [(before, index) for before, index in peeks if index.isdigit()]
+        assert fixed and all(re.fullmatch(r"if \(seen_ptr\[\d+\] == 0\) \{", before)
+                             for before, _ in fixed), fixed
+        assert all(not before.startswith("if (seen_ptr[")
+                   for before, index in peeks if not index.isdigit())
 
 
 def test_claiming_needs_tasks_that_wait_only_on_lower_ids():

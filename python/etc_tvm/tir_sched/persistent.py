@@ -561,9 +561,9 @@ class PersistentKernel:
         not done or cannot be looked at; ``looked[1]`` becomes ``SKIPPED`` where a trigger
         releases nothing. None where the task waits for nothing."""
         def look(flat):
-            return tirx.BufferStore(looked, looked[0] & self.runtime_call(
-                "etc_peek_complete", self.counters.ptr_to([flat]), return_type="int32"),
-                [i32(0)])
+            read = self.runtime_call("etc_peek_complete", self.counters.ptr_to([flat]),
+                                     return_type="int32")
+            return self._unless_seen(flat, tirx.BufferStore(looked, looked[0] & read, [i32(0)]))
 
         never = tirx.BufferStore(looked, i32(0), [i32(0)])
         if any(e.map.is_data_dependent and not e.map.is_trigger for e in call.in_edges):
@@ -653,6 +653,12 @@ class PersistentKernel:
             tirx.And(self.halt[0] == 0, self.seen[slot] == 0),
             tirx.stmt_seq(wait, tirx.BufferStore(self.seen, i32(1) - self.halt[0], [slot])),
             None)
+
+    def _unless_seen(self, flat: tirx.Expr, read: tirx.Stmt) -> tirx.Stmt:
+        """``read`` (a look at counter ``flat``) unless this CTA has seen that counter
+        complete (``_wait``): the look would find it complete, a round trip to L2 later."""
+        slot = self._seen_slot(flat)
+        return read if slot is None else tirx.IfThenElse(self.seen[slot] == 0, read, None)
 
     def _seen_slot(self, flat: tirx.Expr) -> tirx.IntImm | None:
         """The ``seen`` word of counter ``flat`` if its index is fixed and a word is left."""
