@@ -601,16 +601,16 @@ class PersistentKernel:
         one of ``calls``) is satisfied now, else nonzero."""
         clear = tirx.BufferStore(self.halt, i32(0), [i32(0)])
 
-        def steps(call, coords):
-            steps = self._wait_steps(call, task, coords, self._poll)
+        def poll_call(call, coords):
+            polls = self._wait_steps(call, task, coords, self._poll)
             inside = self.inside(call, coords)
-            if steps is None or inside is None:
-                return steps
+            if polls is None or inside is None:
+                return polls
             # a task outside the launch's grids waits for nothing
-            return tirx.IfThenElse(inside, steps, clear)
+            return tirx.IfThenElse(inside, polls, clear)
 
-        out = self._by_call(task, [self.graph.calls[c] for c in sorted(calls)], "poll", steps,
-                            otherwise=clear)
+        out = self._by_call(task, [self.graph.calls[c] for c in sorted(calls)], "poll",
+                            poll_call, otherwise=clear)
         return tirx.stmt_seq(out, tirx.BufferStore(self.stop, self.halt[0], [i32(0)]))
 
     @staticmethod
