@@ -711,6 +711,26 @@ def test_layer_with_fused_route_matches_float64(tokens, rng):
         make_moe_layer(H, E, K, F, fused_route=True, align_tokens=8)
 
 
+@pytest.mark.parametrize("claim", [False, True])
+def test_trigger_bounds_are_read_once_a_cta(claim):
+    """The grouped GEMMs' triggers read ``exp_indptr[E]`` at every task (its waits, and a
+    claimed kernel's peeks): each CTA reads it from global memory once, after it has seen the
+    routing complete, and keeps it in shared memory (each acquire the CTA makes empties its
+    L1)."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2)
+    source = build(graph, {"T": 40}, strategy="static", num_sms=132,
+                   options=KernelOptions(claim=claim)).cuda_source()
+    kernel = source[source.index("megakernel_kernel("):]
+    lines = [line.strip() for line in kernel.splitlines()]
+    reads = [k for k, line in enumerate(lines)  # not align's store of it
+             if f"exp_indptr_ptr[{E}]" in line and not line.startswith("exp_indptr_ptr[")]
+    assert reads and all(
+        lines[k - 1] == "if (remembered_ptr[0] == -2147483647) {"
+        and lines[k] == f"remembered_ptr[0] = exp_indptr_ptr[{E}];" for k in reads), \
+        [lines[k] for k in reads]
+    assert any(re.search(r"< \(?remembered_ptr\[0\]", line) for line in lines)
+
+
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
 def test_fused_route_layer_compiles_for_sm90a(strategy, tmp_path):
     """The route task stores its picks, syncs the CTA, then walks them: no wait or notify
