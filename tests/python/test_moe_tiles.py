@@ -315,6 +315,29 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
                   moe.combine_bound(topw, ys))
 
 
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_expert_gemms_alone_are_the_layers_gemms(routing, rng):
+    """``make_expert_gemms``: gate_up -> down of the layer's tiles on a routing given as
+    inputs; y's rows of every (token, k) pair against float64, in any task order."""
+    tokens = 21
+    x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
+    topk = routed(rng, tokens, routing)
+    dims = moe_layer.expert_gemm_dims(tokens, E, K, BT)
+    _, indptr, pair_row, _, sorted_token, tile_expert = aligned(topk, dims["tiles"])
+    graph = moe_layer.make_expert_gemms(H, E, F, tile_rows=BT, top_k=K, combine_cols=64)
+    y = execute(graph, x, w_gate_up, w_down, sorted_token, tile_expert, indptr,
+                order=RandomOrder(3))
+    assert y.shape == (dims["rows"], H)
+    w_gate, w_up = moe.split_gate_up(w_gate_up)
+    for e in np.unique(topk):
+        token, k = np.nonzero(topk == e)
+        h64, bound_h = (f(x[token], w_gate[e], w_up[e])
+                        for f in (lambda *a: moe.gate_up_exact(*a)[0], moe.gate_up_bound))
+        wd = w_down[e].astype(np.float64)
+        assert_within(y[pair_row[token, k]], h64 @ wd, bound_h @ np.abs(wd)
+                      + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ np.abs(wd)))
+
+
 @pytest.mark.parametrize("tokens", (1, 5))
 def test_qk_norm_rope_reference_is_within_its_bound(tokens, rng):
     Hq, Hk, D = 4, 2, 128
