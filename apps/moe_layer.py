@@ -86,15 +86,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
-    wgmma = engine == "wgmma"
-
-    def ring(columns: int) -> int:
-        return stages or gemm.deepest_stages(
-            BT, columns, bk, footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
-                gemm.shared_bytes, threads=threads),
-            limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
-                      arena_limit(ctas_per_sm)))
-
+    gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
+                                 stages=stages, engine=engine, threads=threads,
+                                 ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
+                                 y_dtype=y_dtype)
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
@@ -121,10 +116,6 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
     elif not fused_route:
         align = moe.make_align_tile(E, K, BT, threads)
-    gate_up = moe.make_gate_up_tile(H, F, E, BT, bn, bk, threads, ring(bn), engine,
-                                    blocked_weights)
-    down = moe.make_down_tile(F, H, E, BT, down_bn, bk, threads, ring(down_bn), engine,
-                              blocked_weights, y_dtype)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
     down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
     combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype)
@@ -208,6 +199,81 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                            in_edges={y_ready: "tc->pair_tile[t,:], c"})
 
     return moe_layer
+
+
+def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int, bn: int,
+                 down_bn: int, bk: int = 64, stages: int | None = None, engine: str = "mma",
+                 threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
+                 y_dtype: str = "float32"):
+    """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
+    each with ``stages`` or the deepest ring that fits a CTA's share of the SM."""
+    wgmma = engine == "wgmma"
+
+    def ring(columns: int) -> int:
+        return stages or gemm.deepest_stages(
+            tile_rows, columns, bk,
+            footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
+                gemm.shared_bytes, threads=threads),
+            limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
+                      arena_limit(ctas_per_sm)))
+
+    H, E, F = hidden, experts, intermediate
+    return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads, ring(bn), engine,
+                                  blocked_weights),
+            moe.make_down_tile(F, H, E, tile_rows, down_bn, bk, threads, ring(down_bn), engine,
+                               blocked_weights, y_dtype))
+
+
+# make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
+EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "stages", "engine", "threads",
+                  "ctas_per_sm", "blocked_weights", "y_dtype")
+
+
+@functools.cache
+def make_expert_gemms(hidden: int = 2048, experts: int = 128, intermediate: int = 768,
+                      **options):
+    """The graph function ``expert_gemms(x, w_gate_up, w_down, sorted_token, tile_expert,
+    exp_indptr) -> y``: the layer's two grouped GEMMs alone, gate_up -> down on ``h_ready
+    "gn->g"``, the routing given as inputs (``moe.align_reference``'s, for
+    ``max_tiles(T, ...)`` tiles). ``options``: ``make_moe_layer``'s (those outside
+    ``EXPERT_OPTIONS`` are ignored), so that the same tiles run without the routing before
+    them and the combine after them: what the megakernel costs the tiles themselves."""
+    H, E, F = hidden, experts, intermediate
+    tiles_options = {k: options[k] for k in EXPERT_OPTIONS if options.get(k) is not None}
+    BT = tiles_options.setdefault("tile_rows", 16)
+    bn = tiles_options.setdefault("bn", default_bn(BT))
+    down_bn = tiles_options.setdefault("down_bn", bn)
+    gate_up, down = expert_tiles(H, E, F, **tiles_options)
+    blocked = tiles_options.get("blocked_weights", False)
+    y_dtype = tiles_options.get("y_dtype", "float32")
+
+    @graph_func
+    def expert_gemms(x: Tensor(("T", H), "bfloat16"),
+                     w_gate_up: Tensor(moe.grouped_weight_shape(E, H, 2 * F, bn, blocked),
+                                       "bfloat16"),
+                     w_down: Tensor(moe.grouped_weight_shape(E, F, H, down_bn, blocked),
+                                    "bfloat16"),
+                     sorted_token: Tensor(("rows",), "int32"),
+                     tile_expert: Tensor(("tiles",), "int32"),
+                     exp_indptr: Tensor((E + 1,), "int32")):
+        tiles, rows = tile_expert.shape[0], sorted_token.shape[0]  # rows: tiles * tile_rows
+        h_ready = ETensor((tiles,), name="h_ready")
+        h = call_device(gate_up, tile_num=(tiles, 2 * F // bn),
+                        args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
+                        out=Tensor((rows, F), "bfloat16", name="h"),
+                        out_edges={h_ready: "gn->g"})
+        return call_device(down, tile_num=(tiles, H // down_bn),
+                           args=[h, w_down, sorted_token, tile_expert, exp_indptr],
+                           out=Tensor((rows, H), y_dtype, name="y"),
+                           in_edges={h_ready: "gn->g"})
+
+    return expert_gemms
+
+
+def expert_gemm_dims(tokens: int, experts: int, top_k: int, tile_rows: int) -> dict:
+    """``make_expert_gemms``' dims for ``tokens``: as many tiles as the layer plans for."""
+    tiles = max_tiles(tokens, experts, top_k, tile_rows)
+    return {"T": tokens, "rows": tiles * tile_rows, "tiles": tiles}
 
 
 def default_bn(tile_rows: int) -> int:

@@ -315,6 +315,29 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
                   moe.combine_bound(topw, ys))
 
 
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_expert_gemms_alone_are_the_layers_gemms(routing, rng):
+    """``make_expert_gemms``: gate_up -> down of the layer's tiles on a routing given as
+    inputs; y's rows of every (token, k) pair against float64, in any task order."""
+    tokens = 21
+    x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
+    topk = routed(rng, tokens, routing)
+    dims = moe_layer.expert_gemm_dims(tokens, E, K, BT)
+    _, indptr, pair_row, _, sorted_token, tile_expert = aligned(topk, dims["tiles"])
+    graph = moe_layer.make_expert_gemms(H, E, F, tile_rows=BT, top_k=K, combine_cols=64)
+    y = execute(graph, x, w_gate_up, w_down, sorted_token, tile_expert, indptr,
+                order=RandomOrder(3))
+    assert y.shape == (dims["rows"], H)
+    w_gate, w_up = moe.split_gate_up(w_gate_up)
+    for e in np.unique(topk):
+        token, k = np.nonzero(topk == e)
+        h64, bound_h = (f(x[token], w_gate[e], w_up[e])
+                        for f in (lambda *a: moe.gate_up_exact(*a)[0], moe.gate_up_bound))
+        wd = w_down[e].astype(np.float64)
+        assert_within(y[pair_row[token, k]], h64 @ wd, bound_h @ np.abs(wd)
+                      + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ np.abs(wd)))
+
+
 @pytest.mark.parametrize("tokens", (1, 5))
 def test_qk_norm_rope_reference_is_within_its_bound(tokens, rng):
     Hq, Hk, D = 4, 2, 128
@@ -709,6 +732,26 @@ def test_layer_with_fused_route_matches_float64(tokens, rng):
     with pytest.raises(ValueError, match="fused_route aligns in one task: it takes "
                                          "align_tokens 0, got 8"):
         make_moe_layer(H, E, K, F, fused_route=True, align_tokens=8)
+
+
+@pytest.mark.parametrize("claim", [False, True])
+def test_trigger_bounds_are_read_once_a_cta(claim):
+    """The grouped GEMMs' triggers read ``exp_indptr[E]`` at every task (its waits, and a
+    claimed kernel's peeks): each CTA reads it from global memory once, after it has seen the
+    routing complete, and keeps it in shared memory (each acquire the CTA makes empties its
+    L1)."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2)
+    source = build(graph, {"T": 40}, strategy="static", num_sms=132,
+                   options=KernelOptions(claim=claim)).cuda_source()
+    kernel = source[source.index("megakernel_kernel("):]
+    lines = [line.strip() for line in kernel.splitlines()]
+    reads = [k for k, line in enumerate(lines)  # not align's store of it
+             if f"exp_indptr_ptr[{E}]" in line and not line.startswith("exp_indptr_ptr[")]
+    assert reads and all(
+        lines[k - 1] == "if (remembered_ptr[0] == -2147483647) {"
+        and lines[k] == f"remembered_ptr[0] = exp_indptr_ptr[{E}];" for k in reads), \
+        [lines[k] for k in reads]
+    assert any(re.search(r"< \(?remembered_ptr\[0\]", line) for line in lines)
 
 
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])

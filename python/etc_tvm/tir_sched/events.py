@@ -136,8 +136,9 @@ class LoweredEdge:
 class _Lowering:
     """Lowers one map's expressions, opening a loop for every slice and range it meets."""
 
-    def __init__(self, coords: dict, tensors: Mapping[str, tirx.Buffer]):
+    def __init__(self, coords: dict, tensors: Mapping[str, tirx.Buffer], read=None):
         self.coords, self.tensors, self.loops = coords, tensors, []
+        self.read = read or tirx.BufferLoad
 
     def loop(self, lo: tirx.Expr, hi: tirx.Expr) -> tirx.Var:
         var = tirx.Var(f"k{len(self.loops)}", "int32")
@@ -161,7 +162,7 @@ class _Lowering:
             index = [self.loop(tirx.IntImm("int32", 0), tirx.Cast("int32", buf.shape[k]))
                      if isinstance(i, em.Slice) else self.expr(i)
                      for k, i in enumerate(node.indices)]
-            return tirx.BufferLoad(buf, index)
+            return self.read(buf, index)
         if isinstance(node, em.Range):
             lo, hi = self.expr(node.lo), self.expr(node.hi)
             return self.loop(lo, hi)
@@ -169,21 +170,24 @@ class _Lowering:
 
 
 def lower_edge(edge_map: em.EdgeMap, coords: dict,
-               tensors: Mapping[str, tirx.Buffer] = MappingProxyType({})) -> LoweredEdge:
-    """``edge_map`` as TIR over ``coords`` (letter -> TIR), reading ``tensors`` (name -> buffer).
+               tensors: Mapping[str, tirx.Buffer] = MappingProxyType({}),
+               read=None) -> LoweredEdge:
+    """``edge_map`` as TIR over ``coords`` (letter -> TIR), reading ``tensors`` (name -> buffer)
+    through ``read(buffer, index)`` (by default a ``BufferLoad``).
 
     Without ``tensors`` a map that reads one raises ``NotImplementedError``."""
-    lowering = _Lowering(coords, tensors)
+    lowering = _Lowering(coords, tensors, read)
     guard = lowering.expr(edge_map.guard) if edge_map.guard is not None else None
     index = tuple(lowering.expr(i) for i in edge_map.indices)
     return LoweredEdge(tuple(lowering.loops), index, guard)
 
 
 def trigger_scan(edge_map: em.EdgeMap, shape, coords, tensors: Mapping[str, tirx.Buffer],
-                 hit) -> tirx.Stmt:
+                 hit, read=None) -> tirx.Stmt:
     """``hit(element)`` for every element of the ETensor (of ``shape``) whose trigger map
-    ``edge_map`` releases the task at ``coords`` (TIR), the map reading ``tensors``. A task
-    that no element releases is skipped: the kernels run its body only after a hit.
+    ``edge_map`` releases the task at ``coords`` (TIR), the map reading ``tensors`` (through
+    ``read``, as ``lower_edge``). A task that no element releases is skipped: the kernels run
+    its body only after a hit.
 
     An element coordinate that the map turns into a task coordinate affinely and one to one
     (``g=>g:g+1``, ``i=>2*i:2*i+2``) is solved for from the task, not looped: a task of the
@@ -191,7 +195,7 @@ def trigger_scan(edge_map: em.EdgeMap, shape, coords, tensors: Mapping[str, tirx
     coordinates are looped, row-major, and so are the map's slices and the ranges that give
     no task coordinate; a range ``lo:hi`` that gives one is tested, not looped."""
     elem = [tirx.Var(f"e{k}", "int32") for k in range(len(shape))]
-    lowered = lower_edge(edge_map, dict(zip(edge_map.coords, elem)), tensors)
+    lowered = lower_edge(edge_map, dict(zip(edge_map.coords, elem)), tensors, read)
     loops, conds, vmap, given = [], [], {}, []
     for var, lo, hi in lowered.loops:
         dims = [k for k, i in enumerate(lowered.index) if i.same_as(var)]

@@ -49,6 +49,10 @@ CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
 CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SEEN_SLOTS = 32  # counters of fixed index a CTA remembers complete (``PersistentKernel._wait``)
+REMEMBERED_SLOTS = 8  # elements a CTA keeps of the tensors trigger maps read (``_scan``)
+# A remembered slot not read yet (an element of this value is read each time). Not -2**31:
+# TVM 0.27's simplifier folds ``x == -2147483648`` on int32 to False.
+UNREAD = -(2**31 - 1)
 SM_THREADS = 2048
 READY, SKIPPED = 1, 2  # what ``PersistentKernel.peek`` saw of a task's waits (0: unknown)
 
@@ -222,6 +226,10 @@ class PersistentKernel:
         # seen[seen_slots[c]] = 1 once this CTA saw counter c complete
         self.seen = tirx.decl_buffer((SEEN_SLOTS,), "int32", "seen", scope="shared")
         self.seen_slots: dict[int, int] = {}
+        # remembered[remembered_slots[(tensor, index)]]: an element a trigger map reads
+        self.remembered = tirx.decl_buffer((REMEMBERED_SLOTS,), "int32", "remembered",
+                                           scope="shared")
+        self.remembered_slots: dict[tuple, int] = {}
         self.analyzer = tvm.sym.Analyzer()
         if 4 * (1 + len(layout.gates)) > GATE_HOOK_BYTES:
             raise EtcError(f"{graph.name}: ETensors armed at run time: {len(layout.gates)} "
@@ -318,7 +326,7 @@ class PersistentKernel:
         if self.workspace is not None:
             for stmt in self.workspace.declarations():
                 Tb.add_to_parent(stmt)
-        for buf in (self.stop, self.skip, self.hooks, self.seen, self.halt):
+        for buf in (self.stop, self.skip, self.hooks, self.seen, self.remembered, self.halt):
             Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
@@ -344,6 +352,8 @@ class PersistentKernel:
                 Tb.buffer_store(self.status, i32(0), [self.tx])
         Tb.add_to_parent(self.strided(SEEN_SLOTS, lambda i: tirx.BufferStore(
             self.seen, i32(0), [i])))
+        Tb.add_to_parent(self.strided(REMEMBERED_SLOTS, lambda i: tirx.BufferStore(
+            self.remembered, i32(UNREAD), [i])))
         if self.ring is not None:
             Tb.add_to_parent(self.ring.clear_runs())
         Tb.evaluate(Tb.cuda.grid_sync())
@@ -586,11 +596,9 @@ class PersistentKernel:
             seen = _both(seen, self.seen[slot] != 0)
         scans = [tirx.BufferStore(looked, i32(SKIPPED), [i32(1)])]
         for e in call.triggers:
-            scans.append(trigger_scan(
-                e.map, self.layout.shapes[e.etensor], coords, self.params(call),
-                lambda elem, e=e: tirx.stmt_seq(
-                    tirx.BufferStore(looked, i32(READY), [i32(1)]),
-                    look(self.layout.flat_index(e.etensor, elem)))))
+            scans.append(self._scan(call, e, coords, lambda elem, e=e: tirx.stmt_seq(
+                tirx.BufferStore(looked, i32(READY), [i32(1)]),
+                look(self.layout.flat_index(e.etensor, elem)))))
         body = tirx.stmt_seq(*looks, *scans)
         body = body if seen is None else tirx.IfThenElse(seen, body, never)
         inside = self.inside(call, coords)  # a task outside the launch's grids reads nothing
@@ -684,10 +692,44 @@ class PersistentKernel:
     def _trigger_scan(self, call, edge, task, coords, wait) -> tirx.Stmt:
         """Find the elements whose trigger map releases this task: each clears ``skip`` and
         is waited on."""
-        return trigger_scan(edge.map, self.layout.shapes[edge.etensor], coords,
-                            self.params(call), lambda elem: tirx.stmt_seq(
-                                tirx.BufferStore(self.skip, i32(0), [i32(0)]),
-                                wait(self.layout.flat_index(edge.etensor, elem), task)))
+        return self._scan(call, edge, coords, lambda elem: tirx.stmt_seq(
+            tirx.BufferStore(self.skip, i32(0), [i32(0)]),
+            wait(self.layout.flat_index(edge.etensor, elem), task)))
+
+    def _scan(self, call, edge, coords, hit) -> tirx.Stmt:
+        """``trigger_scan`` of trigger ``edge`` for the task of ``call`` at ``coords``, which
+        runs once the CTA has seen the tensors the map reads complete: the int32 elements it
+        reads at a fixed index come from ``remembered``, read from global memory once a CTA,
+        not once a task (every acquire the CTA makes empties its L1, so each scan's read,
+        such as the MoE triggers' ``exp_indptr[E]``, would be another round trip to L2)."""
+        fills = {}
+
+        def read(buf, index):
+            slot = self._remembered_slot(buf, index)
+            if slot is None:
+                return tirx.BufferLoad(buf, index)
+            fills[slot.value] = tirx.IfThenElse(
+                self.remembered[slot] == i32(UNREAD),
+                tirx.BufferStore(self.remembered, tirx.BufferLoad(buf, index), [slot]), None)
+            return self.remembered[slot]
+
+        scan = trigger_scan(edge.map, self.layout.shapes[edge.etensor], coords,
+                            self.params(call), hit, read)
+        return tirx.stmt_seq(*fills.values(), scan)
+
+    def _remembered_slot(self, buf: tirx.Buffer, index) -> tirx.IntImm | None:
+        """The ``remembered`` word of element ``index`` of ``buf`` if it is an int32 element
+        of fixed index inside the buffer and a word is left."""
+        index = [self.analyzer.simplify(i) for i in index]
+        if buf.dtype != "int32" or not all(
+                isinstance(i, tirx.IntImm) and 0 <= i.value
+                and self.analyzer.can_prove(i < tirx.Cast("int32", n))
+                for i, n in zip(index, buf.shape)):
+            return None
+        tensor = next(t for t, b in enumerate(self.buffers) if b.same_as(buf))
+        key = (tensor, *(i.value for i in index))
+        slot = self.remembered_slots.setdefault(key, len(self.remembered_slots))
+        return i32(slot) if slot < REMEMBERED_SLOTS else None
 
     def _scans(self, call) -> bool:
         """Whether ``call``'s tasks find their releasing elements themselves (the static

@@ -1,0 +1,104 @@
+"""The MoE layer's two grouped GEMMs alone (``moe_layer.make_expert_gemms``): the same tiles as
+megakernels and as their own grids, with no routing before them and no combine after them.
+
+What the persistent runtime costs the tiles themselves, apart from the layer around them:
+at 4096 tokens on the H200 the static megakernel of the whole layer took 11% longer than its
+unfused launches, and these GEMMs alone 3% (docs/performance.md). For each token count, the
+routing of ``moe_layer.make_routing_inputs`` is aligned on the host (``moe.align_reference``)
+and the tiles take the layer's options at that count (``moe_layer.options_for``, with
+bench_moe's defaults: two CTAs an SM, blocked weights, y in bf16). Each variant's y rows of
+every (token, k) pair are checked against float64 before and after its timing; the
+variants then take turns, replayed from CUDA graphs (``timing.time_interleaved``, queued).
+Prints us per call and each megakernel over the unfused launches.
+"""
+import argparse
+
+import numpy as np
+import torch
+import tvm
+
+import moe_layer
+from bench_moe import E, F, H, K, RTOL, on_gpu, relative_error
+from etc_tvm import build
+from etc_tvm.tiles import moe
+from etc_tvm.tir_sched.persistent import KernelOptions
+from timing import time_interleaved
+
+VARIANTS = ("static", "barrier", "unfused")
+
+
+def float64_pairs(x, topk, w_gate_up, w_down) -> np.ndarray:
+    """y of every (token, k) pair, (T, K, H), in float64 from the same bf16 inputs."""
+    w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
+    xt, wd = on_gpu(x).double(), on_gpu(w_down)
+    ys = torch.empty((*topk.shape, H), dtype=torch.float64, device="cuda")
+    for e in np.unique(topk):
+        token, k = (torch.from_numpy(i).cuda() for i in np.nonzero(topk == e))
+        rows = xt[token]
+        h = torch.nn.functional.silu(rows @ w_gate[e].double()) * (rows @ w_up[e].double())
+        ys[token, k] = h @ wd[e].double()
+    return ys.cpu().numpy()
+
+
+def checked_replay(label: str, compiled, inputs, pair_row, want):
+    """A CUDA-graph replay of ``compiled`` on ``inputs`` whose ``check()`` holds the y rows of
+    the pairs to ``want``: once here, and again after the timing."""
+    run, _ = compiled.capture(*inputs)
+
+    def check():
+        run()
+        torch.cuda.synchronize()
+        error = relative_error(np.asarray(run.checked(), np.float32)[pair_row], want)
+        assert error < RTOL, f"{label}: relative error {error:.2e}"
+
+    check()
+    run.check = check
+    return run
+
+
+def measure(tokens: int, weights, rng, reps: int, claim: bool) -> dict:
+    """us per call of each of ``VARIANTS`` at ``tokens``, from one timing loop."""
+    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
+                                    y_dtype="bfloat16")
+    rows = options["tile_rows"]
+    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    topk, _ = moe.route(x, w_router, K)
+    dims = moe_layer.expert_gemm_dims(tokens, E, K, rows)
+    _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, rows,
+                                                                         dims["tiles"])
+    blocked = moe_layer.blocked_expert_weights(*weights, rows)
+    inputs = [tvm.runtime.tensor(a, tvm.cuda(0))
+              for a in (x, *blocked, sorted_token, tile_expert, indptr)]
+    want = float64_pairs(x, topk, *weights)
+    graph = moe_layer.make_expert_gemms(H, E, F, **options)
+    runs = {}
+    for variant in VARIANTS:
+        compiled = build(graph, dims, strategy=variant, options=KernelOptions(
+            ctas_per_sm=options["ctas_per_sm"], claim=claim and variant != "unfused"))
+        runs[variant] = checked_replay(variant, compiled, inputs, pair_row, want)
+    return {"tokens": tokens, "tiles": int(indptr[E]), "of": dims["tiles"],
+            "us": time_interleaved(runs, reps=reps, queued=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=True,
+                        help="the megakernels' CTAs claim their tasks (KernelOptions.claim)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    weights = moe_layer.make_expert_weights(rng, H, E, F)
+    print(f"{'tokens':>6} {'tiles':>9} " + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
+          + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
+    for tokens in args.tokens:
+        row = measure(tokens, weights, rng, args.reps, args.claim)
+        us = row["us"]
+        print(f"{tokens:>6} {row['tiles']:>4}/{row['of']:<4} "
+              + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
+              + f" {us['static'] / us['unfused']:15.3f} {us['barrier'] / us['unfused']:16.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
