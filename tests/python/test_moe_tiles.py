@@ -578,10 +578,13 @@ def test_order_key_orders_floats_with_both_zeros_alike():
 
 
 def compile_layer(graph, tokens, tmp_path, strategy="barrier", ctas_per_sm=1) -> set:
-    """Compile the layer's megakernel for sm_90a at ``tokens`` tokens; its tiles' names."""
-    build_cubin(build(graph, {"T": tokens}, strategy=strategy, num_sms=132,
-                      options=KernelOptions(ctas_per_sm=ctas_per_sm)).cuda_source(),
-                tmp_path, allow_spills=True)
+    """Compile the layer's megakernel for sm_90a at ``tokens`` tokens, with no wgmma that
+    ptxas serialises (it decides for the whole kernel: one tile's loop can stall every
+    other's MMAs); its tiles' names."""
+    _, report = build_cubin(build(graph, {"T": tokens}, strategy=strategy, num_sms=132,
+                                  options=KernelOptions(ctas_per_sm=ctas_per_sm)).cuda_source(),
+                            tmp_path, allow_spills=True)
+    assert "serializ" not in report, report[-4000:]
     return {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
 
 
