@@ -158,6 +158,13 @@ class KernelOptions:
 DEFAULT_OPTIONS = KernelOptions()
 
 
+def _slot(slots: dict, key, limit: int) -> tirx.IntImm | None:
+    """The shared word ``key`` is given in a table of ``limit`` words (``slots``: key ->
+    word, in first-asked order), or None once every word is taken."""
+    slot = slots.setdefault(key, len(slots))
+    return i32(slot) if slot < limit else None
+
+
 class PersistentKernel:
     """The buffers, scopes and statement builders shared by the persistent kernels."""
 
@@ -673,8 +680,7 @@ class PersistentKernel:
         flat = self.analyzer.simplify(flat)
         if not isinstance(flat, tirx.IntImm):
             return None
-        slot = self.seen_slots.setdefault(flat.value, len(self.seen_slots))
-        return i32(slot) if slot < SEEN_SLOTS else None
+        return _slot(self.seen_slots, flat.value, SEEN_SLOTS)
 
     def checked(self, call, edge, task, index, then, shape=None) -> tirx.Stmt:
         """``then(flat counter index)`` if every coordinate of ``index`` lies inside the
@@ -727,9 +733,8 @@ class PersistentKernel:
                 for i, n in zip(index, buf.shape)):
             return None
         tensor = next(t for t, b in enumerate(self.buffers) if b.same_as(buf))
-        key = (tensor, *(i.value for i in index))
-        slot = self.remembered_slots.setdefault(key, len(self.remembered_slots))
-        return i32(slot) if slot < REMEMBERED_SLOTS else None
+        return _slot(self.remembered_slots, (tensor, *(i.value for i in index)),
+                     REMEMBERED_SLOTS)
 
     def _scans(self, call) -> bool:
         """Whether ``call``'s tasks find their releasing elements themselves (the static
