@@ -117,6 +117,9 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=moe.ENGINES, default="wgmma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows (default: "
                         "wgmma; at 1024 tokens on the H200, 534 us against 660 on mma)")
+    parser.add_argument("--bk", type=int, default=64,
+                        help="the grouped GEMMs' K slice (default 64; 32 on wgmma tiles keeps "
+                        "A in 64-byte swizzled rows, more stages in the same shared memory)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
@@ -166,6 +169,20 @@ def parse_configs(specs, base: argparse.Namespace) -> dict[str, argparse.Namespa
     return configs or {"": base}
 
 
+def layer_options(tokens: int, options: argparse.Namespace) -> dict:
+    """``moe_layer.make_moe_layer``'s options at ``tokens`` for ``layer_parser``'s
+    ``options`` (``moe_layer.options_for`` filling in what they leave open)."""
+    return moe_layer.options_for(
+        tokens, tile_rows=options.tile_rows, engine=options.engine,
+        router_splits=options.router_splits, router_engine=options.router_engine,
+        block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
+        down_bn=options.down_bn, bk=options.bk, stages=options.stages, threads=options.threads,
+        experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
+        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
+        y_dtype=options.y_dtype, align_tokens=options.align_tokens,
+        fused_route=options.fused_route)
+
+
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,
              prefix: str = "") -> tuple[dict, dict]:
     """(runs, description) of one layer configuration at ``tokens``: ``prefix`` + label ->
@@ -174,15 +191,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     and why."""
     import tvm
 
-    layer = moe_layer.options_for(
-        tokens, tile_rows=options.tile_rows, engine=options.engine,
-        router_splits=options.router_splits, router_engine=options.router_engine,
-        block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
-        down_bn=options.down_bn, stages=options.stages, threads=options.threads,
-        experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
-        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
-        y_dtype=options.y_dtype, align_tokens=options.align_tokens,
-        fused_route=options.fused_route)
+    layer = layer_options(tokens, options)
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take

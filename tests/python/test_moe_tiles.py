@@ -871,6 +871,24 @@ def test_rings_share_the_sm_among_its_ctas():
               num_sms=132, options=KernelOptions(ctas_per_sm=2))
 
 
+def test_shallow_slices_deepen_the_ring_in_the_same_shared_memory(tmp_path):
+    """32-column K slices (A in 64-byte swizzled rows) of 64 x 256 tasks: 5 stages of 20 KB
+    in a CTA's half of the SM, where 64-column slices leave room for 2 (and a ring needs 3);
+    the static kernel of two CTAs an SM compiles with no register spilled and no wgmma
+    serialised by ptxas."""
+    graph = make_moe_layer(tile_rows=64, bn=256, bk=32, engine="wgmma", ctas_per_sm=2,
+                           blocked_weights=True, y_dtype="bfloat16")
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
+    assert {"gate_up_2048x768_e128_64x256x32_s5_t128_wgmma_blocked",
+            "down_768x2048_e128_64x256x32_s5_t128_wgmma_blocked_ybf16"} <= names, names
+    _, report = build_cubin(build(graph, {"T": 1024}, strategy="static", num_sms=132,
+                                  options=KernelOptions(ctas_per_sm=2, claim=True)).cuda_source(),
+                            tmp_path)
+    assert "serializ" not in report, report[-4000:]
+    with pytest.raises(EtcError, match="stages must be >= 3"):
+        make_moe_layer(tile_rows=64, bn=256, engine="wgmma", ctas_per_sm=2)
+
+
 def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():
     """Two CTAs of 64 x 64 rings: 6 stages. 7 (115712 bytes) fit half the SM's shared memory
     but not with the 1 KB the hardware keeps per CTA and the scheduler's own words, and the

@@ -27,6 +27,8 @@ Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
 - A, K-major, 128B swizzle: start = the m64 block's first row (+32 bytes per k16 step inside a
   128-byte row, +bm*128 per 64-column panel); stride byte offset (SBO) = 1024, the step between
   8-row groups; leading byte offset unused (1). ``imm-trans-a`` = 0.
+- A, K-major, 64B swizzle (bk = 32: one 64-byte row a slice): as above with 64-byte rows,
+  +32 bytes for the second k16 step; SBO = 512.
 - B, MN-major, 128B swizzle: start = row 16*kk of the first N panel; LBO = bk*128, the step
   from one 64-column panel to the next along N; SBO = 1024, the step between 8-row groups of
   K. ``imm-trans-b`` = 1: bf16 is one of the types wgmma may read transposed (MN-major) from
@@ -88,7 +90,7 @@ ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
 ATOM_BYTES = 1024  # 8 swizzled rows: the alignment the swizzle pattern needs
 CHUNK = 8  # bf16 elements per cp.async (16 bytes)
-SWIZZLE_128B = 3  # CUtensorMapSwizzle value that encode_matrix_descriptor takes
+SWIZZLES = {64: 2, 128: 3}  # swizzle bytes -> the CUtensorMapSwizzle encode_matrix_descriptor takes
 WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
@@ -129,8 +131,9 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
     if bn <= 0 or bn % PANEL or bn > 256:
         raise EtcError(f"{name}: bn must be 64, 128, 192 or 256: one wgmma spans the tile's N "
                        "(at most 256) in 64-column swizzle panels")
-    if bk <= 0 or bk % PANEL:
-        raise EtcError(f"{name}: bk must be a multiple of 64 (one 128-byte swizzle row of bf16)")
+    if bk <= 0 or bk % PANEL and bk != PANEL // 2:
+        raise EtcError(f"{name}: bk must be 32 (A in 64-byte swizzled rows) or a multiple of "
+                       f"64 (128-byte rows)")
     if stages < 3:
         raise EtcError(f"{name}: stages must be >= 3: one wgmma batch stays in flight while "
                        f"the slot two steps back is refilled, got {stages}")
@@ -149,7 +152,10 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
 
 @T.meta_class
 class SwizzledRing:
-    """The ``stages``-deep ring of A and B tiles in 128-byte-swizzled shared memory.
+    """The ``stages``-deep ring of A and B tiles in swizzled shared memory: B's panels in
+    128-byte rows; A's in 128-byte rows too, or, for slices of 32 columns (bk = 32), in
+    64-byte rows with the 64-byte swizzle (16-byte chunk c of row r at c ^ (r // 2) % 4,
+    8-row groups of 512 bytes), so that a shallower slice buys more stages in flight.
 
     One ``shared.dyn`` allocation (so the unfused kernel sizes it at launch and the megakernel
     maps it into its arena), aligned to 1024 bytes at run time; offsets below are bytes from
@@ -158,6 +164,7 @@ class SwizzledRing:
 
     def __init__(self, bm: int, bn: int, bk: int, stages: int, threads: int):
         self.bm, self.bn, self.bk, self.stages, self.threads = bm, bn, bk, stages, threads
+        self.a_row = min(bk, PANEL) * 2  # bytes of one swizzled A row: 64 or 128
         self.a_stage = bm * bk * 2  # bytes of one A stage
         self.b_stage = bk * bn * 2
         self.b_ring = stages * self.a_stage  # where the B stages start
@@ -178,13 +185,16 @@ class SwizzledRing:
     @T.inline
     def load_stage(self, slot, a_src, b_src, k0, tx, a_valid=None):
         # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
-        # B rows k0:+bk into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
+        # B rows k0:+bk into ring slot ``slot``; chunk c of a 128-byte panel row r goes to
+        # c ^ r%8, of a 64-byte one to c ^ (r//2)%4.
         a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
+        row_bytes, per_row = T.meta_var((self.a_row, self.a_row // 16))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // a_cols, c % a_cols))
-            copy_a_chunk(self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES)
-                                 + row * ROW_BYTES + (cc % 8 ^ row % 8) * 16),
+            copy_a_chunk(self.at(slot * self.a_stage + cc // per_row * (self.bm * row_bytes)
+                                 + row * row_bytes
+                                 + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row) * 16),
                          a_src(row, k0 + cc * CHUNK), a_valid, row)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
@@ -216,17 +226,20 @@ class SwizzledRing:
     @T.inline
     def encode(self, desc, a_row):
         # desc[0]: A from row ``a_row`` of slot 0 (K-major: SBO = one 8-row group, LBO unused);
-        # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO as A's).
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), self.at(a_row * ROW_BYTES),
-                                              1, ATOM_BYTES // 16, SWIZZLE_128B)
+        # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO = one
+        # 8-row group of 128-byte rows).
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]),
+                                              self.at(a_row * self.a_row), 1,
+                                              8 * self.a_row // 16, SWIZZLES[self.a_row])
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[1]), self.at(self.b_ring),
                                               self.bk * ROW_BYTES // 16, ATOM_BYTES // 16,
-                                              SWIZZLE_128B)
+                                              SWIZZLES[ROW_BYTES])
 
     def a_desc(self, desc, slot, kk, m):
         """A's descriptor for m64 block ``m`` (of this warpgroup) and k16 step ``kk``: the
         start address moves by whole rows, panels and 32-byte steps inside a swizzled row."""
-        step = kk // 4 * (self.bm * ROW_BYTES) + m * 64 * ROW_BYTES + kk % 4 * 32
+        steps = self.a_row // 32  # k16 steps in one A row
+        step = kk // steps * (self.bm * self.a_row) + m * 64 * self.a_row + kk % steps * 32
         return desc[0] + T.Cast("uint64", slot * (self.a_stage // 16) + step // 16)
 
     def b_desc(self, desc, slot, kk):
@@ -434,6 +447,9 @@ def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[Tensor
     error for any other ``loads``."""
     if loads not in LOADS:
         raise EtcError(f"{tile}: loads must be one of {LOADS}, got {loads!r}")
+    if loads == "tma" and bk % PANEL:
+        raise EtcError(f"{tile}: TMA loads take slices of whole 64-column panels (bk a "
+                       f"multiple of 64), got bk={bk}")
     if loads != "tma":
         return []
     return [TensorMap(a, box=(bm, PANEL), swizzle=ROW_BYTES),
