@@ -14,8 +14,10 @@ Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
 
     ring = [A stage 0 .. A stage S-1][B stage 0 .. B stage S-1], base aligned to 1024 bytes
     A stage: bk/64 panels of  bm rows x 64 bf16 (128 bytes a row)   K-major ("row-major A")
+             (bk = 32: one panel of bm rows x 32 bf16, 64 bytes a row, the 64-byte swizzle)
     B stage: bn/64 panels of  bk rows x 64 bf16 (128 bytes a row)   N-major (B as stored)
-    16-byte chunk c of panel row r lives at chunk c ^ (r % 8) of that row
+    16-byte chunk c of panel row r lives at chunk c ^ (r % 8) of that row (64-byte rows:
+    c ^ (r // 2 % 4), the XOR of address bits [4:6) with [7:9))
 
 Eight 128-byte rows make one 1024-byte swizzle atom; the hardware applies the XOR on address
 bits [4:7) ^ [7:10), so every atom must start 1024-byte aligned: the tile pads its allocation
