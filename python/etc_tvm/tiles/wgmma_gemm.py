@@ -114,8 +114,9 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
                    out_dtype: str = "float32", stores: str = "fragments") -> None:
     """Reject the shapes the layout, the instruction and the register file cannot take, and
     ``stores`` ("fragments": ``WgmmaTile.store``; "staged": ``store_staged``, of bf16 tiles:
-    its padded rows always fit the ring, whose 3 or more stages of 64-deep slices hold
-    ``3 * 64 * (bm + bn)`` elements)."""
+    its padded rows, ``bm * (bn + 8)`` elements, always fit the ring, whose 3 or more stages
+    of slices at least 32 deep hold ``96 * (bm + bn)``: the accumulator limit keeps
+    ``bm * bn`` within 32768)."""
     name = f"wgmma gemm tile {bm}x{bn}x{bk}"
     if stores not in STORES:
         raise EtcError(f"{name}: stores must be one of {STORES}, got {stores!r}")
