@@ -112,7 +112,7 @@ def main() -> None:
         for name in configs:
             us = {v: row["us"][name, v] for v in VARIANTS}
             used, allotted = row["tiles"][name]
-            print(f"{tokens:>6} {name:>10} {used:>4}/{allotted:<4} "
+            print(f"{tokens:>6} {name or 'default':>10} {used:>4}/{allotted:<4} "
                   + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
                   + f" {us['static'] / us['unfused']:15.3f}"
                   f" {us['barrier'] / us['unfused']:16.3f}", flush=True)
