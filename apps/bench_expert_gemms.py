@@ -56,8 +56,9 @@ def checked_replay(label: str, compiled, inputs, pair_row, want):
     return run
 
 
-def measure(tokens: int, weights, rng, reps: int, claim: bool) -> dict:
-    """us per call of each of ``VARIANTS`` at ``tokens``, from one timing loop."""
+def measure(tokens: int, weights, rng, reps: int, claim: bool, down_loads) -> dict:
+    """us per call of each of ``VARIANTS`` at ``tokens`` for each of ``down_loads`` (the down
+    tiles' ``loads``), all from one timing loop."""
     options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
                                     y_dtype="bfloat16")
     rows = options["tile_rows"]
@@ -70,12 +71,14 @@ def measure(tokens: int, weights, rng, reps: int, claim: bool) -> dict:
     inputs = [tvm.runtime.tensor(a, tvm.cuda(0))
               for a in (x, *blocked, sorted_token, tile_expert, indptr)]
     want = float64_pairs(x, topk, *weights)
-    graph = moe_layer.make_expert_gemms(H, E, F, **options)
     runs = {}
-    for variant in VARIANTS:
-        compiled = build(graph, dims, strategy=variant, options=KernelOptions(
-            ctas_per_sm=options["ctas_per_sm"], claim=claim and variant != "unfused"))
-        runs[variant] = checked_replay(variant, compiled, inputs, pair_row, want)
+    for loads in down_loads:
+        graph = moe_layer.make_expert_gemms(H, E, F, **options, down_loads=loads)
+        for variant in VARIANTS:
+            compiled = build(graph, dims, strategy=variant, options=KernelOptions(
+                ctas_per_sm=options["ctas_per_sm"], claim=claim and variant != "unfused"))
+            runs[variant, loads] = checked_replay(f"{variant}, down loads {loads}", compiled,
+                                                  inputs, pair_row, want)
     return {"tokens": tokens, "tiles": int(indptr[E]), "of": dims["tiles"],
             "us": time_interleaved(runs, reps=reps, queued=True)}
 
@@ -86,18 +89,23 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=True,
                         help="the megakernels' CTAs claim their tasks (KernelOptions.claim)")
+    parser.add_argument("--down-loads", nargs="+", choices=("cp.async", "tma"),
+                        default=["cp.async"], help="the down tiles' loads (moe.make_down_tile), "
+                        "each measured in the same timing loop (default: cp.async)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     weights = moe_layer.make_expert_weights(rng, H, E, F)
-    print(f"{'tokens':>6} {'tiles':>9} " + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
+    print(f"{'tokens':>6} {'tiles':>9} {'down loads':>10} "
+          + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
           + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
     for tokens in args.tokens:
-        row = measure(tokens, weights, rng, args.reps, args.claim)
-        us = row["us"]
-        print(f"{tokens:>6} {row['tiles']:>4}/{row['of']:<4} "
-              + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
-              + f" {us['static'] / us['unfused']:15.3f} {us['barrier'] / us['unfused']:16.3f}",
-              flush=True)
+        row = measure(tokens, weights, rng, args.reps, args.claim, args.down_loads)
+        for loads in args.down_loads:
+            us = {v: row["us"][v, loads] for v in VARIANTS}
+            print(f"{tokens:>6} {row['tiles']:>4}/{row['of']:<4} {loads:>10} "
+                  + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
+                  + f" {us['static'] / us['unfused']:15.3f}"
+                  f" {us['barrier'] / us['unfused']:16.3f}", flush=True)
 
 
 if __name__ == "__main__":
