@@ -55,11 +55,11 @@ host-encoded tensor maps of A and B (``etc_tvm.tensor_map``), and the loop has n
     prologue: mbarrier init (full: 1 arrival + the stage's bytes; empty: one per warpgroup);
               bar.sync; thread 0: fence.proxy.async, loads slices 0 .. S-1
     for ko in 0 .. K/bk-1:
+        wgmma.wait_group 1                slice ko-2 retired (ko-1 may still run)
+        one thread a warpgroup: arrive empty[(ko-2) % S]
+        thread 0: wait empty[(ko-2) % S], load slice ko-2+S into that slot
         wait full[ko % S]                 slice ko landed
         wgmma x (bk/16) x (m64 blocks), commit
-        wgmma.wait_group 1                this warpgroup's wgmmas of slice ko-1 retired
-        one thread a warpgroup: arrive empty[(ko-1) % S]
-        thread 0: wait empty[(ko-1) % S], load slice ko-1+S into that slot
     wgmma.wait_group 0; bar.sync; mbarrier inval; registers -> C
 
 Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
@@ -376,19 +376,24 @@ class WgmmaTile:
                     ring.load_stage_tma(p, full, a_map, a_row, b_map, b_row, b_col,
                                         p * self.bk)
         for ko in T.serial(num_k):
-            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
-            self.issue(ko % stages, live_blocks)
-            T.ptx.wgmma.wait_group.sync.aligned(1)  # slice ko-1 retired: release its slot
-            if ko > 0:
+            # slice ko-2 retired (ko-1's wgmmas may still run): release its slot, which
+            # thread 0 refills; then slice ko. The wait heads the step rather than following
+            # the issue, so that no wgmma group is pending across the loop's back edge: in a
+            # kernel that also holds a cp.async wgmma tile, ptxas serialised every wgmma of
+            # the kernel (C7515) when it was
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if ko > 1:
                 if self.tx % WARPGROUP == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 1) % stages]),
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 2) % stages]),
                                                      T.uint32(1))
                 if self.tx == 0:
-                    if ko - 1 + stages < num_k:
-                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 1) % stages]),
-                                             ((ko - 1) // stages) % 2)
-                        ring.load_stage_tma((ko - 1) % stages, full, a_map, a_row, b_map,
-                                            b_row, b_col, (ko - 1 + stages) * self.bk)
+                    if ko - 2 + stages < num_k:
+                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 2) % stages]),
+                                             ((ko - 2) // stages) % 2)
+                        ring.load_stage_tma((ko - 2) % stages, full, a_map, a_row, b_map,
+                                            b_row, b_col, (ko - 2 + stages) * self.bk)
+            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
+            self.issue(ko % stages, live_blocks)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()
         if self.tx == 0:
