@@ -153,6 +153,9 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=False,
                         help="the static and barrier megakernels' CTAs claim the tasks in "
                         "id order at run time (KernelOptions.claim)")
+    parser.add_argument("--down-loads", choices=("cp.async", "tma"), default="cp.async",
+                        help="how the down tiles fill their rings (wgmma tiles: TMA loads of "
+                        "h's rows and the weight slab; default cp.async)")
     return parser
 
 
@@ -180,7 +183,7 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
-        fused_route=options.fused_route)
+        fused_route=options.fused_route, down_loads=options.down_loads)
 
 
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,

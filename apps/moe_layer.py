@@ -50,7 +50,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
-                   y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False):
+                   y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
+                   down_loads: str = "cp.async"):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -82,14 +83,15 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
     ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
     (``moe.make_route_tile``), which waits for every router task; for few tokens, where
-    top-k is one task anyway."""
+    top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
+    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
                                  stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
-                                 y_dtype=y_dtype)
+                                 y_dtype=y_dtype, down_loads=down_loads)
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
@@ -204,7 +206,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
 def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int, bn: int,
                  down_bn: int, bk: int = 64, stages: int | None = None, engine: str = "mma",
                  threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
-                 y_dtype: str = "float32"):
+                 y_dtype: str = "float32", down_loads: str = "cp.async"):
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
     each with ``stages`` or the deepest ring that fits a CTA's share of the SM."""
     wgmma = engine == "wgmma"
@@ -221,12 +223,12 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads, ring(bn), engine,
                                   blocked_weights),
             moe.make_down_tile(F, H, E, tile_rows, down_bn, bk, threads, ring(down_bn), engine,
-                               blocked_weights, y_dtype))
+                               blocked_weights, y_dtype, down_loads))
 
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
 EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "stages", "engine", "threads",
-                  "ctas_per_sm", "blocked_weights", "y_dtype")
+                  "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads")
 
 
 @functools.cache

@@ -843,6 +843,18 @@ def test_128_row_wgmma_layer_compiles_for_sm90a(tmp_path):
             "down_768x2048_e128_128x128x64_s3_t128_wgmma_blocked"} <= names, names
 
 
+def test_tma_down_tiles_beside_cp_async_gate_up_keep_their_wgmmas_asynchronous(tmp_path):
+    """Down tiles on TMA (``down_loads="tma"``) and gate_up tiles on cp.async in one kernel:
+    while ``run_tma``'s loop left a wgmma group pending across its back edge, ptxas serialised
+    every wgmma of the kernel, gate_up's too (C7515); ``compile_layer`` fails on that."""
+    graph = make_moe_layer(**moe_layer.options_for(1024, ctas_per_sm=2, blocked_weights=True,
+                                                   down_loads="tma"))
+    names = compile_layer(graph, 1024, tmp_path, "static", ctas_per_sm=2)
+    assert "down_768x2048_e128_64x128x64_s4_t128_wgmma_tma_blocked" in names, names
+    with pytest.raises(EtcError, match="loads 'tma' runs on the wgmma engine"):
+        moe.make_down_tile(F, H, E, tile_rows=16, stages=3, loads="tma")
+
+
 def test_combine_loads_every_step_before_it_stores(tmp_path):
     """A whole-row combine task (4 steps of 4 columns a thread, 8 pairs) issues its 32 loads
     of y before its first store of out: in the megakernel nothing says out and y (a view of

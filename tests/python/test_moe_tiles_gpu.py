@@ -306,6 +306,25 @@ def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weight
                     rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens, tile_rows, blocked", [(512, 64, True), (1024, 128, False)])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, expert_weights,
+                                   expert_weights_f64):
+    """Down tiles that fill their rings by TMA (``down_loads="tma"``), two CTAs an SM (the
+    static kernel claiming): h's rows and the weight slab in whole boxes, through maps of the
+    blocked (E, H/bn, F, bn) or in-place (E, F, H) weights; 128-row tiles with rows in one
+    m64 block or both; one expert as every token's first choice fills several tiles."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(
+        tokens, tile_rows=tile_rows, ctas_per_sm=2, blocked_weights=blocked, down_loads="tma"))
+    compiled = build(graph, {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=2, claim=strategy == "static"))
+    weights = moe_layer.blocked_expert_weights(*expert_weights, tile_rows) if blocked \
+        else expert_weights
+    for routing in ("random", "one_expert"):
+        check_layer(lambda x, w_router, *_: compiled(x, w_router, *weights), tokens, routing,
+                    rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens", (1, 16, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier"])
 def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):

@@ -59,11 +59,11 @@ host-encoded tensor maps of A and B (``etc_tvm.tensor_map``), and the loop has n
     prologue: mbarrier init (full: 1 arrival + the stage's bytes; empty: one per warpgroup);
               bar.sync; thread 0: fence.proxy.async, loads slices 0 .. S-1
     for ko in 0 .. K/bk-1:
+        wgmma.wait_group 1                slice ko-2 retired (ko-1 may still run)
+        one thread a warpgroup: arrive empty[(ko-2) % S]
+        thread 0: wait empty[(ko-2) % S], load slice ko-2+S into that slot
         wait full[ko % S]                 slice ko landed
         wgmma x (bk/16) x (m64 blocks), commit
-        wgmma.wait_group 1                this warpgroup's wgmmas of slice ko-1 retired
-        one thread a warpgroup: arrive empty[(ko-1) % S]
-        thread 0: wait empty[(ko-1) % S], load slice ko-1+S into that slot
     wgmma.wait_group 0; bar.sync; mbarrier inval; registers -> C
 
 Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
@@ -208,9 +208,10 @@ class SwizzledRing:
                 b_src(k0 + row, cc * CHUNK), 16)
 
     @T.inline
-    def load_stage_tma(self, slot, full, a_map, a_row, b_map, b_col, k0):
+    def load_stage_tma(self, slot, full, a_map, a_row, b_map, b_row, b_col, k0):
         # One thread: arm the slot's barrier with the stage's bytes, then one TMA load a
-        # 64-column panel (the hardware applies the same 128-byte swizzle as load_stage).
+        # 64-column panel (the hardware applies the same 128-byte swizzle as load_stage);
+        # B's K rows start at map row ``b_row``.
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(
             full.ptr_to([slot]), T.uint32(self.a_stage + self.b_stage))
         for p in T.unroll(self.bk // PANEL):
@@ -223,7 +224,7 @@ class SwizzledRing:
             T.evaluate(TMA_LOAD(
                 T.cuda.cvta_generic_to_shared(self.at(self.b_ring + slot * self.b_stage
                                                       + q * (self.bk * ROW_BYTES))),
-                T.address_of(b_map), b_col + q * PANEL, k0,
+                T.address_of(b_map), b_col + q * PANEL, b_row + k0,
                 T.cuda.cvta_generic_to_shared(full.ptr_to([slot]))))
 
     @T.inline
@@ -361,10 +362,12 @@ class WgmmaTile:
         T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
 
     @T.inline
-    def run_tma(self, a_map, a_row, b_map, b_col, num_k):
+    def run_tma(self, a_map, a_row, b_map, b_col, num_k, b_row=0, live_blocks=None):
         """``run`` with the stages loaded by TMA through ``a_map`` (box bm x 64 of A from
-        row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``), both with
-        the 128-byte swizzle, and no CTA barrier in the loop: each stage has a *full*
+        row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``, its K rows
+        from map row ``b_row``: a slab of stacked weights), both with the 128-byte
+        swizzle, and no CTA barrier in the loop (``live_blocks``: ``run``'s; every row of
+        the box is read, as TMA copies whole boxes): each stage has a *full*
         mbarrier, which thread 0 arms with the stage's bytes as it issues the loads, and an
         *empty* one, on which each warpgroup arrives once its wgmmas of the stage retired.
         Thread 0 refills a slot after its empty barrier completes, so every slot but the
@@ -386,21 +389,27 @@ class WgmmaTile:
             T.ptx.fence.proxy.async_()
             for p in T.unroll(stages):
                 if p < num_k:
-                    ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
+                    ring.load_stage_tma(p, full, a_map, a_row, b_map, b_row, b_col,
+                                        p * self.bk)
         for ko in T.serial(num_k):
-            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
-            self.issue(ko % stages)
-            T.ptx.wgmma.wait_group.sync.aligned(1)  # slice ko-1 retired: release its slot
-            if ko > 0:
+            # slice ko-2 retired (ko-1's wgmmas may still run): release its slot, which
+            # thread 0 refills; then slice ko. The wait heads the step rather than following
+            # the issue, so that no wgmma group is pending across the loop's back edge: in a
+            # kernel that also holds a cp.async wgmma tile, ptxas serialised every wgmma of
+            # the kernel (C7515) when it was
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if ko > 1:
                 if self.tx % WARPGROUP == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 1) % stages]),
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 2) % stages]),
                                                      T.uint32(1))
                 if self.tx == 0:
-                    if ko - 1 + stages < num_k:
-                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 1) % stages]),
-                                             ((ko - 1) // stages) % 2)
-                        ring.load_stage_tma((ko - 1) % stages, full, a_map, a_row, b_map,
-                                            b_col, (ko - 1 + stages) * self.bk)
+                    if ko - 2 + stages < num_k:
+                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 2) % stages]),
+                                             ((ko - 2) // stages) % 2)
+                        ring.load_stage_tma((ko - 2) % stages, full, a_map, a_row, b_map,
+                                            b_row, b_col, (ko - 2 + stages) * self.bk)
+            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
+            self.issue(ko % stages, live_blocks)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()
         if self.tx == 0:
@@ -443,11 +452,11 @@ class WgmmaTile:
                 C[row0 + r, col0 + c + v] = ring.smem[r * pitch + c + v]
 
 
-def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[TensorMap]:
+def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str, b: str = "B") -> list[TensorMap]:
     """The tensor maps of a wgmma tile whose stages ``loads`` fill: none for "cp.async"; for
     "tma" (``WgmmaTile.run_tma``), rows of the A operand, parameter ``a`` (box bm x 64), and
-    of ``B`` (bk x 64), with the 128-byte swizzle of the ring. ``tile`` names the tile in the
-    error for any other ``loads``."""
+    of the B operand, parameter ``b`` (bk x 64), with the 128-byte swizzle of the ring.
+    ``tile`` names the tile in the error for any other ``loads``."""
     if loads not in LOADS:
         raise EtcError(f"{tile}: loads must be one of {LOADS}, got {loads!r}")
     if loads == "tma" and bk % PANEL:
@@ -456,7 +465,7 @@ def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[Tensor
     if loads != "tma":
         return []
     return [TensorMap(a, box=(bm, PANEL), swizzle=ROW_BYTES),
-            TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)]
+            TensorMap(b, box=(bk, PANEL), swizzle=ROW_BYTES)]
 
 
 def task_cost(K, bm: int, bn: int, bk: int):
