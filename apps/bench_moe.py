@@ -120,6 +120,8 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bk", type=int, default=64,
                         help="the grouped GEMMs' K slice (default 64; 32 on wgmma tiles keeps "
                         "A in 64-byte swizzled rows, more stages in the same shared memory)")
+    parser.add_argument("--down-bk", type=int, help="the down tiles' K slice (default: --bk; "
+                        "TMA down tiles need a multiple of 64)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
@@ -179,8 +181,9 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         tokens, tile_rows=options.tile_rows, engine=options.engine,
         router_splits=options.router_splits, router_engine=options.router_engine,
         block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
-        down_bn=options.down_bn, bk=options.bk, stages=options.stages, threads=options.threads,
-        experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
+        down_bn=options.down_bn, bk=options.bk, down_bk=options.down_bk, stages=options.stages,
+        threads=options.threads, experts_per_task=options.experts_per_task,
+        ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
         fused_route=options.fused_route, down_loads=options.down_loads)

@@ -47,7 +47,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    experts_per_task: int = 16, router_splits: int = 1,
                    router_engine: str = "fma",
                    bn: int | None = None, down_bn: int | None = None, bk: int = 64,
-                   stages: int | None = None,
+                   down_bk: int | None = None, stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
@@ -75,7 +75,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
-    multiples). ``blocked_weights``: the layer takes both expert weights as
+    multiples). ``bk``: the grouped GEMMs' K slice; ``down_bk``: the down tiles' where it
+    differs (TMA down tiles take whole 64-column slices beside a gate_up ring of 32-column
+    ones). ``blocked_weights``: the layer takes both expert weights as
     ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
     (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
     back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
@@ -89,7 +91,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     bn = bn or default_bn(BT)
     down_bn = down_bn or bn
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
-                                 stages=stages, engine=engine, threads=threads,
+                                 down_bk=down_bk, stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
                                  y_dtype=y_dtype, down_loads=down_loads)
     combine_cols = min(combine_cols, H)
@@ -204,14 +206,15 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
 
 
 def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int, bn: int,
-                 down_bn: int, bk: int = 64, stages: int | None = None, engine: str = "mma",
+                 down_bn: int, bk: int = 64, down_bk: int | None = None,
+                 stages: int | None = None, engine: str = "mma",
                  threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
                  y_dtype: str = "float32", down_loads: str = "cp.async"):
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
     each with ``stages`` or the deepest ring that fits a CTA's share of the SM."""
     wgmma = engine == "wgmma"
 
-    def ring(columns: int) -> int:
+    def ring(columns: int, bk: int) -> int:
         return stages or gemm.deepest_stages(
             tile_rows, columns, bk,
             footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
@@ -220,15 +223,17 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                       arena_limit(ctas_per_sm)))
 
     H, E, F = hidden, experts, intermediate
-    return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads, ring(bn), engine,
+    down_bk = down_bk or bk
+    return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads, ring(bn, bk), engine,
                                   blocked_weights),
-            moe.make_down_tile(F, H, E, tile_rows, down_bn, bk, threads, ring(down_bn), engine,
-                               blocked_weights, y_dtype, down_loads))
+            moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
+                               ring(down_bn, down_bk), engine, blocked_weights, y_dtype,
+                               down_loads))
 
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
-EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "stages", "engine", "threads",
-                  "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads")
+EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "down_bk", "stages", "engine",
+                  "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads")
 
 
 @functools.cache
