@@ -74,7 +74,7 @@ def measure(tokens: int, weights, rng, reps: int, configs: dict) -> dict:
                                                                              dims["tiles"])
         expert_weights = weights
         if layer["blocked_weights"]:  # laid out once for each task width the rows take
-            key = (rows, layer.get("bn"), layer.get("down_bn"))
+            key = (rows, layer["bn"], layer["down_bn"])
             if key not in blocked:
                 blocked[key] = moe_layer.blocked_expert_weights(*weights, *key)
             expert_weights = blocked[key]

@@ -117,9 +117,10 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=moe.ENGINES, default="wgmma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows (default: "
                         "wgmma; at 1024 tokens on the H200, 534 us against 660 on mma)")
-    parser.add_argument("--bk", type=int, default=64,
-                        help="the grouped GEMMs' K slice (default 64; 32 on wgmma tiles keeps "
-                        "A in 64-byte swizzled rows, more stages in the same shared memory)")
+    parser.add_argument("--bk", type=int,
+                        help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
+                        "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "
+                        "stages in the same shared memory)")
     parser.add_argument("--down-bk", type=int, help="the down tiles' K slice (default: --bk; "
                         "TMA down tiles need a multiple of 64)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
@@ -201,7 +202,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
-        key = ("blocked", layer["tile_rows"], options.bn, options.down_bn)
+        key = ("blocked", layer["tile_rows"], layer["bn"], layer["down_bn"])
         if key not in weights:
             weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
         expert_weights = weights[key]
@@ -279,8 +280,7 @@ def print_row(row: dict, ours) -> None:
               f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router tasks of "
               f"{about['router_tokens']} tokens x {about['experts_per_task']} experts over "
               f"{about['router_splits']} splits on {about['router_engine']}"
-              + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
-                 "(down) columns" if about["bn"] else "")
+              + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"
               + f", combine tasks of {about['combine_cols']} columns"
               + (f", align over tasks of {about['align_tokens']} tokens"
                  if about["align_tokens"] else ", top-k and align in one task"

@@ -318,8 +318,8 @@ def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, ex
         tokens, tile_rows=tile_rows, ctas_per_sm=2, blocked_weights=blocked, down_loads="tma"))
     compiled = build(graph, {"T": tokens}, strategy=strategy,
                      options=KernelOptions(ctas_per_sm=2, claim=strategy == "static"))
-    weights = moe_layer.blocked_expert_weights(*expert_weights, tile_rows) if blocked \
-        else expert_weights
+    weights = moe_layer.blocked_expert_weights(*expert_weights, tile_rows, down_loads="tma") \
+        if blocked else expert_weights
     for routing in ("random", "one_expert"):
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *weights), tokens, routing,
                     rng, expert_weights, expert_weights_f64)
