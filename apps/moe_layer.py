@@ -238,9 +238,9 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                                y_dtype, down_loads))
 
 
-# The shallowest ring of 64-column K slices expert_tiles keeps by default: with fewer stages
-# of them, 32-column slices (64 x 256 wgmma tasks at two CTAs an SM)
-MIN_DEEP_RING = 4
+# The shallowest ring of 64-column K slices expert_tiles keeps by default (a wgmma ring's
+# least): with fewer stages of them, 32-column slices (64 x 256 tasks at two CTAs an SM)
+MIN_DEEP_RING = 3
 
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)

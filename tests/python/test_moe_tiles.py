@@ -826,7 +826,7 @@ def test_layer_with_other_down_task_width_matches_float64(blocked, rng):
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     """64-row expert tiles on warpgroup MMA: the gathered rows and the fused SiLU epilogue."""
-    graph = make_moe_layer(tile_rows=64, engine="wgmma")
+    graph = make_moe_layer(tile_rows=64, bn=128, engine="wgmma")
     source = build(graph, {"T": 512}, strategy=strategy, num_sms=132).cuda_source()
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in source
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 512}).calls}
@@ -893,7 +893,7 @@ def test_rings_share_the_sm_among_its_ctas():
 ])
 def test_default_tasks_of_64_row_tiles(options, gate_up, down):
     """64-row wgmma tiles default to 256-column tasks where both widths take them, in
-    32-column slices where fewer than 4 stages of 64 fit a CTA's share of the SM; TMA down
+    32-column slices where fewer than 3 stages of 64 fit a CTA's share of the SM; TMA down
     tiles keep whole 64-column slices, in 128-column tasks; the blocked weights follow."""
     layer = moe_layer.options_for(1024, blocked_weights=True, **options)
     names = [c.fn.name for c in TaskGraph.build(make_moe_layer(**layer), {"T": 1024}).calls]
