@@ -6,7 +6,8 @@ at 4096 tokens on the H200 the static megakernel of the whole layer took 11% lon
 unfused launches, and these GEMMs alone 3% (docs/performance.md). For each token count, the
 routing of ``moe_layer.make_routing_inputs`` is aligned on the host (``moe.align_reference``)
 and the tiles take the layer's options at that count (``moe_layer.options_for``, with
-bench_moe's defaults: two CTAs an SM, blocked weights, y in bf16). Each variant's y rows of
+bench_moe's defaults: two CTAs an SM, blocked weights, y in bf16; ``--configs`` measures
+several side by side, with bench_moe's layer options). Each variant's y rows of
 every (token, k) pair are checked against float64 before and after its timing; the
 variants then take turns, replayed from CUDA graphs (``timing.time_interleaved``, queued).
 Prints us per call and each megakernel over the unfused launches.
@@ -18,7 +19,8 @@ import torch
 import tvm
 
 import moe_layer
-from bench_moe import E, F, H, K, RTOL, on_gpu, relative_error
+from bench_moe import (E, F, H, K, RTOL, layer_options, layer_parser, on_gpu, parse_configs,
+                       relative_error)
 from etc_tvm import build
 from etc_tvm.tiles import moe
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -56,48 +58,64 @@ def checked_replay(label: str, compiled, inputs, pair_row, want):
     return run
 
 
-def measure(tokens: int, weights, rng, reps: int, claim: bool) -> dict:
-    """us per call of each of ``VARIANTS`` at ``tokens``, from one timing loop."""
-    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
-                                    y_dtype="bfloat16")
-    rows = options["tile_rows"]
+def measure(tokens: int, weights, rng, reps: int, configs: dict) -> dict:
+    """us per call of each of ``VARIANTS`` under each of ``configs`` (name -> bench_moe
+    ``layer_parser`` options) at ``tokens``, all from one timing loop; and each
+    configuration's tiles in use and allotted."""
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
     topk, _ = moe.route(x, w_router, K)
-    dims = moe_layer.expert_gemm_dims(tokens, E, K, rows)
-    _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, rows,
-                                                                         dims["tiles"])
-    blocked = moe_layer.blocked_expert_weights(*weights, rows)
-    inputs = [tvm.runtime.tensor(a, tvm.cuda(0))
-              for a in (x, *blocked, sorted_token, tile_expert, indptr)]
     want = float64_pairs(x, topk, *weights)
-    graph = moe_layer.make_expert_gemms(H, E, F, **options)
-    runs = {}
-    for variant in VARIANTS:
-        compiled = build(graph, dims, strategy=variant, options=KernelOptions(
-            ctas_per_sm=options["ctas_per_sm"], claim=claim and variant != "unfused"))
-        runs[variant] = checked_replay(variant, compiled, inputs, pair_row, want)
-    return {"tokens": tokens, "tiles": int(indptr[E]), "of": dims["tiles"],
+    runs, tiles, blocked = {}, {}, {}
+    for name, options in configs.items():
+        layer = layer_options(tokens, options)
+        rows = layer["tile_rows"]
+        dims = moe_layer.expert_gemm_dims(tokens, E, K, rows)
+        _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, rows,
+                                                                             dims["tiles"])
+        expert_weights = weights
+        if layer["blocked_weights"]:  # laid out once for each task width the rows take
+            key = (rows, layer["bn"], layer["down_bn"])
+            if key not in blocked:
+                blocked[key] = moe_layer.blocked_expert_weights(*weights, *key)
+            expert_weights = blocked[key]
+        inputs = [tvm.runtime.tensor(a, tvm.cuda(0))
+                  for a in (x, *expert_weights, sorted_token, tile_expert, indptr)]
+        graph = moe_layer.make_expert_gemms(H, E, F, **layer)
+        for variant in VARIANTS:
+            compiled = build(graph, dims, strategy=variant, options=KernelOptions(
+                ctas_per_sm=options.ctas_per_sm, claim=options.claim and variant != "unfused"))
+            runs[name, variant] = checked_replay(f"{name or 'default'}: {variant}", compiled,
+                                                 inputs, pair_row, want)
+        tiles[name] = (int(indptr[E]), dims["tiles"])
+    return {"tokens": tokens, "tiles": tiles,
             "us": time_interleaved(runs, reps=reps, queued=True)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     parents=[layer_parser()])
+    parser.set_defaults(claim=True)  # the megakernels' CTAs claim their tasks
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=True,
-                        help="the megakernels' CTAs claim their tasks (KernelOptions.claim)")
+    parser.add_argument("--configs", nargs="+", metavar="NAME=FLAGS",
+                        help="tile configurations measured side by side, each NAME=FLAGS with "
+                        "bench_moe's layer options over the command line's")
     args = parser.parse_args()
+    configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
     weights = moe_layer.make_expert_weights(rng, H, E, F)
-    print(f"{'tokens':>6} {'tiles':>9} " + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
+    print(f"{'tokens':>6} {'config':>10} {'tiles':>9} "
+          + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
           + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
     for tokens in args.tokens:
-        row = measure(tokens, weights, rng, args.reps, args.claim)
-        us = row["us"]
-        print(f"{tokens:>6} {row['tiles']:>4}/{row['of']:<4} "
-              + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
-              + f" {us['static'] / us['unfused']:15.3f} {us['barrier'] / us['unfused']:16.3f}",
-              flush=True)
+        row = measure(tokens, weights, rng, args.reps, configs)
+        for name in configs:
+            us = {v: row["us"][name, v] for v in VARIANTS}
+            used, allotted = row["tiles"][name]
+            print(f"{tokens:>6} {name or 'default':>10} {used:>4}/{allotted:<4} "
+                  + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
+                  + f" {us['static'] / us['unfused']:15.3f}"
+                  f" {us['barrier'] / us['unfused']:16.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,12 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=moe.ENGINES, default="wgmma",
                         help="the grouped GEMMs' MMA where their tiles have 64 rows (default: "
                         "wgmma; at 1024 tokens on the H200, 534 us against 660 on mma)")
+    parser.add_argument("--bk", type=int,
+                        help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
+                        "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "
+                        "stages in the same shared memory)")
+    parser.add_argument("--down-bk", type=int, help="the down tiles' K slice (default: --bk; "
+                        "TMA down tiles need a multiple of 64)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
@@ -150,6 +156,9 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--claim", action=argparse.BooleanOptionalAction, default=False,
                         help="the static and barrier megakernels' CTAs claim the tasks in "
                         "id order at run time (KernelOptions.claim)")
+    parser.add_argument("--down-loads", choices=("cp.async", "tma"), default="cp.async",
+                        help="how the down tiles fill their rings (wgmma tiles: TMA loads of "
+                        "h's rows and the weight slab; default cp.async)")
     return parser
 
 
@@ -166,6 +175,21 @@ def parse_configs(specs, base: argparse.Namespace) -> dict[str, argparse.Namespa
     return configs or {"": base}
 
 
+def layer_options(tokens: int, options: argparse.Namespace) -> dict:
+    """``moe_layer.make_moe_layer``'s options at ``tokens`` for ``layer_parser``'s
+    ``options`` (``moe_layer.options_for`` filling in what they leave open)."""
+    return moe_layer.options_for(
+        tokens, tile_rows=options.tile_rows, engine=options.engine,
+        router_splits=options.router_splits, router_engine=options.router_engine,
+        block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
+        down_bn=options.down_bn, bk=options.bk, down_bk=options.down_bk, stages=options.stages,
+        threads=options.threads, experts_per_task=options.experts_per_task,
+        ctas_per_sm=options.ctas_per_sm,
+        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
+        y_dtype=options.y_dtype, align_tokens=options.align_tokens,
+        fused_route=options.fused_route, down_loads=options.down_loads)
+
+
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,
              prefix: str = "") -> tuple[dict, dict]:
     """(runs, description) of one layer configuration at ``tokens``: ``prefix`` + label ->
@@ -174,19 +198,11 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     and why."""
     import tvm
 
-    layer = moe_layer.options_for(
-        tokens, tile_rows=options.tile_rows, engine=options.engine,
-        router_splits=options.router_splits, router_engine=options.router_engine,
-        block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
-        down_bn=options.down_bn, stages=options.stages, threads=options.threads,
-        experts_per_task=options.experts_per_task, ctas_per_sm=options.ctas_per_sm,
-        combine_cols=options.combine_cols, blocked_weights=options.weights == "blocked",
-        y_dtype=options.y_dtype, align_tokens=options.align_tokens,
-        fused_route=options.fused_route)
+    layer = layer_options(tokens, options)
     about = {**layer, "skipped": {}}
     expert_weights = weights["ours"]
     if layer["blocked_weights"]:  # laid out once for each task width the rows take
-        key = ("blocked", layer["tile_rows"], options.bn, options.down_bn)
+        key = ("blocked", layer["tile_rows"], layer["bn"], layer["down_bn"])
         if key not in weights:
             weights[key] = moe_layer.blocked_expert_weights(*expert_weights, *key[1:])
         expert_weights = weights[key]
@@ -264,8 +280,7 @@ def print_row(row: dict, ours) -> None:
               f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router tasks of "
               f"{about['router_tokens']} tokens x {about['experts_per_task']} experts over "
               f"{about['router_splits']} splits on {about['router_engine']}"
-              + (f", tasks of {about['bn']} (gate_up) and {about['down_bn'] or about['bn']} "
-                 "(down) columns" if about["bn"] else "")
+              + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"
               + f", combine tasks of {about['combine_cols']} columns"
               + (f", align over tasks of {about['align_tokens']} tokens"
                  if about["align_tokens"] else ", top-k and align in one task"

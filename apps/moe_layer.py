@@ -46,11 +46,12 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    router_tokens: int | None = None,
                    experts_per_task: int = 16, router_splits: int = 1,
                    router_engine: str = "fma",
-                   bn: int | None = None, down_bn: int | None = None, bk: int = 64,
-                   stages: int | None = None,
+                   bn: int | None = None, down_bn: int | None = None, bk: int | None = None,
+                   down_bk: int | None = None, stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
-                   y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False):
+                   y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
+                   down_loads: str = "cp.async"):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -60,36 +61,36 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``router_splits`` and ``router_engine``: a router task's experts, the splits of the hidden
     rows over router tasks and their engine (``moe.make_router_tile``; ``router_splits_for``,
     ``router_engine_for``).
-    ``bn``: the grouped GEMM tasks' columns, by default 64 for 16-row tiles (more tasks for
-    few tokens) and 128 for larger tiles (a third more FLOPs per loaded byte; at 1024 tokens
-    on the H200 the static layer went from 1504 to 1149 us). ``down_bn``: the down tasks'
-    columns where they differ from gate_up's, for gate_up widths that do not divide the
-    hidden size (48 columns: at one token 256 gate_up tasks, one round of two CTAs on 132
-    SMs, against 192 of 64 columns; on the H200 no faster). ``stages``: each grouped GEMM's
-    cp.async ring, by default the deepest that fits (``gemm.deepest_stages``) the shared
-    memory of one of the ``ctas_per_sm`` persistent CTAs an SM runs
+    ``bn``: the grouped GEMM tasks' columns, ``down_bn``: the down tasks' where they differ
+    (``task_columns`` for the defaults and why; 48-column gate_up tasks, which do not divide
+    the hidden size, with 64-column down tasks: at one token 256 gate_up tasks, one round of
+    two CTAs on 132 SMs, against 192 of 64 columns; on the H200 no faster). ``stages``: each
+    grouped GEMM's cp.async ring, by default the deepest that fits (``gemm.deepest_stages``)
+    the shared memory of one of the ``ctas_per_sm`` persistent CTAs an SM runs
     (``KernelOptions.ctas_per_sm``), within 100 KB for "mma" tiles and
     ``wgmma_gemm.SMEM_LIMIT`` for "wgmma" ones. For 64 x 128
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
     ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
-    multiples). ``blocked_weights``: the layer takes both expert weights as
-    ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
+    multiples). ``bk``: the grouped GEMMs' K slice, ``down_bk``: the down tiles' where it
+    differs (by default ``expert_tiles``' choice). ``blocked_weights``: the layer takes both
+    expert weights as ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
     (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
     back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
     bound then counting the rounding). ``align_tokens``: 0 for one align task, else the
     tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
     ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
     (``moe.make_route_tile``), which waits for every router task; for few tokens, where
-    top-k is one task anyway."""
+    top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
+    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
-    bn = bn or default_bn(BT)
-    down_bn = down_bn or bn
+    bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
+                               down_loads=down_loads)
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
-                                 stages=stages, engine=engine, threads=threads,
+                                 down_bk=down_bk, stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
-                                 y_dtype=y_dtype)
+                                 y_dtype=y_dtype, down_loads=down_loads)
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
@@ -202,31 +203,49 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
 
 
 def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int, bn: int,
-                 down_bn: int, bk: int = 64, stages: int | None = None, engine: str = "mma",
+                 down_bn: int, bk: int | None = None, down_bk: int | None = None,
+                 stages: int | None = None, engine: str = "mma",
                  threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
-                 y_dtype: str = "float32"):
+                 y_dtype: str = "float32", down_loads: str = "cp.async"):
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
-    each with ``stages`` or the deepest ring that fits a CTA's share of the SM."""
+    each with ``stages`` or the deepest ring that fits a CTA's share of the SM.
+
+    K slices (``bk``, ``down_bk`` by default ``bk``): 64 columns, but 32 for cp.async wgmma
+    tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x 256 tasks at two CTAs an
+    SM keep 5 stages of 32 (A in 64-byte swizzled rows) where 2 of 64 fit. TMA loads take
+    whole 64-column slices."""
     wgmma = engine == "wgmma"
 
-    def ring(columns: int) -> int:
-        return stages or gemm.deepest_stages(
+    def deepest(columns: int, bk: int) -> int:
+        return gemm.deepest_stages(
             tile_rows, columns, bk,
             footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
                 gemm.shared_bytes, threads=threads),
             limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
                       arena_limit(ctas_per_sm)))
 
+    def slice_for(columns: int, loads: str = "cp.async") -> int:
+        shallow = wgmma and loads == "cp.async" and deepest(columns, 64) < MIN_DEEP_RING
+        return 32 if shallow else 64
+
     H, E, F = hidden, experts, intermediate
-    return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads, ring(bn), engine,
-                                  blocked_weights),
-            moe.make_down_tile(F, H, E, tile_rows, down_bn, bk, threads, ring(down_bn), engine,
-                               blocked_weights, y_dtype))
+    down_bk = down_bk or bk or slice_for(down_bn, down_loads)
+    bk = bk or slice_for(bn)
+    return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads,
+                                  stages or deepest(bn, bk), engine, blocked_weights),
+            moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
+                               stages or deepest(down_bn, down_bk), engine, blocked_weights,
+                               y_dtype, down_loads))
+
+
+# The shallowest ring of 64-column K slices expert_tiles keeps by default (a wgmma ring's
+# least): with fewer stages of them, 32-column slices (64 x 256 tasks at two CTAs an SM)
+MIN_DEEP_RING = 3
 
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
-EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "stages", "engine", "threads",
-                  "ctas_per_sm", "blocked_weights", "y_dtype")
+EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "down_bk", "stages", "engine",
+                  "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads")
 
 
 @functools.cache
@@ -240,9 +259,11 @@ def make_expert_gemms(hidden: int = 2048, experts: int = 128, intermediate: int 
     them and the combine after them: what the megakernel costs the tiles themselves."""
     H, E, F = hidden, experts, intermediate
     tiles_options = {k: options[k] for k in EXPERT_OPTIONS if options.get(k) is not None}
-    BT = tiles_options.setdefault("tile_rows", 16)
-    bn = tiles_options.setdefault("bn", default_bn(BT))
-    down_bn = tiles_options.setdefault("down_bn", bn)
+    bn, down_bn = task_columns(
+        tiles_options.setdefault("tile_rows", 16), H, F, engine=options.get("engine", "mma"),
+        bn=options.get("bn"), down_bn=options.get("down_bn"),
+        down_loads=options.get("down_loads", "cp.async"))
+    tiles_options.update(bn=bn, down_bn=down_bn)
     gate_up, down = expert_tiles(H, E, F, **tiles_options)
     blocked = tiles_options.get("blocked_weights", False)
     y_dtype = tiles_options.get("y_dtype", "float32")
@@ -276,27 +297,46 @@ def expert_gemm_dims(tokens: int, experts: int, top_k: int, tile_rows: int) -> d
     return {"T": tokens, "rows": tiles * tile_rows, "tiles": tiles}
 
 
-def default_bn(tile_rows: int) -> int:
-    """The grouped GEMM tasks' columns when ``make_moe_layer`` is given none."""
-    return 64 if tile_rows <= 16 else 128
+def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str | None = None,
+                 bn: int | None = None, down_bn: int | None = None,
+                 down_loads: str = "cp.async") -> tuple[int, int]:
+    """The grouped GEMM tasks' columns ``(bn, down_bn)``, those given kept (``down_bn`` by
+    default ``bn``). ``bn``: 64 for 16-row tiles (more tasks for few tokens); 256 for 64-row
+    wgmma tiles where both GEMMs' widths take it (each A slice read once for 256 weight
+    columns, not twice: at two CTAs an SM on the H200 the claimed static layer took 447 ->
+    425 us at 1024 tokens, 1130 -> 1036 at 4096); else 128 (a third more FLOPs per loaded
+    byte than 64: at 1024 tokens the static layer went from 1504 to 1149 us). TMA down tiles
+    default to at most 128 columns: of their 64-column slices, a 64 x 256 ring keeps 2
+    stages at two CTAs an SM. ``engine``: the tiles' (``engine_for`` by default)."""
+    engine = engine or engine_for(tile_rows, "wgmma")
+    if bn is None:
+        wide = tile_rows == 64 and engine == "wgmma" and 2 * intermediate % 256 == 0 \
+            and hidden % 256 == 0
+        bn = 64 if tile_rows <= 16 else 256 if wide else 128
+        if down_loads == "tma":
+            down_bn = down_bn or min(bn, 128)
+    return bn, down_bn or bn
 
 
 def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = None,
-                           down_bn: int | None = None):
+                           down_bn: int | None = None, **options):
     """The layer's expert weights for ``make_moe_layer(blocked_weights=True)`` with tiles of
     ``tile_rows`` and tasks of ``bn`` and ``down_bn`` columns (by default the layer's,
-    ``default_bn`` and ``bn``): done once, when the weights are loaded."""
-    bn = bn or default_bn(tile_rows)
-    return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, down_bn or bn)
+    ``task_columns`` with its ``options``): done once, when the weights are loaded."""
+    _, intermediate, hidden = w_down.shape
+    bn, down_bn = task_columns(tile_rows, hidden, intermediate, bn=bn, down_bn=down_bn,
+                               **options)
+    return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, down_bn)
 
 
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
-    is asked for), the router's engine (``router_engine_for``), its blocks of tokens and
-    experts (``router_block_for``; top-k's tokens from ``ROUTER_BLOCKS``), its splits
-    (``router_splits_for``), the combine's columns (``combine_cols_for``), align's tokens a
-    task (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
+    is asked for) and task columns (``task_columns``), the router's engine
+    (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
+    tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
+    (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one align task
+    under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
     None."""
@@ -313,8 +353,13 @@ def options_for(tokens: int, **options) -> dict:
         else 0 if options.get("fused_route") else align_tokens_for(tokens)
     fused_route = options["fused_route"] if options.get("fused_route") is not None \
         else align_tokens == 0
-    return {**options, "tile_rows": rows,
-            "engine": engine_for(rows, options.get("engine") or "wgmma"),
+    engine = engine_for(rows, options.get("engine") or "wgmma")
+    bn, down_bn = task_columns(rows, hidden,
+                               options.get("intermediate", QWEN3_30B_A3B["intermediate"]),
+                               engine=engine, bn=options.get("bn"),
+                               down_bn=options.get("down_bn"),
+                               down_loads=options.get("down_loads") or "cp.async")
+    return {**options, "tile_rows": rows, "engine": engine, "bn": bn, "down_bn": down_bn,
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
             "router_tokens": router_tokens,

@@ -88,7 +88,7 @@ def main() -> None:
                 align_tokens=args.moe_align_tokens)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
-                *experts, options["tile_rows"], args.moe_bn, args.moe_down_bn) \
+                *experts, options["tile_rows"], options["bn"], options["down_bn"]) \
                 if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
                 *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])

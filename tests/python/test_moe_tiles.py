@@ -480,7 +480,7 @@ def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
     graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, blocked_weights=True,
                                                    y_dtype="bfloat16"))
     names = compile_layer(graph, 512, tmp_path, "dynamic", ctas_per_sm=2)
-    assert {"down_768x2048_e128_64x128x64_s4_t128_wgmma_blocked_ybf16",
+    assert {"down_768x2048_e128_64x256x32_s5_t128_wgmma_blocked_ybf16",
             "combine_2048_top8_c2048_t128_ybf16"} <= names, names
 
 
@@ -826,7 +826,7 @@ def test_layer_with_other_down_task_width_matches_float64(blocked, rng):
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_wgmma_layer_compiles_for_sm90a(strategy, tmp_path):
     """64-row expert tiles on warpgroup MMA: the gathered rows and the fused SiLU epilogue."""
-    graph = make_moe_layer(tile_rows=64, engine="wgmma")
+    graph = make_moe_layer(tile_rows=64, bn=128, engine="wgmma")
     source = build(graph, {"T": 512}, strategy=strategy, num_sms=132).cuda_source()
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in source
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 512}).calls}
@@ -841,6 +841,18 @@ def test_128_row_wgmma_layer_compiles_for_sm90a(tmp_path):
     names = compile_layer(graph, 1024, tmp_path, ctas_per_sm=2)
     assert {"gate_up_2048x768_e128_128x128x64_s3_t128_wgmma_blocked",
             "down_768x2048_e128_128x128x64_s3_t128_wgmma_blocked"} <= names, names
+
+
+def test_tma_down_tiles_beside_cp_async_gate_up_keep_their_wgmmas_asynchronous(tmp_path):
+    """Down tiles on TMA (``down_loads="tma"``) and gate_up tiles on cp.async in one kernel:
+    while ``run_tma``'s loop left a wgmma group pending across its back edge, ptxas serialised
+    every wgmma of the kernel, gate_up's too (C7515); ``compile_layer`` fails on that."""
+    graph = make_moe_layer(**moe_layer.options_for(1024, ctas_per_sm=2, blocked_weights=True,
+                                                   down_loads="tma"))
+    names = compile_layer(graph, 1024, tmp_path, "static", ctas_per_sm=2)
+    assert "down_768x2048_e128_64x128x64_s4_t128_wgmma_tma_blocked" in names, names
+    with pytest.raises(EtcError, match="loads 'tma' runs on the wgmma engine"):
+        moe.make_down_tile(F, H, E, tile_rows=16, stages=3, loads="tma")
 
 
 def test_combine_loads_every_step_before_it_stores(tmp_path):
@@ -860,15 +872,57 @@ def test_combine_loads_every_step_before_it_stores(tmp_path):
 def test_rings_share_the_sm_among_its_ctas():
     """Two CTAs an SM halve the shared memory a ring may take: 4 stages of 64 x 128 where
     one CTA takes 8, and the kernel of two CTAs an SM then fits."""
-    graph = make_moe_layer(tile_rows=64, engine="wgmma", ctas_per_sm=2)
+    graph = make_moe_layer(tile_rows=64, bn=128, engine="wgmma", ctas_per_sm=2)
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 512}).calls}
     assert {"gate_up_2048x768_e128_64x128x64_s4_t128_wgmma",
             "down_768x2048_e128_64x128x64_s4_t128_wgmma"} <= names, names
     build(graph, {"T": 512}, strategy="dynamic", num_sms=132,
           options=KernelOptions(ctas_per_sm=2))
     with pytest.raises(EtcError, match="do not fit on one SM"):
-        build(make_moe_layer(tile_rows=64, engine="wgmma"), {"T": 512}, strategy="dynamic",
-              num_sms=132, options=KernelOptions(ctas_per_sm=2))
+        build(make_moe_layer(tile_rows=64, bn=128, engine="wgmma"), {"T": 512},
+              strategy="dynamic", num_sms=132, options=KernelOptions(ctas_per_sm=2))
+
+
+@pytest.mark.parametrize("options, gate_up, down", [
+    ({"ctas_per_sm": 2}, "64x256x32_s5", "64x256x32_s5"),
+    ({"ctas_per_sm": 1}, "64x256x64_s4", "64x256x64_s4"),
+    ({"ctas_per_sm": 2, "down_loads": "tma"}, "64x256x32_s5", "64x128x64_s4"),
+    ({"ctas_per_sm": 2, "bn": 128}, "64x128x64_s4", "64x128x64_s4"),
+    ({"ctas_per_sm": 2, "engine": "mma"}, "64x128x64_s3", "64x128x64_s3"),
+    ({"ctas_per_sm": 2, "intermediate": 704}, "64x128x64_s4", "64x128x64_s4"),
+])
+def test_default_tasks_of_64_row_tiles(options, gate_up, down):
+    """64-row wgmma tiles default to 256-column tasks where both widths take them, in
+    32-column slices where fewer than 3 stages of 64 fit a CTA's share of the SM; TMA down
+    tiles keep whole 64-column slices, in 128-column tasks; the blocked weights follow."""
+    layer = moe_layer.options_for(1024, blocked_weights=True, **options)
+    names = [c.fn.name for c in TaskGraph.build(make_moe_layer(**layer), {"T": 1024}).calls]
+    assert any(n.startswith("gate_up_") and f"_{gate_up}_" in n for n in names), names
+    assert any(n.startswith("down_") and f"_{down}_" in n for n in names), names
+    H, F = 2048, layer.get("intermediate", 768)
+    w = np.zeros((2, H, 2 * F), ml_dtypes.bfloat16), np.zeros((2, F, H), ml_dtypes.bfloat16)
+    blocked = moe_layer.blocked_expert_weights(*w, 64, options.get("bn"), engine=layer["engine"],
+                                               down_loads=layer.get("down_loads", "cp.async"))
+    widths = [int(name.split("x")[1]) for name in (gate_up, down)]
+    assert [b.shape[-1] for b in blocked] == widths
+
+
+def test_shallow_slices_deepen_the_ring_in_the_same_shared_memory(tmp_path):
+    """32-column K slices (A in 64-byte swizzled rows) of 64 x 256 tasks: 5 stages of 20 KB
+    in a CTA's half of the SM, where 64-column slices leave room for 2 (and a ring needs 3);
+    the static kernel of two CTAs an SM compiles with no register spilled and no wgmma
+    serialised by ptxas."""
+    graph = make_moe_layer(tile_rows=64, bn=256, bk=32, engine="wgmma", ctas_per_sm=2,
+                           blocked_weights=True, y_dtype="bfloat16")
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
+    assert {"gate_up_2048x768_e128_64x256x32_s5_t128_wgmma_blocked",
+            "down_768x2048_e128_64x256x32_s5_t128_wgmma_blocked_ybf16"} <= names, names
+    _, report = build_cubin(build(graph, {"T": 1024}, strategy="static", num_sms=132,
+                                  options=KernelOptions(ctas_per_sm=2, claim=True)).cuda_source(),
+                            tmp_path)
+    assert "serializ" not in report, report[-4000:]
+    with pytest.raises(EtcError, match="stages must be >= 3"):
+        make_moe_layer(tile_rows=64, bn=256, bk=64, engine="wgmma", ctas_per_sm=2)
 
 
 def test_rings_leave_room_for_what_each_cta_holds_besides_its_arena():

@@ -289,6 +289,42 @@ def test_fused_route_layer_megakernel(strategy, tokens, rng, expert_weights,
         check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens, bn", [(512, 128), (1024, 256)])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weights,
+                                        expert_weights_f64):
+    """Grouped GEMMs of 32-column K slices (A in 64-byte swizzled rows, the rings 5 and 8
+    stages deep), two CTAs an SM, blocked weights (the static kernel claiming), every
+    routing."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(
+        tokens, bn=bn, bk=32, ctas_per_sm=2, blocked_weights=True))
+    compiled = build(graph, {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=2, claim=strategy == "static"))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, 64, bn)
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
+                    rng, expert_weights, expert_weights_f64)
+
+
+@pytest.mark.parametrize("tokens, tile_rows, blocked", [(512, 64, True), (1024, 128, False)])
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, expert_weights,
+                                   expert_weights_f64):
+    """Down tiles that fill their rings by TMA (``down_loads="tma"``), two CTAs an SM (the
+    static kernel claiming): h's rows and the weight slab in whole boxes, through maps of the
+    blocked (E, H/bn, F, bn) or in-place (E, F, H) weights; 128-row tiles with rows in one
+    m64 block or both; one expert as every token's first choice fills several tiles."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(
+        tokens, tile_rows=tile_rows, ctas_per_sm=2, blocked_weights=blocked, down_loads="tma"))
+    compiled = build(graph, {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=2, claim=strategy == "static"))
+    weights = moe_layer.blocked_expert_weights(*expert_weights, tile_rows, down_loads="tma") \
+        if blocked else expert_weights
+    for routing in ("random", "one_expert"):
+        check_layer(lambda x, w_router, *_: compiled(x, w_router, *weights), tokens, routing,
+                    rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens", (1, 16, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier"])
 def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):

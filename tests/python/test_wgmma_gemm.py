@@ -30,6 +30,8 @@ CONFIGS = {  # make_wgmma_gemm_tile configurations
     "128x256x64_bf16_staged": {"out_dtype": "bfloat16", "stores": "staged"},
     "128x128x64_bf16_t128_staged": {"bn": 128, "threads": 128, "out_dtype": "bfloat16",
                                     "stores": "staged"},
+    "64x256x32_bf16_t128": {"bm": 64, "bn": 256, "bk": 32, "stages": 5, "threads": 128,
+                            "out_dtype": "bfloat16"},  # A in 64-byte swizzled rows
 }
 
 
@@ -93,43 +95,52 @@ def test_reference_is_within_its_bound(name, rng):
 
 
 # ------------------------------------------------------------------ layout vs descriptors
-def swizzled_stage(X, rows, cols):
-    """The bytes ``load_stage`` writes for a ``rows x cols`` bf16 tile (as uint16): 64-column
-    panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ r % 8."""
+def swizzled_stage(X, rows, cols, row_elems=64):
+    """The bytes ``load_stage`` writes for a ``rows x cols`` bf16 tile (as uint16): panels of
+    ``row_elems`` columns (128-byte rows; A of 32-column slices: 64-byte rows), 16-byte chunk
+    c of row r at chunk c ^ (byte address of the row >> 7) % (chunks a row)."""
+    per_row = row_elems // 8
     out = np.zeros(rows * cols, np.uint16)
     for r in range(rows):
         for cc in range(cols // 8):
-            panel, c = divmod(cc, 8)
-            dst = panel * rows * 64 + r * 64 + (c ^ r % 8) * 8
+            panel, c = divmod(cc, per_row)
+            dst = panel * rows * row_elems + r * row_elems \
+                + (c ^ (r * row_elems * 2 >> 7) % per_row) * 8
             out[dst:dst + 8] = X[r, cc * 8:cc * 8 + 8]
     return out
 
 
-def read_descriptor(smem, start, lbo, sbo, rows, cols, k_major):
-    """The ``rows x cols`` matrix a 128B-swizzle descriptor names (element units, 1024-byte
-    aligned base), per the canonical layouts: K-major ``((8, m), (64, 1)) : ((64, SBO), (1,
-    -))``, MN-major ``((64, m), (8, k)) : ((1, LBO), (64, SBO))``; the swizzle XORs address
-    bits [4:7) with [7:10) of the byte address."""
+def read_descriptor(smem, start, lbo, sbo, rows, cols, k_major, swizzle=128):
+    """The ``rows x cols`` matrix a descriptor of the 128- or 64-byte swizzle names (element
+    units, 1024-byte aligned base), per the canonical layouts, with W = swizzle / 2 elements
+    a row: K-major ``((8, m), (W, 1)) : ((W, SBO), (1, -))``, MN-major ``((64, m), (8, k)) :
+    ((1, LBO), (64, SBO))``; the swizzle XORs the 16-byte chunk bits of the byte address,
+    [4:7) or [4:6), with bits [7:10) or [7:9)."""
+    width, chunks = swizzle // 2, swizzle // 16
     out = np.zeros((rows, cols), np.uint16)
     for r in range(rows):
         for c in range(cols):
-            if k_major:  # rows = M, cols = K (< 64 per instruction)
-                off = start + r // 8 * sbo + r % 8 * 64 + c
+            if k_major:  # rows = M, cols = K (< W per instruction)
+                off = start + r // 8 * sbo + r % 8 * width + c
             else:  # rows = K, cols = N
                 off = start + c // 64 * lbo + r // 8 * sbo + r % 8 * 64 + c % 64
             byte = off * 2
-            byte ^= (byte >> 7 & 7) << 4
+            byte ^= (byte >> 7 & chunks - 1) << 4
             out[r, c] = smem[byte // 2]
     return out
 
 
-@pytest.mark.parametrize("bm, bn, bk", [(128, 256, 64), (64, 128, 128)])
+@pytest.mark.parametrize("bm, bn, bk", [(128, 256, 64), (64, 128, 128), (64, 256, 32),
+                                        (128, 128, 32)])
 def test_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
     """Every (m64 block, k16 step) that a wgmma reads through the tile's descriptor fields is
-    the matching block of A and of B (the layout model of the module docstring)."""
+    the matching block of A and of B (the layout model of the module docstring; A of 32-column
+    slices in 64-byte swizzled rows)."""
     A = rng.integers(0, 2 ** 16, (bm, bk), dtype=np.uint16)
     B = rng.integers(0, 2 ** 16, (bk, bn), dtype=np.uint16)
-    a_smem, b_smem = swizzled_stage(A, bm, bk), swizzled_stage(B, bk, bn)
+    a_row = min(bk, 64)  # elements of one swizzled A row
+    a_smem, b_smem = swizzled_stage(A, bm, bk, a_row), swizzled_stage(B, bk, bn)
+    steps = a_row // 16  # k16 steps in one A row
     for kk in range(bk // 16):
         # element offsets, as ``SwizzledRing.a_desc`` / ``b_desc`` move the start address
         b_start = kk * 16 * 64
@@ -137,9 +148,9 @@ def test_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
                               k_major=False)
         np.testing.assert_array_equal(got, B[kk * 16:(kk + 1) * 16])
         for m in range(bm // 64):
-            a_start = kk // 4 * bm * 64 + m * 64 * 64 + kk % 4 * 16
-            got = read_descriptor(a_smem, a_start, lbo=None, sbo=512, rows=64, cols=16,
-                                  k_major=True)
+            a_start = kk // steps * bm * a_row + m * 64 * a_row + kk % steps * 16
+            got = read_descriptor(a_smem, a_start, lbo=None, sbo=8 * a_row, rows=64, cols=16,
+                                  k_major=True, swizzle=2 * a_row)
             np.testing.assert_array_equal(got, A[m * 64:(m + 1) * 64, kk * 16:(kk + 1) * 16])
 
 
@@ -226,7 +237,8 @@ def test_tile_shared_memory_and_threads():
     ({"bm": 64}, "bm must be a multiple of 64 per warpgroup"),  # two warpgroups need 128
     ({"bn": 96}, "bn must be 64, 128, 192 or 256"),
     ({"bn": 320}, "bn must be 64, 128, 192 or 256"),
-    ({"bk": 32}, "bk must be a multiple of 64"),
+    ({"bk": 48}, "bk must be 32 .* or a multiple of 64"),
+    ({"bk": 32, "loads": "tma"}, "TMA loads take slices of whole 64-column panels"),
     ({"stages": 2}, "stages must be >= 3"),
     ({"threads": 192}, "threads must be 128 or 256"),
     ({"threads": 128}, "accumulators per thread"),  # 128 x 256 on one warpgroup

@@ -1105,19 +1105,25 @@ def _live_blocks(engine: str, tile_rows: int) -> int:
 
 
 @T.inline
-def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks):
+def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
     # the tile's GEMM over its rows row0.. : padding rows (sorted_token -1) read nothing,
     # and with several m64 blocks those without rows (a block's first row is padding)
-    # issue no products
+    # issue no products. tma: (maps, b_row, b_col) of WgmmaTile.run_tma, in place of
+    # a_src and b_src: the A rows row0.. load as whole boxes (padding rows read too)
     if blocks > 1:
         live = T.local_scalar("int32")
         live = 1
         for b in T.unroll(1, blocks):
             if sorted_token[row0 + b * 64] >= 0:
                 live = b + 1
-        mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0, live)
-    else:
+        if tma is None:
+            mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0, live)
+        else:
+            mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1], live)
+    elif tma is None:
         mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0)
+    else:
+        mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1])
 
 
 @functools.cache
@@ -1191,21 +1197,29 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
                    bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2,
                    engine: str = "mma", blocked: bool = False,
-                   y_dtype: str = "float32") -> DeviceFunc:
+                   y_dtype: str = "float32", loads: str = "cp.async") -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
     ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
     padding rows (sorted_token -1) read nothing and its m64 blocks without rows issue no
-    products: those rows of y are zero."""
+    products: those rows of y are zero. ``loads``: "cp.async", or "tma" on the wgmma engine
+    (``WgmmaTile.run_tma``: h's rows are the tile's own, not gathered, so whole boxes of
+    them and of the weight slab load by TMA, and every slot of the ring but the one read is
+    in flight; padding rows are then read, as the zeros gate_up wrote there)."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
     _check_y_dtype(y_dtype, "down")
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     live_blocks = _live_blocks(engine, BT)
     if F % bk or H % bn:
         raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
+    maps = wgmma_gemm.operand_maps(loads, "h", BT, bk, "down tile", b="w_down")
+    tma = loads == "tma"
+    if tma and engine != "wgmma":
+        raise EtcError(f"down tile: loads 'tma' runs on the wgmma engine, not {engine!r}")
     rows, tiles = tirx.Var("rows", "int32"), tirx.Var("tiles", "int32")
 
-    @T.prim_func
+    # with TMA the maps' variables are free: each kernel binds them
+    @T.prim_func(check_well_formed=not tma)
     def down(g: T.int32, n: T.int32, h: T.Buffer((rows, F), "bfloat16"),
              w_down: T.Buffer(grouped_weight_shape(E, F, H, bn, blocked), "bfloat16"),
              sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
@@ -1218,14 +1232,17 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         e = tile_expert[g]
         if e < E:
             mma = new_tile(tx, warp, lane)
+            # with TMA, the slab's rows and columns in the map's 2-D view of w_down:
+            # (E * H/bn * F, bn) blocked, (E * F, H) in place
             _run_rows(mma, lambda r, k: h.ptr_to([g * BT + r, k]),
                       _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
-                      live_blocks)
+                      live_blocks, (maps, (e * (H // bn) + n) * F if blocked else e * F,
+                                    0 if blocked else n * bn) if tma else None)
             mma.store(y, g * BT, n * bn)
 
     name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
-        "_blocked" if blocked else "") + _Y_SUFFIX[y_dtype]
-    tile = device_func(down.with_attr("global_symbol", name), cost=F // bk)
+        "_tma" if tma else "") + ("_blocked" if blocked else "") + _Y_SUFFIX[y_dtype]
+    tile = device_func(down.with_attr("global_symbol", name), cost=F // bk, tensor_maps=maps)
 
     @tile.set_reference
     def _(g, n, h, w_down, sorted_token, tile_expert, exp_indptr, y):

@@ -14,8 +14,10 @@ Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
 
     ring = [A stage 0 .. A stage S-1][B stage 0 .. B stage S-1], base aligned to 1024 bytes
     A stage: bk/64 panels of  bm rows x 64 bf16 (128 bytes a row)   K-major ("row-major A")
+             (bk = 32: one panel of bm rows x 32 bf16, 64 bytes a row, the 64-byte swizzle)
     B stage: bn/64 panels of  bk rows x 64 bf16 (128 bytes a row)   N-major (B as stored)
-    16-byte chunk c of panel row r lives at chunk c ^ (r % 8) of that row
+    16-byte chunk c of panel row r lives at chunk c ^ (r % 8) of that row (64-byte rows:
+    c ^ (r // 2 % 4), the XOR of address bits [4:6) with [7:9))
 
 Eight 128-byte rows make one 1024-byte swizzle atom; the hardware applies the XOR on address
 bits [4:7) ^ [7:10), so every atom must start 1024-byte aligned: the tile pads its allocation
@@ -27,6 +29,8 @@ Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
 - A, K-major, 128B swizzle: start = the m64 block's first row (+32 bytes per k16 step inside a
   128-byte row, +bm*128 per 64-column panel); stride byte offset (SBO) = 1024, the step between
   8-row groups; leading byte offset unused (1). ``imm-trans-a`` = 0.
+- A, K-major, 64B swizzle (bk = 32: one 64-byte row a slice): as above with 64-byte rows,
+  +32 bytes for the second k16 step; SBO = 512.
 - B, MN-major, 128B swizzle: start = row 16*kk of the first N panel; LBO = bk*128, the step
   from one 64-column panel to the next along N; SBO = 1024, the step between 8-row groups of
   K. ``imm-trans-b`` = 1: bf16 is one of the types wgmma may read transposed (MN-major) from
@@ -55,11 +59,11 @@ host-encoded tensor maps of A and B (``etc_tvm.tensor_map``), and the loop has n
     prologue: mbarrier init (full: 1 arrival + the stage's bytes; empty: one per warpgroup);
               bar.sync; thread 0: fence.proxy.async, loads slices 0 .. S-1
     for ko in 0 .. K/bk-1:
+        wgmma.wait_group 1                slice ko-2 retired (ko-1 may still run)
+        one thread a warpgroup: arrive empty[(ko-2) % S]
+        thread 0: wait empty[(ko-2) % S], load slice ko-2+S into that slot
         wait full[ko % S]                 slice ko landed
         wgmma x (bk/16) x (m64 blocks), commit
-        wgmma.wait_group 1                this warpgroup's wgmmas of slice ko-1 retired
-        one thread a warpgroup: arrive empty[(ko-1) % S]
-        thread 0: wait empty[(ko-1) % S], load slice ko-1+S into that slot
     wgmma.wait_group 0; bar.sync; mbarrier inval; registers -> C
 
 Reuse across tasks (persistent megakernel: one CTA runs many tasks in sequence): the tile ends
@@ -88,7 +92,7 @@ ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
 ATOM_BYTES = 1024  # 8 swizzled rows: the alignment the swizzle pattern needs
 CHUNK = 8  # bf16 elements per cp.async (16 bytes)
-SWIZZLE_128B = 3  # CUtensorMapSwizzle value that encode_matrix_descriptor takes
+SWIZZLES = {64: 2, 128: 3}  # swizzle bytes -> the CUtensorMapSwizzle encode_matrix_descriptor takes
 WARPGROUP = 128
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
@@ -110,8 +114,9 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
                    out_dtype: str = "float32", stores: str = "fragments") -> None:
     """Reject the shapes the layout, the instruction and the register file cannot take, and
     ``stores`` ("fragments": ``WgmmaTile.store``; "staged": ``store_staged``, of bf16 tiles:
-    its padded rows always fit the ring, whose 3 or more stages of 64-deep slices hold
-    ``3 * 64 * (bm + bn)`` elements)."""
+    its padded rows, ``bm * (bn + 8)`` elements, always fit the ring, whose 3 or more stages
+    of slices at least 32 deep hold ``96 * (bm + bn)``: the accumulator limit keeps
+    ``bm * bn`` within 32768)."""
     name = f"wgmma gemm tile {bm}x{bn}x{bk}"
     if stores not in STORES:
         raise EtcError(f"{name}: stores must be one of {STORES}, got {stores!r}")
@@ -129,8 +134,9 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
     if bn <= 0 or bn % PANEL or bn > 256:
         raise EtcError(f"{name}: bn must be 64, 128, 192 or 256: one wgmma spans the tile's N "
                        "(at most 256) in 64-column swizzle panels")
-    if bk <= 0 or bk % PANEL:
-        raise EtcError(f"{name}: bk must be a multiple of 64 (one 128-byte swizzle row of bf16)")
+    if bk <= 0 or bk % PANEL and bk != PANEL // 2:
+        raise EtcError(f"{name}: bk must be 32 (A in 64-byte swizzled rows) or a multiple of "
+                       f"64 (128-byte rows)")
     if stages < 3:
         raise EtcError(f"{name}: stages must be >= 3: one wgmma batch stays in flight while "
                        f"the slot two steps back is refilled, got {stages}")
@@ -149,7 +155,10 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
 
 @T.meta_class
 class SwizzledRing:
-    """The ``stages``-deep ring of A and B tiles in 128-byte-swizzled shared memory.
+    """The ``stages``-deep ring of A and B tiles in swizzled shared memory: B's panels in
+    128-byte rows; A's in 128-byte rows too, or, for slices of 32 columns (bk = 32), in
+    64-byte rows with the 64-byte swizzle (16-byte chunk c of row r at c ^ (r // 2) % 4,
+    8-row groups of 512 bytes), so that a shallower slice buys more stages in flight.
 
     One ``shared.dyn`` allocation (so the unfused kernel sizes it at launch and the megakernel
     maps it into its arena), aligned to 1024 bytes at run time; offsets below are bytes from
@@ -158,6 +167,7 @@ class SwizzledRing:
 
     def __init__(self, bm: int, bn: int, bk: int, stages: int, threads: int):
         self.bm, self.bn, self.bk, self.stages, self.threads = bm, bn, bk, stages, threads
+        self.a_row = min(bk, PANEL) * 2  # bytes of one swizzled A row: 64 or 128
         self.a_stage = bm * bk * 2  # bytes of one A stage
         self.b_stage = bk * bn * 2
         self.b_ring = stages * self.a_stage  # where the B stages start
@@ -178,13 +188,16 @@ class SwizzledRing:
     @T.inline
     def load_stage(self, slot, a_src, b_src, k0, tx, a_valid=None):
         # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
-        # B rows k0:+bk into ring slot ``slot``; chunk c of panel row r goes to c ^ r%8.
+        # B rows k0:+bk into ring slot ``slot``; chunk c of a 128-byte panel row r goes to
+        # c ^ r%8, of a 64-byte one to c ^ (r//2)%4.
         a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
+        row_bytes, per_row = T.meta_var((self.a_row, self.a_row // 16))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // a_cols, c % a_cols))
-            copy_a_chunk(self.at(slot * self.a_stage + cc // 8 * (self.bm * ROW_BYTES)
-                                 + row * ROW_BYTES + (cc % 8 ^ row % 8) * 16),
+            copy_a_chunk(self.at(slot * self.a_stage + cc // per_row * (self.bm * row_bytes)
+                                 + row * row_bytes
+                                 + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row) * 16),
                          a_src(row, k0 + cc * CHUNK), a_valid, row)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
@@ -195,9 +208,10 @@ class SwizzledRing:
                 b_src(k0 + row, cc * CHUNK), 16)
 
     @T.inline
-    def load_stage_tma(self, slot, full, a_map, a_row, b_map, b_col, k0):
+    def load_stage_tma(self, slot, full, a_map, a_row, b_map, b_row, b_col, k0):
         # One thread: arm the slot's barrier with the stage's bytes, then one TMA load a
-        # 64-column panel (the hardware applies the same 128-byte swizzle as load_stage).
+        # 64-column panel (the hardware applies the same 128-byte swizzle as load_stage);
+        # B's K rows start at map row ``b_row``.
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(
             full.ptr_to([slot]), T.uint32(self.a_stage + self.b_stage))
         for p in T.unroll(self.bk // PANEL):
@@ -210,23 +224,26 @@ class SwizzledRing:
             T.evaluate(TMA_LOAD(
                 T.cuda.cvta_generic_to_shared(self.at(self.b_ring + slot * self.b_stage
                                                       + q * (self.bk * ROW_BYTES))),
-                T.address_of(b_map), b_col + q * PANEL, k0,
+                T.address_of(b_map), b_col + q * PANEL, b_row + k0,
                 T.cuda.cvta_generic_to_shared(full.ptr_to([slot]))))
 
     @T.inline
     def encode(self, desc, a_row):
         # desc[0]: A from row ``a_row`` of slot 0 (K-major: SBO = one 8-row group, LBO unused);
-        # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO as A's).
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]), self.at(a_row * ROW_BYTES),
-                                              1, ATOM_BYTES // 16, SWIZZLE_128B)
+        # desc[1]: B from row 0 of slot 0 (MN-major: LBO = one 64-column panel, SBO = one
+        # 8-row group of 128-byte rows).
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[0]),
+                                              self.at(a_row * self.a_row), 1,
+                                              8 * self.a_row // 16, SWIZZLES[self.a_row])
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[1]), self.at(self.b_ring),
                                               self.bk * ROW_BYTES // 16, ATOM_BYTES // 16,
-                                              SWIZZLE_128B)
+                                              SWIZZLES[ROW_BYTES])
 
     def a_desc(self, desc, slot, kk, m):
         """A's descriptor for m64 block ``m`` (of this warpgroup) and k16 step ``kk``: the
         start address moves by whole rows, panels and 32-byte steps inside a swizzled row."""
-        step = kk // 4 * (self.bm * ROW_BYTES) + m * 64 * ROW_BYTES + kk % 4 * 32
+        steps = self.a_row // 32  # k16 steps in one A row
+        step = kk // steps * (self.bm * self.a_row) + m * 64 * self.a_row + kk % steps * 32
         return desc[0] + T.Cast("uint64", slot * (self.a_stage // 16) + step // 16)
 
     def b_desc(self, desc, slot, kk):
@@ -345,10 +362,12 @@ class WgmmaTile:
         T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it
 
     @T.inline
-    def run_tma(self, a_map, a_row, b_map, b_col, num_k):
+    def run_tma(self, a_map, a_row, b_map, b_col, num_k, b_row=0, live_blocks=None):
         """``run`` with the stages loaded by TMA through ``a_map`` (box bm x 64 of A from
-        row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``), both with
-        the 128-byte swizzle, and no CTA barrier in the loop: each stage has a *full*
+        row ``a_row``) and ``b_map`` (box bk x 64 of B from column ``b_col``, its K rows
+        from map row ``b_row``: a slab of stacked weights), both with the 128-byte
+        swizzle, and no CTA barrier in the loop (``live_blocks``: ``run``'s; every row of
+        the box is read, as TMA copies whole boxes): each stage has a *full*
         mbarrier, which thread 0 arms with the stage's bytes as it issues the loads, and an
         *empty* one, on which each warpgroup arrives once its wgmmas of the stage retired.
         Thread 0 refills a slot after its empty barrier completes, so every slot but the
@@ -370,21 +389,27 @@ class WgmmaTile:
             T.ptx.fence.proxy.async_()
             for p in T.unroll(stages):
                 if p < num_k:
-                    ring.load_stage_tma(p, full, a_map, a_row, b_map, b_col, p * self.bk)
+                    ring.load_stage_tma(p, full, a_map, a_row, b_map, b_row, b_col,
+                                        p * self.bk)
         for ko in T.serial(num_k):
-            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
-            self.issue(ko % stages)
-            T.ptx.wgmma.wait_group.sync.aligned(1)  # slice ko-1 retired: release its slot
-            if ko > 0:
+            # slice ko-2 retired (ko-1's wgmmas may still run): release its slot, which
+            # thread 0 refills; then slice ko. The wait heads the step rather than following
+            # the issue, so that no wgmma group is pending across the loop's back edge: in a
+            # kernel that also holds a cp.async wgmma tile, ptxas serialised every wgmma of
+            # the kernel (C7515) when it was
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if ko > 1:
                 if self.tx % WARPGROUP == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 1) % stages]),
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(ko - 2) % stages]),
                                                      T.uint32(1))
                 if self.tx == 0:
-                    if ko - 1 + stages < num_k:
-                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 1) % stages]),
-                                             ((ko - 1) // stages) % 2)
-                        ring.load_stage_tma((ko - 1) % stages, full, a_map, a_row, b_map,
-                                            b_col, (ko - 1 + stages) * self.bk)
+                    if ko - 2 + stages < num_k:
+                        T.cuda.mbarrier_wait(empty.ptr_to([(ko - 2) % stages]),
+                                             ((ko - 2) // stages) % 2)
+                        ring.load_stage_tma((ko - 2) % stages, full, a_map, a_row, b_map,
+                                            b_row, b_col, (ko - 2 + stages) * self.bk)
+            T.cuda.mbarrier_wait(full.ptr_to([ko % stages]), (ko // stages) % 2)
+            self.issue(ko % stages, live_blocks)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()
         if self.tx == 0:
@@ -427,17 +452,20 @@ class WgmmaTile:
                 C[row0 + r, col0 + c + v] = ring.smem[r * pitch + c + v]
 
 
-def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str) -> list[TensorMap]:
+def operand_maps(loads: str, a: str, bm: int, bk: int, tile: str, b: str = "B") -> list[TensorMap]:
     """The tensor maps of a wgmma tile whose stages ``loads`` fill: none for "cp.async"; for
     "tma" (``WgmmaTile.run_tma``), rows of the A operand, parameter ``a`` (box bm x 64), and
-    of ``B`` (bk x 64), with the 128-byte swizzle of the ring. ``tile`` names the tile in the
-    error for any other ``loads``."""
+    of the B operand, parameter ``b`` (bk x 64), with the 128-byte swizzle of the ring.
+    ``tile`` names the tile in the error for any other ``loads``."""
     if loads not in LOADS:
         raise EtcError(f"{tile}: loads must be one of {LOADS}, got {loads!r}")
+    if loads == "tma" and bk % PANEL:
+        raise EtcError(f"{tile}: TMA loads take slices of whole 64-column panels (bk a "
+                       f"multiple of 64), got bk={bk}")
     if loads != "tma":
         return []
     return [TensorMap(a, box=(bm, PANEL), swizzle=ROW_BYTES),
-            TensorMap("B", box=(bk, PANEL), swizzle=ROW_BYTES)]
+            TensorMap(b, box=(bk, PANEL), swizzle=ROW_BYTES)]
 
 
 def task_cost(K, bm: int, bn: int, bk: int):
