@@ -121,8 +121,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
                         "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "
                         "stages in the same shared memory)")
-    parser.add_argument("--down-bk", type=int, help="the down tiles' K slice (default: --bk; "
-                        "TMA down tiles need a multiple of 64)")
+    parser.add_argument("--down-bk", type=int, help="the down tiles' K slice (default: --bk "
+                        "where given; TMA down tiles need a multiple of 64)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "

@@ -260,9 +260,10 @@ def make_expert_gemms(hidden: int = 2048, experts: int = 128, intermediate: int 
     H, E, F = hidden, experts, intermediate
     tiles_options = {k: options[k] for k in EXPERT_OPTIONS if options.get(k) is not None}
     bn, down_bn = task_columns(
-        tiles_options.setdefault("tile_rows", 16), H, F, engine=options.get("engine", "mma"),
-        bn=options.get("bn"), down_bn=options.get("down_bn"),
-        down_loads=options.get("down_loads", "cp.async"))
+        tiles_options.setdefault("tile_rows", 16), H, F,
+        engine=tiles_options.get("engine", "mma"), bn=tiles_options.get("bn"),
+        down_bn=tiles_options.get("down_bn"),
+        down_loads=tiles_options.get("down_loads", "cp.async"))
     tiles_options.update(bn=bn, down_bn=down_bn)
     gate_up, down = expert_tiles(H, E, F, **tiles_options)
     blocked = tiles_options.get("blocked_weights", False)
@@ -305,9 +306,10 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     wgmma tiles where both GEMMs' widths take it (each A slice read once for 256 weight
     columns, not twice: at two CTAs an SM on the H200 the claimed static layer took 447 ->
     425 us at 1024 tokens, 1130 -> 1036 at 4096); else 128 (a third more FLOPs per loaded
-    byte than 64: at 1024 tokens the static layer went from 1504 to 1149 us). TMA down tiles
-    default to at most 128 columns: of their 64-column slices, a 64 x 256 ring keeps 2
-    stages at two CTAs an SM. ``engine``: the tiles' (``engine_for`` by default)."""
+    byte than 64: at 1024 tokens the static layer went from 1504 to 1149 us). With ``bn``
+    left to it, TMA down tiles take at most 128 columns: of their 64-column slices, a
+    64 x 256 ring keeps 2 stages at two CTAs an SM. ``engine``: the tiles' (``engine_for``
+    by default)."""
     engine = engine or engine_for(tile_rows, "wgmma")
     if bn is None:
         wide = tile_rows == 64 and engine == "wgmma" and 2 * intermediate % 256 == 0 \
@@ -336,10 +338,9 @@ def options_for(tokens: int, **options) -> dict:
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one align task
-    under ``fused_route``) and ``fused_route``
-    (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
-    and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
-    None."""
+    under ``fused_route``) and ``fused_route`` (wherever align is one task: on the H200 at 1
+    and 16 tokens it was as fast under barrier and 0.3 - 2 us faster under static, dynamic
+    and unfused) filled in where missing or None."""
     rows = options.get("tile_rows") or tile_rows_for(tokens)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens = options.get("block_tokens") or ROUTER_BLOCKS[router_engine][0]
