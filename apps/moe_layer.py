@@ -215,17 +215,16 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     SM keep 5 stages of 32 (A in 64-byte swizzled rows) where 2 of 64 fit. TMA loads take
     whole 64-column slices."""
     wgmma = engine == "wgmma"
+    footprint = wgmma_gemm.shared_bytes if wgmma else functools.partial(gemm.shared_bytes,
+                                                                         threads=threads)
+    limit = min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT, arena_limit(ctas_per_sm))
 
     def deepest(columns: int, bk: int) -> int:
-        return gemm.deepest_stages(
-            tile_rows, columns, bk,
-            footprint=wgmma_gemm.shared_bytes if wgmma else functools.partial(
-                gemm.shared_bytes, threads=threads),
-            limit=min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT,
-                      arena_limit(ctas_per_sm)))
+        return gemm.deepest_stages(tile_rows, columns, bk, footprint=footprint, limit=limit)
 
     def slice_for(columns: int, loads: str = "cp.async") -> int:
-        shallow = wgmma and loads == "cp.async" and deepest(columns, 64) < MIN_DEEP_RING
+        shallow = wgmma and loads == "cp.async" \
+            and footprint(tile_rows, columns, 64, MIN_DEEP_RING) > limit
         return 32 if shallow else 64
 
     H, E, F = hidden, experts, intermediate

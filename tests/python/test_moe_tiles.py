@@ -886,6 +886,7 @@ def test_rings_share_the_sm_among_its_ctas():
 @pytest.mark.parametrize("options, gate_up, down", [
     ({"ctas_per_sm": 2}, "64x256x32_s5", "64x256x32_s5"),
     ({"ctas_per_sm": 1}, "64x256x64_s4", "64x256x64_s4"),
+    ({"ctas_per_sm": 3}, "64x256x32_s3", "64x256x32_s3"),  # not even 2 stages of 64
     ({"ctas_per_sm": 2, "down_loads": "tma"}, "64x256x32_s5", "64x128x64_s4"),
     ({"ctas_per_sm": 2, "bn": 128}, "64x128x64_s4", "64x128x64_s4"),
     ({"ctas_per_sm": 2, "engine": "mma"}, "64x128x64_s3", "64x128x64_s3"),
