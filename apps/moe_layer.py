@@ -538,17 +538,27 @@ def make_routing_inputs(rng, tokens: int, hidden: int, experts: int, routing: st
 
 def make_expert_weights(rng, hidden: int, experts: int, intermediate: int):
     """bf16 ``(w_gate_up, w_down)``, Gaussian, scaled so that h and y stay near unit size for
-    the inputs of ``make_routing_inputs`` (drawn in float32: they are rounded to bf16)."""
-    import ml_dtypes
+    the inputs of ``make_routing_inputs``. Every element is drawn alike, so gate_up's are
+    drawn in place, without ``moe.interleave_gate_up``."""
+    gate_up = gaussian_bf16(rng, (experts, hidden, 2 * intermediate),
+                            1 / np.sqrt(hidden * ROUTING_X_MEAN_SQUARE))
+    return gate_up, gaussian_bf16(rng, (experts, intermediate, hidden),
+                                  1 / np.sqrt(intermediate))
 
-    bf16 = ml_dtypes.bfloat16
-    scale = np.float32(1 / np.sqrt(hidden * ROUTING_X_MEAN_SQUARE))
-    gate_up = rng.standard_normal((experts, hidden, 2 * intermediate), dtype=np.float32)
-    gate_up *= scale
-    w_down = rng.standard_normal((experts, intermediate, hidden), dtype=np.float32)
-    w_down *= np.float32(1 / np.sqrt(intermediate))
-    return (moe.interleave_gate_up(gate_up[..., :intermediate], gate_up[..., intermediate:])
-            .astype(bf16), w_down.astype(bf16))
+
+def gaussian_bf16(rng, shape, scale: float) -> np.ndarray:
+    """bf16 samples of N(0, scale^2) by their 16-bit quantiles: 16 random bits an element
+    index a table of the bf16 values of the 65536 midpoint quantiles (tails cut at 4.3
+    sigma). The layer's 600 M weights take a few seconds this way, against half a minute
+    drawn as float32 normals and rounded."""
+    import ml_dtypes
+    from statistics import NormalDist
+
+    quantile = NormalDist(0.0, float(scale)).inv_cdf
+    table = np.array([quantile((i + 0.5) / 65536) for i in range(65536)], np.float32)
+    bits = np.frombuffer(rng.bytes(2 * int(np.prod(shape))), np.uint16)
+    return table.astype(ml_dtypes.bfloat16).view(np.uint16)[bits].view(
+        ml_dtypes.bfloat16).reshape(shape)
 
 
 def main():  # pragma: no cover (a demonstration)

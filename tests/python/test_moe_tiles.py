@@ -99,6 +99,19 @@ def test_router_reference_is_within_its_bound(tokens, splits, engine, block_toke
     np.testing.assert_allclose(topw.sum(axis=1), 1, rtol=1e-6)
 
 
+def test_gaussian_bf16_weights_have_their_scale():
+    """The layer's weights are drawn by 16-bit quantiles: bf16, reproducible from the
+    generator, mean 0 and the standard deviation asked for, tails cut near 4.3 sigma."""
+    draw = moe_layer.gaussian_bf16(np.random.default_rng(3), (64, 1024), 0.02)
+    assert draw.dtype == BF16 and draw.shape == (64, 1024)
+    np.testing.assert_array_equal(
+        draw.view(np.uint16),
+        moe_layer.gaussian_bf16(np.random.default_rng(3), (64, 1024), 0.02).view(np.uint16))
+    values = draw.astype(np.float64)
+    assert abs(values.mean()) < 0.02 * 0.02 and abs(values.std() / 0.02 - 1) < 0.01
+    assert np.abs(values).max() / 0.02 < 4.4
+
+
 def test_router_splits_must_divide_the_hidden_rows():
     with pytest.raises(EtcError, match="3 splits must divide hidden 128"):
         moe.make_router_tile(H, E, splits=3)
