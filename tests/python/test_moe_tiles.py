@@ -921,6 +921,22 @@ def test_default_tasks_of_64_row_tiles(options, gate_up, down):
     assert [b.shape[-1] for b in blocked] == widths
 
 
+def test_two_warpgroup_tiles_keep_their_wgmmas_asynchronous_in_a_claimed_kernel(tmp_path):
+    """128 x 256 tasks on two warpgroups (256 threads, one m64 block each, one CTA an SM):
+    each warpgroup issues its block's wgmmas whether or not the block holds rows, as one
+    straight run; a branch around them made ptxas serialise the claimed kernel's wgmmas."""
+    graph = make_moe_layer(**moe_layer.options_for(1024, tile_rows=128, bn=256, threads=256,
+                                                   blocked_weights=True, y_dtype="bfloat16"))
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
+    assert {"gate_up_2048x768_e128_128x256x64_s4_t256_wgmma_blocked",
+            "down_768x2048_e128_128x256x64_s4_t256_wgmma_blocked_ybf16"} <= names, names
+    source = build(graph, {"T": 1024}, strategy="static", num_sms=132,
+                   options=KernelOptions(claim=True)).cuda_source()
+    assert not re.search(r"if \(1 <= \(live_ptr", source)
+    _, report = build_cubin(source, tmp_path, allow_spills=True)
+    assert "serializ" not in report, report[-4000:]
+
+
 def test_shallow_slices_deepen_the_ring_in_the_same_shared_memory(tmp_path):
     """32-column K slices (A in 64-byte swizzled rows) of 64 x 256 tasks: 5 stages of 20 KB
     in a CTA's half of the SM, where 64-column slices leave room for 2 (and a ring needs 3);

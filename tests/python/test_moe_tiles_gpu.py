@@ -306,6 +306,23 @@ def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weight
                     rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens", (100, 1024))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_two_warpgroup_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                        expert_weights_f64):
+    """128 x 256 tasks on two warpgroups of one m64 block each (256 threads, one CTA an SM;
+    the static and barrier kernels claiming), every routing: a warpgroup whose block holds
+    no rows multiplies zeros and stores nothing."""
+    graph = moe_layer.make_moe_layer(**moe_layer.options_for(
+        tokens, tile_rows=128, bn=256, threads=256, blocked_weights=True))
+    compiled = build(graph, {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(claim=strategy in ("static", "barrier")))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, 128, 256)
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
+                    rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens, tile_rows, blocked", [(512, 64, True), (1024, 128, False)])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, expert_weights,

@@ -37,6 +37,9 @@ GEMMS = {  # make_gemm_tile configurations
     "128x128x64_f32": {"bm": 128, "bn": 128, "bk": 64},
     "16x32x64_f32_warps_split_k": {"bm": 16, "bn": 32, "bk": 64, "stages": 4},
     "16x16x64_bf16_warps_split_k": {"bm": 16, "bn": 16, "bk": 64, "out_dtype": "bfloat16"},
+    # fewer A chunks a stage (128) than threads: the threads past them load none
+    "16x32x64_f32_256threads_idle_loaders": {"bm": 16, "bn": 32, "bk": 64, "stages": 4,
+                                             "threads": 256},
 }
 ACTIVATIONS = [(a, o) for a in ("relu", "gelu", "silu") for o in ("float32", "bfloat16")]
 

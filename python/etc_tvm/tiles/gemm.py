@@ -157,16 +157,21 @@ class MmaTile:
         # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
         s = T.meta_var(k_step % self.stages)
         a_cols, b_cols = T.meta_var(self.bk // CHUNK), T.meta_var(self.bn // CHUNK)
-        for r in T.unroll(self.bm * self.bk // CHUNK // self.threads):
+        a_chunks, b_chunks = T.meta_var(self.bm * a_cols), T.meta_var(self.bk * b_cols)
+        # Where a stage has fewer chunks than threads (a 16 x 32 router task on 256 threads),
+        # the threads past them issue none.
+        for r in T.unroll(-(-a_chunks // self.threads)):
             c = T.meta_var(r * self.threads + self.tx)
-            copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
-                         a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK),
-                         a_valid, c // a_cols)
-        for r in T.unroll(self.bk * self.bn // CHUNK // self.threads):
+            if a_chunks % self.threads == 0 or c < a_chunks:
+                copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
+                             a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK),
+                             a_valid, c // a_cols)
+        for r in T.unroll(-(-b_chunks // self.threads)):
             c = T.meta_var(r * self.threads + self.tx)
-            T.ptx.cp.async_.cg.shared.global_(
-                self.Bs.ptr_to([s, c // b_cols, c % b_cols * CHUNK]),
-                b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
+            if b_chunks % self.threads == 0 or c < b_chunks:
+                T.ptx.cp.async_.cg.shared.global_(
+                    self.Bs.ptr_to([s, c // b_cols, c % b_cols * CHUNK]),
+                    b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
 
     @T.inline
     def run(self, a_src, b_src, num_k, a_valid=None):
@@ -248,10 +253,6 @@ def check_geometry(bm: int, bn: int, bk: int, threads: int, stages: int) -> None
         raise EtcError(f"gemm tile: threads must be whole warps, bk a multiple of 16 and "
                        f"stages >= 1, got threads={threads}, bk={bk}, stages={stages}")
     warp_grid(bm, bn, threads // 32, bk)
-    a_loads, b_loads = bm * bk // CHUNK, bk * bn // CHUNK
-    if a_loads % threads or b_loads % threads:
-        raise EtcError(f"gemm tile {bm}x{bn}x{bk}: its {a_loads} + {b_loads} 16-byte chunks per "
-                       f"stage do not divide among {threads} threads")
     smem = shared_bytes(bm, bn, bk, stages, threads)
     if smem > SMEM_LIMIT:
         raise EtcError(f"gemm tile {bm}x{bn}x{bk} x{stages} stages needs {smem} bytes of shared "

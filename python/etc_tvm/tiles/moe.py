@@ -1107,8 +1107,8 @@ def _live_blocks(engine: str, tile_rows: int) -> int:
 @T.inline
 def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
     # the tile's GEMM over its rows row0.. : padding rows (sorted_token -1) read nothing,
-    # and with several m64 blocks those without rows (a block's first row is padding)
-    # issue no products. tma: (maps, b_row, b_col) of WgmmaTile.run_tma, in place of
+    # and where a warpgroup holds several m64 blocks those without rows (a block's first
+    # row is padding) issue no products. tma: (maps, b_row, b_col) of WgmmaTile.run_tma, in place of
     # a_src and b_src: the A rows row0.. load as whole boxes (padding rows read too)
     if blocks > 1:
         live = T.local_scalar("int32")

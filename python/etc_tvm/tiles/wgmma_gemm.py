@@ -301,9 +301,12 @@ class WgmmaTile:
     @T.inline
     def issue(self, slot, live_blocks=None):
         # this warpgroup's wgmmas of the slice in ``slot``, one commit group; with
-        # ``live_blocks``, only those of the tile's first live_blocks m64 blocks
+        # ``live_blocks``, only those of the tile's first live_blocks m64 blocks, where the
+        # warpgroup holds several (a branch around a warpgroup's one block made ptxas
+        # serialise every wgmma of a claimed kernel, C7520: an empty block's products are
+        # zeros, its loads none)
         T.ptx.wgmma.fence.sync.aligned()
-        if live_blocks is None:
+        if live_blocks is None or self.mt == 1:
             self.issue_blocks(slot, self.mt)
         else:
             self.issue_live(slot, live_blocks - self.warp // 4 * self.mt, self.mt)
