@@ -83,7 +83,7 @@ def measure(tokens: int, weights, rng, reps: int, configs: dict) -> dict:
         graph = moe_layer.make_expert_gemms(H, E, F, **layer)
         for variant in VARIANTS:
             compiled = build(graph, dims, strategy=variant, options=KernelOptions(
-                ctas_per_sm=options.ctas_per_sm, claim=options.claim and variant != "unfused"))
+                ctas_per_sm=layer["ctas_per_sm"], claim=options.claim and variant != "unfused"))
             runs[name, variant] = checked_replay(f"{name or 'default'}: {variant}", compiled,
                                                  inputs, pair_row, want)
         tiles[name] = (int(indptr[E]), dims["tiles"])

@@ -106,9 +106,10 @@ def layer_parser() -> argparse.ArgumentParser:
     """The options that shape our layer: the command line's, and each of ``--configs``'
     over them."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--ctas-per-sm", type=int, default=2,
-                        help="persistent CTAs per SM of the megakernels (default: 2, whose "
-                        "hand-offs and memory latency overlap the other CTA's task)")
+    parser.add_argument("--ctas-per-sm", type=int,
+                        help="persistent CTAs per SM of the megakernels (default: "
+                        "moe_layer.ctas_per_sm_for the tiles' threads: 2 of 128 threads, "
+                        "whose hand-offs and memory latency overlap the other CTA's task)")
     parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
@@ -127,8 +128,9 @@ def layer_parser() -> argparse.ArgumentParser:
                         "the deepest that fits a CTA's share of the SM)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
                         "(default: moe_layer.ROUTER_BLOCKS of the router's engine)")
-    parser.add_argument("--threads", type=int, default=128,
-                        help="threads of every tile (and of the megakernels' CTAs)")
+    parser.add_argument("--threads", type=int,
+                        help="threads of every tile (and of the megakernels' CTAs; default: "
+                        "moe_layer.layer_threads_for the tile rows)")
     parser.add_argument("--router-splits", type=int, help="splits of the hidden rows over "
                         "router tasks (default: moe_layer.router_splits_for the tokens)")
     parser.add_argument("--block-tokens", type=int, help="tokens a top-k task takes (default: "
@@ -208,7 +210,7 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
         expert_weights = weights[key]
     inputs = (*inputs, *expert_weights)
     on_device = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in inputs]
-    kernel_options = KernelOptions(ctas_per_sm=options.ctas_per_sm, claim=options.claim)
+    kernel_options = KernelOptions(ctas_per_sm=layer["ctas_per_sm"], claim=options.claim)
     runs, libraries = {}, {}
     for label in ours:
         strategy, replay = label.split("+")[0], label.endswith("+graph")
@@ -277,7 +279,8 @@ def print_row(row: dict, ours) -> None:
           + ", ".join(f"{k} {v:.1e}" for k, v in row["error"].items()), flush=True)
     for name, about in row["configs"].items():
         print(f"{'':>17} {name or '-'}: {about['tile_rows']}-row expert tiles on "
-              f"{about['engine']}, {about['ctas_per_sm']} CTAs an SM, router tasks of "
+              f"{about['engine']}, {about['threads']} threads, {about['ctas_per_sm']} CTAs "
+              f"an SM, router tasks of "
               f"{about['router_tokens']} tokens x {about['experts_per_task']} experts over "
               f"{about['router_splits']} splits on {about['router_engine']}"
               + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"

@@ -86,7 +86,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
-                               down_loads=down_loads)
+                               down_loads=down_loads, threads=threads)
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
                                  down_bk=down_bk, stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
@@ -262,7 +262,8 @@ def make_expert_gemms(hidden: int = 2048, experts: int = 128, intermediate: int 
         tiles_options.setdefault("tile_rows", 16), H, F,
         engine=tiles_options.get("engine", "mma"), bn=tiles_options.get("bn"),
         down_bn=tiles_options.get("down_bn"),
-        down_loads=tiles_options.get("down_loads", "cp.async"))
+        down_loads=tiles_options.get("down_loads", "cp.async"),
+        threads=tiles_options.get("threads", 128))
     tiles_options.update(bn=bn, down_bn=down_bn)
     gate_up, down = expert_tiles(H, E, F, **tiles_options)
     blocked = tiles_options.get("blocked_weights", False)
@@ -299,19 +300,20 @@ def expert_gemm_dims(tokens: int, experts: int, top_k: int, tile_rows: int) -> d
 
 def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str | None = None,
                  bn: int | None = None, down_bn: int | None = None,
-                 down_loads: str = "cp.async") -> tuple[int, int]:
+                 down_loads: str = "cp.async", threads: int = 128) -> tuple[int, int]:
     """The grouped GEMM tasks' columns ``(bn, down_bn)``, those given kept (``down_bn`` by
-    default ``bn``). ``bn``: 64 for 16-row tiles (more tasks for few tokens); 256 for 64-row
-    wgmma tiles where both GEMMs' widths take it (each A slice read once for 256 weight
-    columns, not twice: at two CTAs an SM on the H200 the claimed static layer took 447 ->
-    425 us at 1024 tokens, 1130 -> 1036 at 4096); else 128 (a third more FLOPs per loaded
-    byte than 64: at 1024 tokens the static layer went from 1504 to 1149 us). With ``bn``
-    left to it, TMA down tiles take at most 128 columns: of their 64-column slices, a
-    64 x 256 ring keeps 2 stages at two CTAs an SM. ``engine``: the tiles' (``engine_for``
-    by default)."""
+    default ``bn``). ``bn``: 64 for 16-row tiles (more tasks for few tokens); 256 for wgmma
+    tiles of one m64 block a warpgroup (64 rows on 128 threads, 128 on 256) where both GEMMs'
+    widths take it (each A slice read once for 256 weight columns, not twice: at two CTAs an
+    SM on the H200 the claimed static layer took 447 -> 425 us at 1024 tokens, 1130 -> 1036
+    at 4096); else 128 (a third more FLOPs per loaded byte than 64: at 1024 tokens the static
+    layer went from 1504 to 1149 us). With ``bn`` left to it, TMA down tiles take at most 128
+    columns: of their 64-column slices, a 64 x 256 ring keeps 2 stages at two CTAs an SM.
+    ``engine``: the tiles' (``engine_for`` by default); ``threads``: the tiles'."""
     engine = engine or engine_for(tile_rows, "wgmma")
     if bn is None:
-        wide = tile_rows == 64 and engine == "wgmma" and 2 * intermediate % 256 == 0 \
+        one_block = tile_rows == wgmma_gemm.BLOCK_ROWS * (threads // wgmma_gemm.WARPGROUP)
+        wide = engine == "wgmma" and one_block and 2 * intermediate % 256 == 0 \
             and hidden % 256 == 0
         bn = 64 if tile_rows <= 16 else 256 if wide else 128
         if down_loads == "tma":
@@ -333,14 +335,23 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
-    is asked for) and task columns (``task_columns``), the router's engine
+    is asked for), the tiles' threads (``layer_threads_for``) and the CTAs an SM they are
+    built for (``ctas_per_sm_for``; build the kernel with ``KernelOptions(ctas_per_sm=...)``
+    of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one align task
     under ``fused_route``) and ``fused_route`` (wherever align is one task: on the H200 at 1
     and 16 tokens it was as fast under barrier and 0.3 - 2 us faster under static, dynamic
     and unfused) filled in where missing or None."""
-    rows = options.get("tile_rows") or tile_rows_for(tokens)
+    experts = options.get("experts", QWEN3_30B_A3B["experts"])
+    ctas_per_sm = options.get("ctas_per_sm")
+    engine = options.get("engine") or "wgmma"
+    rows = options.get("tile_rows") or tile_rows_for(
+        tokens, experts, options.get("top_k", QWEN3_30B_A3B["top_k"]), ctas_per_sm, engine)
+    engine = engine_for(rows, engine)
+    threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
+    ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens = options.get("block_tokens") or ROUTER_BLOCKS[router_engine][0]
     router_tokens, experts_per_task = router_block_for(tokens, router_engine)
@@ -353,21 +364,21 @@ def options_for(tokens: int, **options) -> dict:
         else 0 if options.get("fused_route") else align_tokens_for(tokens)
     fused_route = options["fused_route"] if options.get("fused_route") is not None \
         else align_tokens == 0
-    engine = engine_for(rows, options.get("engine") or "wgmma")
     bn, down_bn = task_columns(rows, hidden,
                                options.get("intermediate", QWEN3_30B_A3B["intermediate"]),
                                engine=engine, bn=options.get("bn"),
                                down_bn=options.get("down_bn"),
-                               down_loads=options.get("down_loads") or "cp.async")
-    return {**options, "tile_rows": rows, "engine": engine, "bn": bn, "down_bn": down_bn,
+                               down_loads=options.get("down_loads") or "cp.async",
+                               threads=threads)
+    return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
+            "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
             "router_engine": router_engine, "block_tokens": block_tokens,
             "router_tokens": router_tokens,
             "align_tokens": align_tokens, "fused_route": fused_route,
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
-            or router_splits_for(tokens, router_tokens, experts_per_task,
-                                 options.get("experts", QWEN3_30B_A3B["experts"]))}
+            or router_splits_for(tokens, router_tokens, experts_per_task, experts)}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
@@ -433,11 +444,37 @@ def align_tokens_for(tokens: int) -> int:
     return chunk if tokens >= ALIGN_CHUNKS * chunk else 0
 
 
-def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
-    """Rows of a grouped-GEMM tile for ``tokens``: 16 while an expert's average share of the
-    pairs fits one 16-row tile, else 64, so that each busy expert's weights are read about
-    once, not once per 16 of its rows (at 1024 tokens: 64 rows an expert, 4 reads at 16)."""
-    return 16 if tokens * top_k <= 16 * experts else 64
+def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8,
+                  ctas_per_sm: int | None = None, engine: str = "wgmma") -> int:
+    """Rows of a grouped-GEMM tile for ``tokens``: as many as an expert's average share of the
+    pairs fills, of 16, 64 and 128, so that each busy expert's weights are read about once,
+    not once per 16 of its rows (at 1024 tokens: 64 rows an expert, 4 reads at 16). 128-row
+    tiles run on two warpgroups at one CTA an SM (``layer_threads_for``): not where
+    ``ctas_per_sm`` asks for more, nor on the "mma" ``engine``. On the H200 the claimed
+    static layer on 128 x 256 tasks took 607 -> 595 us at 2048 tokens and 1021 -> 964 at
+    4096 against 64 x 256 tasks at two CTAs an SM; the grouped GEMMs alone 377 -> 398 at
+    1024 tokens (128 tiles of 128 rows against 187 of 64), hence not below an expert's
+    128 rows."""
+    pairs = tokens * top_k
+    if pairs >= 128 * experts and ctas_per_sm in (None, 1) and engine == "wgmma":
+        return 128
+    return 16 if pairs <= 16 * experts else 64
+
+
+def layer_threads_for(tile_rows: int, engine: str, ctas_per_sm: int | None = None) -> int:
+    """Threads of the layer's tiles (and of the kernel's CTAs) for grouped-GEMM tiles of
+    ``tile_rows``: one warpgroup an m64 block of wgmma tiles up to two (256 threads for 128
+    rows, whose 128 x 256 tasks need more registers than two CTAs an SM leave a thread),
+    at one CTA an SM; else 128."""
+    two = engine == "wgmma" and tile_rows == 2 * wgmma_gemm.BLOCK_ROWS \
+        and ctas_per_sm in (None, 1)
+    return 2 * wgmma_gemm.WARPGROUP if two else wgmma_gemm.WARPGROUP
+
+
+def ctas_per_sm_for(threads: int) -> int:
+    """Persistent CTAs an SM for tiles of ``threads``: two of 128 threads, whose hand-offs
+    and memory latency overlap the other CTA's task; one of 256."""
+    return 2 if threads <= wgmma_gemm.WARPGROUP else 1
 
 
 def engine_for(tile_rows: int, engine: str) -> str:

@@ -52,8 +52,9 @@ def main() -> None:
                         help="how the MoE down GEMM's output is stored (as bench_moe's)")
     parser.add_argument("--moe-align-tokens", type=int, help="tokens a MoE align task walks, "
                         "0 for one task (default: moe_layer.align_tokens_for the tokens)")
-    parser.add_argument("--ctas-per-sm", type=int, default=1,
-                        help="persistent CTAs per SM (the MoE layer's rings fit their share)")
+    parser.add_argument("--ctas-per-sm", type=int,
+                        help="persistent CTAs per SM (the MoE layer's rings fit their share; "
+                        "default: 1; the MoE layer's, moe_layer.options_for)")
     parser.add_argument("--claim", action="store_true",
                         help="the static and barrier CTAs claim their tasks at run time "
                         "(KernelOptions.claim)")
@@ -65,15 +66,18 @@ def main() -> None:
     bf16 = ml_dtypes.bfloat16
     x = rng.standard_normal((args.rows, 2048)).astype(bf16)
     w1, w2 = ((rng.standard_normal((2048, 2048)) / 2048**0.5).astype(bf16) for _ in range(2))
-    cases = {}
+    cases = {}  # name -> (graph, dims, inputs, CTAs an SM)
+    ctas_per_sm = args.ctas_per_sm or 1
     if "chain" in args.graphs:
-        cases[f"chain{args.chain}"] = (chain, {"N": args.chain},
-                                       [rng.standard_normal((args.chain, WIDTH)).astype("float32")])
+        cases[f"chain{args.chain}"] = (
+            chain, {"N": args.chain},
+            [rng.standard_normal((args.chain, WIDTH)).astype("float32")], ctas_per_sm)
     if "mlp" in args.graphs:
-        cases[f"mlp{args.rows}"] = (make_mlp(16, 2048, 2048), {"M": args.rows}, [x, w1, w2])
+        cases[f"mlp{args.rows}"] = (make_mlp(16, 2048, 2048), {"M": args.rows}, [x, w1, w2],
+                                    ctas_per_sm)
     if "mlp-split-k" in args.graphs:
         cases[f"mlp{args.rows}-split-k"] = (make_split_k_mlp(2048, 2048), {"M": args.rows},
-                                            [x, w1, w2])
+                                            [x, w1, w2], ctas_per_sm)
     if "moe" in args.graphs:
         experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
         blocked = args.moe_weights == "blocked"
@@ -91,11 +95,12 @@ def main() -> None:
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \
                 if blocked else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
-                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights])
-    for name, (graph, dims, inputs) in cases.items():
+                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights],
+                options["ctas_per_sm"])
+    for name, (graph, dims, inputs, ctas_per_sm) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy,
-                             options=KernelOptions(profile=True, ctas_per_sm=args.ctas_per_sm,
+                             options=KernelOptions(profile=True, ctas_per_sm=ctas_per_sm,
                                                  claim=args.claim))
             compiled.profile(*inputs)
             _, timeline = compiled.profile(*inputs)

@@ -635,6 +635,29 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
     assert_within(execute(graph, *inputs, order=RandomOrder(3)), want, bound)
 
 
+@pytest.mark.parametrize("tokens, options, want", [
+    (1, {}, (16, "mma", 128, 2, 64)),
+    (1024, {}, (64, "wgmma", 128, 2, 256)),
+    (2047, {}, (64, "wgmma", 128, 2, 256)),
+    (2048, {}, (128, "wgmma", 256, 1, 256)),
+    (4096, {}, (128, "wgmma", 256, 1, 256)),
+    # two CTAs an SM leave a thread too few registers for 128 x 256 tasks
+    (4096, {"ctas_per_sm": 2}, (64, "wgmma", 128, 2, 256)),
+    (1024, {"tile_rows": 128, "ctas_per_sm": 2}, (128, "wgmma", 128, 2, 128)),
+    (4096, {"engine": "mma"}, (64, "mma", 128, 2, 128)),
+    (1024, {"tile_rows": 128}, (128, "wgmma", 256, 1, 256)),
+])
+def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, want):
+    """128-row wgmma grouped GEMM tiles from an expert's average 128 pairs (2048 tokens), on
+    two warpgroups at one CTA an SM; else 128 threads at two CTAs an SM."""
+    got = moe_layer.options_for(tokens, **options)
+    keys = ("tile_rows", "engine", "threads", "ctas_per_sm", "bn")
+    assert tuple(got[k] for k in keys) == want
+    if "tile_rows" not in options:
+        assert moe_layer.tile_rows_for(tokens, ctas_per_sm=options.get("ctas_per_sm"),
+                                       engine=options.get("engine", "wgmma")) == want[0]
+
+
 def test_router_tokens_must_be_whole_top_k_blocks():
     with pytest.raises(ValueError, match="router_tokens 24 must be a multiple of block_tokens 16"):
         make_moe_layer(H, E, K, F, router_engine="mma", block_tokens=16, router_tokens=24)
@@ -922,16 +945,18 @@ def test_default_tasks_of_64_row_tiles(options, gate_up, down):
 
 
 def test_two_warpgroup_tiles_keep_their_wgmmas_asynchronous_in_a_claimed_kernel(tmp_path):
-    """128 x 256 tasks on two warpgroups (256 threads, one m64 block each, one CTA an SM):
-    each warpgroup issues its block's wgmmas whether or not the block holds rows, as one
-    straight run; a branch around them made ptxas serialise the claimed kernel's wgmmas."""
-    graph = make_moe_layer(**moe_layer.options_for(1024, tile_rows=128, bn=256, threads=256,
-                                                   blocked_weights=True, y_dtype="bfloat16"))
-    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
+    """128 x 256 tasks on two warpgroups (256 threads, one m64 block each, one CTA an SM; the
+    layer's default at 2048 tokens): each warpgroup issues its block's wgmmas whether or not
+    the block holds rows, as one straight run; a branch around them made ptxas serialise the
+    claimed kernel's wgmmas."""
+    options = moe_layer.options_for(2048, blocked_weights=True, y_dtype="bfloat16")
+    graph = make_moe_layer(**options)
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 2048}).calls}
     assert {"gate_up_2048x768_e128_128x256x64_s4_t256_wgmma_blocked",
             "down_768x2048_e128_128x256x64_s4_t256_wgmma_blocked_ybf16"} <= names, names
-    source = build(graph, {"T": 1024}, strategy="static", num_sms=132,
-                   options=KernelOptions(claim=True)).cuda_source()
+    source = build(graph, {"T": 2048}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                         claim=True)).cuda_source()
     assert not re.search(r"if \(1 <= \(live_ptr", source)
     _, report = build_cubin(source, tmp_path, allow_spills=True)
     assert "serializ" not in report, report[-4000:]

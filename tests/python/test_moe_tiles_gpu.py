@@ -366,22 +366,26 @@ def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
     check_layer(run, tokens, "random", rng, expert_weights, expert_weights_f64)
 
 
-@pytest.mark.parametrize("tokens", (100, 512))
+@pytest.mark.parametrize("tokens", (100, 512, 2048))
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
-    bfloat16 runs it (two CTAs an SM, blocked weights, the tokens' defaults)."""
-    check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    bfloat16 runs it (blocked weights, the tokens' defaults: at 2048 tokens 128 x 256 tasks
+    on two warpgroups, one CTA an SM)."""
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    assert (options["threads"], options["ctas_per_sm"]) == ((256, 1) if tokens >= 2048
+                                                            else (128, 2))
 
 
 def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64) -> dict:
-    """The layer as bench_moe builds it for ``tokens`` (``options_for``: two CTAs an SM,
-    blocked weights, y in bf16), every routing through one kernel; its options."""
-    options = moe_layer.options_for(tokens, ctas_per_sm=2, blocked_weights=True,
-                                    y_dtype="bfloat16")
+    """The layer as bench_moe builds it for ``tokens`` (``options_for``: its tiles, threads
+    and CTAs an SM, blocked weights, y in bf16), every routing through one kernel; its
+    options."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16")
     run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
-                options=KernelOptions(ctas_per_sm=2))
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"])
+                options=KernelOptions(ctas_per_sm=options["ctas_per_sm"]))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"],
+                                               options["bn"], options["down_bn"])
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
                     expert_weights, expert_weights_f64, "bfloat16")

@@ -94,6 +94,7 @@ ATOM_BYTES = 1024  # 8 swizzled rows: the alignment the swizzle pattern needs
 CHUNK = 8  # bf16 elements per cp.async (16 bytes)
 SWIZZLES = {64: 2, 128: 3}  # swizzle bytes -> the CUtensorMapSwizzle encode_matrix_descriptor takes
 WARPGROUP = 128
+BLOCK_ROWS = 64  # rows of one wgmma (m64)
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
 SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
 LOADS = ("cp.async", "tma")
