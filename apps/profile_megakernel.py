@@ -54,7 +54,8 @@ def main() -> None:
                         "0 for one task (default: moe_layer.align_tokens_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
-                        "default: 1; the MoE layer's, moe_layer.options_for)")
+                        "default: 1 for the chain and the MLPs, moe_layer.options_for's for "
+                        "the MoE layer)")
     parser.add_argument("--claim", action="store_true",
                         help="the static and barrier CTAs claim their tasks at run time "
                         "(KernelOptions.claim)")
