@@ -138,9 +138,8 @@ class MmaTile:
     tile, column k of A; ``b_src(k, c)``: row k, tile column c of B), so gathered rows
     (grouped GEMMs) and per-expert weights reuse the same main loop; with ``a_rows`` (tile row
     -> A row, negative for none), ``run`` looks the rows up once and ``a_src`` takes the A
-    row. After ``run`` thread
-    ``lane`` of warp ``warp`` holds ``frag(m, n, 2h + v)`` = tile element
-    ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``frag``.
+    row. After ``run`` thread ``lane`` of warp ``warp`` holds ``frag(m, n, 2h + v)`` = tile
+    element ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``frag``.
     The geometry is checked by ``check_geometry`` before a tile is built.
     """
 
@@ -203,11 +202,11 @@ class MmaTile:
             for n in T.unroll(self.ni):
                 for e in T.unroll(4):
                     self.acc[m, n, e] = T.float32(0)
+        chunks = T.meta_var(self.bm * self.bk // CHUNK)
         rows = T.meta_var(None if a_rows is None else T.alloc_local(
-            (-(-self.bm * self.bk // CHUNK // self.threads),), "int32"))
+            (-(-chunks // self.threads),), "int32"))
         if a_rows is not None:
-            gather_rows(rows, a_rows, self.bm * self.bk // CHUNK, self.bk // CHUNK,
-                        self.threads, self.tx)
+            gather_rows(rows, a_rows, chunks, self.bk // CHUNK, self.threads, self.tx)
         # Prologue: slices 0 .. stages-2 in flight, one commit group each.
         for p in T.unroll(self.stages - 1):
             if p < num_k:
