@@ -489,6 +489,34 @@ def test_y_must_be_fp32_or_bf16(make):
         make()
 
 
+def k_loops(source: str) -> list[str]:
+    """The bodies of the generated CUDA's K loops (``for (int ko...``), braces included."""
+    bodies = []
+    for loop in re.finditer(r"for \(int ko\w* = 0;", source):
+        start = depth = source.index("{", loop.end())
+        for end in range(start, len(source)):
+            depth = depth + {"{": 1, "}": -1}.get(source[end], 0) if end > start else 1
+            if depth == 0:
+                break
+        bodies.append(source[start:end + 1])
+    return bodies
+
+
+@pytest.mark.parametrize("tokens", (1, 1024, 2048))
+def test_grouped_gemm_k_loops_read_no_row_index(tokens):
+    """A gathered tile's A rows (sorted_token) are looked up once a task, not every K slice:
+    the megakernel could not hoist those loads (16-row mma tiles at one token, 64 x 256 and
+    128 x 256 wgmma tiles at 1024 and 2048)."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16")
+    source = build(make_moe_layer(**options), {"T": tokens}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                         claim=True)).cuda_source()
+    loops = k_loops(source)
+    assert len(loops) >= 2 and all("mma" in body for body in loops), len(loops)
+    assert not [body for body in loops if "sorted_token" in body]
+    assert "sorted_token" in source
+
+
 def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
     graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, blocked_weights=True,
                                                    y_dtype="bfloat16"))

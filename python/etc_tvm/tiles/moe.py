@@ -1105,11 +1105,13 @@ def _live_blocks(engine: str, tile_rows: int) -> int:
 
 
 @T.inline
-def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
-    # the tile's GEMM over its rows row0.. : padding rows (sorted_token -1) read nothing,
-    # and where a warpgroup holds several m64 blocks those without rows (a block's first
-    # row is padding) issue no products. tma: (maps, b_row, b_col) of WgmmaTile.run_tma, in place of
-    # a_src and b_src: the A rows row0.. load as whole boxes (padding rows read too)
+def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None):
+    # the tile's GEMM over its rows row0.. of A rows a_rows(r) of ``a`` (negative: padding,
+    # sorted_token -1, reads nothing), and where a warpgroup holds several m64 blocks those
+    # without rows (a block's first row is padding) issue no products. tma: (maps, b_row,
+    # b_col) of WgmmaTile.run_tma, in place of a_rows and b_src: the A rows row0.. load as
+    # whole boxes (padding rows read too)
+    a_src = T.meta_var(lambda i, k: a.ptr_to([i, k]))
     if blocks > 1:
         live = T.local_scalar("int32")
         live = 1
@@ -1117,11 +1119,11 @@ def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
             if sorted_token[row0 + b * 64] >= 0:
                 live = b + 1
         if tma is None:
-            mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0, live)
+            mma.run(a_src, b_src, num_k, live_blocks=live, a_rows=a_rows)
         else:
             mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1], live)
     elif tma is None:
-        mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0)
+        mma.run(a_src, b_src, num_k, a_rows=a_rows)
     else:
         mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1])
 
@@ -1159,7 +1161,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             mma = new_tile(tx, warp, lane)
             # padding rows (token -1) read nothing: their A rows land as zeros, so their h
             # rows are zero (and never read); at few tokens they are most rows of a tile
-            _run_rows(mma, lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
+            _run_rows(mma, x, lambda r: sorted_token[g * BT + r],
                       _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
                       g * BT, live_blocks)
             for m in T.unroll(mma.mi):
@@ -1234,7 +1236,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
             mma = new_tile(tx, warp, lane)
             # with TMA, the slab's rows and columns in the map's 2-D view of w_down:
             # (E * H/bn * F, bn) blocked, (E * F, H) in place
-            _run_rows(mma, lambda r, k: h.ptr_to([g * BT + r, k]),
+            _run_rows(mma, h, lambda r: T.Select(sorted_token[g * BT + r] >= 0, g * BT + r, -1),
                       _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
                       live_blocks, (maps, (e * (H // bn) + n) * F if blocked else e * F,
                                     0 if blocked else n * bn) if tma else None)
