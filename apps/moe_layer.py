@@ -51,7 +51,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
-                   down_loads: str = "cp.async"):
+                   down_loads: str = "cp.async", combine_tokens: int = 1):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -83,7 +83,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
     (``moe.make_route_tile``), which waits for every router task; for few tokens, where
     top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
-    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``)."""
+    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``). ``combine_tokens``: the
+    tokens a combine task sums (``moe.make_combine_tile``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -119,7 +120,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         align = moe.make_align_tile(E, K, BT, threads)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
     down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
-    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype)
+    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype, combine_tokens)
+    TC = combine_tokens
     nb1, nb2, nc = 2 * F // bn, H // down_bn, H // combine_cols
     per_block = combine_cols // down_bn  # down column blocks per combine column block
 
@@ -195,9 +197,11 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                         out=Tensor((tiles * BT, H), y_dtype, name="y"),
                         in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
                         out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")
-        return call_device(combine, tile_num=(tokens, nc), args=[topw, pair_row, pair_tile, y],
+        return call_device(combine, tile_num=(ceil_div(tokens, TC), nc),
+                           args=[topw, pair_row, pair_tile, y],
                            out=Tensor((tokens, H), "bfloat16", name="out"),
-                           in_edges={y_ready: "tc->pair_tile[t,:], c"})
+                           in_edges={y_ready: f"bc->pair_tile[{TC}*b:{TC}*b+{TC}, :], c"
+                                     if TC > 1 else "tc->pair_tile[t,:], c"})
 
     return moe_layer
 

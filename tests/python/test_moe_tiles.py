@@ -320,12 +320,13 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
         assert_within(y[r], hr @ w_down[e].astype(np.float64), F * 2.0 ** -22 * (np.abs(hr) @ wd))
 
     topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
-    out = poisoned((tokens, H), "bfloat16")
-    run_tasks(moe.make_combine_tile(H, K, 64), (tokens, H // 64), topw, pair_row, pair_tile, y,
-              out)
     ys = y[pair_row]
-    assert_within(out, np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64)),
-                  moe.combine_bound(topw, ys))
+    want = np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64))
+    for combine_tokens in (1, 3):  # 3: a partial last block at 1, 7 and 20 tokens
+        out = poisoned((tokens, H), "bfloat16")
+        run_tasks(moe.make_combine_tile(H, K, 64, tokens=combine_tokens),
+                  (-(-tokens // combine_tokens), H // 64), topw, pair_row, pair_tile, y, out)
+        assert_within(out, want, moe.combine_bound(topw, ys))
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
@@ -515,6 +516,29 @@ def test_grouped_gemm_k_loops_read_no_row_index(tokens):
     assert len(loops) >= 2 and all("mma" in body for body in loops), len(loops)
     assert not [body for body in loops if "sorted_token" in body]
     assert "sorted_token" in source
+
+
+@pytest.mark.parametrize("tokens", (7, 20))
+def test_layer_with_combine_tasks_of_several_tokens_matches_float64(tokens, rng):
+    """Combine tasks of 3 tokens (a partial last block at 7 and 20), each waiting on the
+    tiles of its tokens' pairs through ``pair_tile[3*b:3*b+3, :]``."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, combine_tokens=3)
+    combine = next(c for c in TaskGraph.build(graph, {"T": tokens}).calls
+                   if c.fn.name.startswith("combine"))
+    assert combine.fn.name.endswith("_b3") and combine.grid == (-(-tokens // 3), H // 64)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    for order in (RandomOrder(7), ReadyQueueOrder()):
+        assert_within(execute(graph, *inputs, order=order), want, bound)
+
+
+def test_combine_tasks_of_several_tokens_compile_for_sm90a(tmp_path):
+    """The claimed static layer of 2048 tokens with combine tasks of 2 tokens."""
+    options = moe_layer.options_for(2048, blocked_weights=True, y_dtype="bfloat16",
+                                    combine_tokens=2)
+    names = compile_layer(make_moe_layer(**options), 2048, tmp_path, "static",
+                          options["ctas_per_sm"])
+    assert "combine_2048_top8_c2048_t256_b2_ybf16" in names, names
 
 
 def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
