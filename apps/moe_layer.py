@@ -515,7 +515,6 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int,
     (``moe.y_rounding_bound``), the router weights within ``moe.router_weight_bound``, then
     ``moe.combine_bound``."""
     topk, topw = moe.route(x, w_router, top_k)
-    w_gate, w_up = moe.split_gate_up(w_gate_up)
     F = w_down.shape[1]
     T_, H = x.shape
     ys = np.empty((T_, top_k, H))
@@ -523,12 +522,12 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int,
     for e in np.unique(topk):
         pairs = np.nonzero(topk == e)
         rows = x[pairs[0]]
-        h64 = moe.gate_up_exact(rows, w_gate[e], w_up[e])[0]
-        bound_h = moe.gate_up_bound(rows, w_gate[e], w_up[e])
+        w_gate, w_up = (w[0] for w in moe.split_gate_up(w_gate_up[e:e + 1]))  # used only
+        h64, bound_h = moe.gate_up_reference(rows, w_gate, w_up)
         wd = w_down[e].astype(np.float64)
         ys[pairs] = h64 @ wd
-        bound_y[pairs] = bound_h @ np.abs(wd) \
-            + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ np.abs(wd))
+        wd = np.abs(wd)
+        bound_y[pairs] = bound_h @ wd + F * 2.0 ** -22 * ((np.abs(h64) + bound_h) @ wd)
         bound_y[pairs] += moe.y_rounding_bound(np.abs(ys[pairs]) + bound_y[pairs], y_dtype)
     out = np.einsum("tk,tkh->th", topw, ys)
     bound_w = moe.router_weight_bound(x, w_router, topw)

@@ -1270,14 +1270,23 @@ def gate_up_bound(xrows, w_gate, w_up) -> np.ndarray:
     """Bound on ``|h - h64|``: each GEMM within ``H * 2**-22 * |x| @ |W|`` (gemm.py), carried
     through silu(g) * u (|silu'| <= 1.1), the fast-math SiLU (``2**-20 * (1 + |g|)``), the
     product's fp32 rounding and the bf16 rounding of h."""
-    h64, gate, up = gate_up_exact(xrows, w_gate, w_up)
-    a = np.abs(xrows.astype(np.float64))
-    dg = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_gate.astype(np.float64)))
-    du = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_up.astype(np.float64)))
+    return gate_up_reference(xrows, w_gate, w_up)[1]
+
+
+def gate_up_reference(xrows, w_gate, w_up) -> tuple[np.ndarray, np.ndarray]:
+    """(``gate_up_exact``'s h, ``gate_up_bound``) from one conversion of the weights and one
+    product each (the layer's reference runs it for every expert)."""
+    a = xrows.astype(np.float64)
+    w_gate, w_up = w_gate.astype(np.float64), w_up.astype(np.float64)
+    gate, up = a @ w_gate, a @ w_up
+    h64 = _np_silu(gate) * up
+    a = np.abs(a)
+    dg = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_gate))
+    du = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_up))
     silu = np.abs(_np_silu(gate))
     err = 1.1 * dg * (np.abs(up) + du) + (silu + 1.1 * dg) * du \
         + 2.0 ** -20 * (1 + np.abs(gate)) * (np.abs(up) + du)
-    return err * (1 + 2.0 ** -8) + 2.0 ** -8 * np.abs(h64) + 2.0 ** -126
+    return h64, err * (1 + 2.0 ** -8) + 2.0 ** -8 * np.abs(h64) + 2.0 ** -126
 
 
 # ---------------------------------------------------------------------------------- combine
