@@ -522,7 +522,8 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int,
     for e in np.unique(topk):
         pairs = np.nonzero(topk == e)
         rows = x[pairs[0]]
-        w_gate, w_up = (w[0] for w in moe.split_gate_up(w_gate_up[e:e + 1]))  # used only
+        # this expert's gate and up weights alone: splitting all of them took seconds
+        w_gate, w_up = (w[0] for w in moe.split_gate_up(w_gate_up[e:e + 1]))
         h64, bound_h = moe.gate_up_reference(rows, w_gate, w_up)
         wd = w_down[e].astype(np.float64)
         ys[pairs] = h64 @ wd

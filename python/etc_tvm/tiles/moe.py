@@ -1262,7 +1262,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
 def gate_up_exact(xrows, w_gate, w_up):
     """float64 (h, gate, up) of rows of x under one expert's weights."""
     a = xrows.astype(np.float64)
-    gate, up = a @ w_gate.astype(np.float64), a @ w_up.astype(np.float64)
+    gate = a @ w_gate.astype(np.float64, copy=False)
+    up = a @ w_up.astype(np.float64, copy=False)
     return _np_silu(gate) * up, gate, up
 
 
@@ -1276,11 +1277,9 @@ def gate_up_bound(xrows, w_gate, w_up) -> np.ndarray:
 def gate_up_reference(xrows, w_gate, w_up) -> tuple[np.ndarray, np.ndarray]:
     """(``gate_up_exact``'s h, ``gate_up_bound``) from one conversion of the weights and one
     product each (the layer's reference runs it for every expert)."""
-    a = xrows.astype(np.float64)
     w_gate, w_up = w_gate.astype(np.float64), w_up.astype(np.float64)
-    gate, up = a @ w_gate, a @ w_up
-    h64 = _np_silu(gate) * up
-    a = np.abs(a)
+    h64, gate, up = gate_up_exact(xrows, w_gate, w_up)
+    a = np.abs(xrows.astype(np.float64))
     dg = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_gate))
     du = xrows.shape[-1] * 2.0 ** -22 * (a @ np.abs(w_up))
     silu = np.abs(_np_silu(gate))
