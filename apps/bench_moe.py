@@ -143,8 +143,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         "tokens)")
     parser.add_argument("--combine-cols", type=int, help="output columns a combine task "
                         "writes (default: moe_layer.combine_cols_for the tokens)")
-    parser.add_argument("--combine-tokens", type=int, default=1,
-                        help="tokens a combine task sums (default: 1)")
+    parser.add_argument("--combine-tokens", type=int, help="tokens a combine task sums "
+                        "(default: moe_layer.combine_tokens_for the tokens)")
     parser.add_argument("--y-dtype", choices=moe.Y_DTYPES, default="bfloat16",
                         help="how the down GEMM's output, which the combine reads back, is "
                         "stored (bf16, as the HF block's experts return theirs: at T=1024 on "

@@ -344,10 +344,11 @@ def options_for(tokens: int, **options) -> dict:
     of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
-    (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one align task
-    under ``fused_route``) and ``fused_route`` (wherever align is one task: on the H200 at 1
-    and 16 tokens it was as fast under barrier and 0.3 - 2 us faster under static, dynamic
-    and unfused) filled in where missing or None."""
+    (``combine_cols_for``) and tokens a task (``combine_tokens_for``), align's tokens a task
+    (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
+    (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
+    and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
+    None."""
     experts = options.get("experts", QWEN3_30B_A3B["experts"])
     ctas_per_sm = options.get("ctas_per_sm")
     engine = options.get("engine") or "wgmma"
@@ -374,9 +375,12 @@ def options_for(tokens: int, **options) -> dict:
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
+    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden)
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
-            "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
+            "combine_cols": combine_cols,
+            "combine_tokens": options.get("combine_tokens")
+            or combine_tokens_for(tokens, hidden, combine_cols),
             "router_engine": router_engine, "block_tokens": block_tokens,
             "router_tokens": router_tokens,
             "align_tokens": align_tokens, "fused_route": fused_route,
@@ -435,6 +439,24 @@ def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
     -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
     widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
     return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
+
+
+# Tokens a combine task may sum, most first. On the H200 blocks of 8 were as fast as blocks of
+# 4 at 2048 and 4096 tokens, and blocks of 2 at 512 tokens no faster than single tokens.
+COMBINE_BLOCKS = (4,)
+
+
+def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None) -> int:
+    """Tokens a combine task sums for ``tokens`` (``make_moe_layer``'s ``combine_tokens``):
+    the most of ``COMBINE_BLOCKS`` that still make ``COMBINE_TASKS`` tasks of ``cols``
+    columns (``combine_cols_for`` by default), else 1. The combine runs after the last down
+    tiles, where a task's gather of 8 rows waits a round trip or two; blocks of tokens keep
+    more of y in flight a task (on the H200, blocks of 4: 4096 tokens static + graph 967.2
+    -> 932.7 us, dynamic 988.5 -> 938.7; 1024 tokens dynamic 444.2 -> 428.3, static and
+    barrier within 1 us)."""
+    cols = cols or combine_cols_for(tokens, hidden)
+    tasks = hidden // cols
+    return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= COMBINE_TASKS), 1)
 
 
 ALIGN_CHUNKS = 4  # align's tasks from which it runs over several CTAs

@@ -736,6 +736,19 @@ def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
     assert moe_layer.options_for(tokens, hidden=hidden)["combine_cols"] == cols
 
 
+@pytest.mark.parametrize("tokens, hidden, block", [(1, 2048, 1), (128, 2048, 1), (256, 2048, 1),
+                                                   (512, 2048, 1), (1020, 2048, 1),
+                                                   (1024, 2048, 4), (1101, 2048, 4),
+                                                   (4096, 2048, 4), (1024, 4096, 4)])
+def test_combine_tasks_sum_more_tokens_while_they_stay_many(tokens, hidden, block):
+    assert moe_layer.combine_tokens_for(tokens, hidden) == block
+    options = moe_layer.options_for(tokens, hidden=hidden)
+    assert options["combine_tokens"] == block
+    tasks = moe.ceil_div(tokens, block) * (hidden // options["combine_cols"])
+    assert tasks >= moe_layer.COMBINE_TASKS or block == 1
+    assert moe_layer.options_for(tokens, hidden=hidden, combine_tokens=3)["combine_tokens"] == 3
+
+
 @pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),
                                                     (16, "mma", 8), (128, "mma", 4),
                                                     (512, "mma", 1), (1024, "mma", 2),
