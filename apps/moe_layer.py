@@ -51,7 +51,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
-                   down_loads: str = "cp.async"):
+                   down_loads: str = "cp.async", combine_tokens: int = 1):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -83,7 +83,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
     (``moe.make_route_tile``), which waits for every router task; for few tokens, where
     top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
-    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``)."""
+    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``). ``combine_tokens``: the
+    tokens a combine task sums (``moe.make_combine_tile``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -119,7 +120,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         align = moe.make_align_tile(E, K, BT, threads)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
     down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
-    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype)
+    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype, combine_tokens)
+    TC = combine_tokens
     nb1, nb2, nc = 2 * F // bn, H // down_bn, H // combine_cols
     per_block = combine_cols // down_bn  # down column blocks per combine column block
 
@@ -195,9 +197,11 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                         out=Tensor((tiles * BT, H), y_dtype, name="y"),
                         in_edges={h_ready: f"g=>g:g+1, 0:{nb2} if g < exp_indptr[{E}]"},
                         out_edges={y_ready: f"gn->g, n//{per_block}"}, schedule="dynamic")
-        return call_device(combine, tile_num=(tokens, nc), args=[topw, pair_row, pair_tile, y],
+        return call_device(combine, tile_num=(ceil_div(tokens, TC), nc),
+                           args=[topw, pair_row, pair_tile, y],
                            out=Tensor((tokens, H), "bfloat16", name="out"),
-                           in_edges={y_ready: "tc->pair_tile[t,:], c"})
+                           in_edges={y_ready: f"bc->pair_tile[{TC}*b:{TC}*b+{TC}, :], c"
+                                     if TC > 1 else "tc->pair_tile[t,:], c"})
 
     return moe_layer
 
@@ -340,10 +344,11 @@ def options_for(tokens: int, **options) -> dict:
     of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
-    (``combine_cols_for``), align's tokens a task (``align_tokens_for``; one align task
-    under ``fused_route``) and ``fused_route`` (wherever align is one task: on the H200 at 1
-    and 16 tokens it was as fast under barrier and 0.3 - 2 us faster under static, dynamic
-    and unfused) filled in where missing or None."""
+    (``combine_cols_for``) and tokens a task (``combine_tokens_for``), align's tokens a task
+    (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
+    (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
+    and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
+    None."""
     experts = options.get("experts", QWEN3_30B_A3B["experts"])
     ctas_per_sm = options.get("ctas_per_sm")
     engine = options.get("engine") or "wgmma"
@@ -370,9 +375,12 @@ def options_for(tokens: int, **options) -> dict:
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
+    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden)
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
-            "combine_cols": options.get("combine_cols") or combine_cols_for(tokens, hidden),
+            "combine_cols": combine_cols,
+            "combine_tokens": options.get("combine_tokens")
+            or combine_tokens_for(tokens, hidden, combine_cols),
             "router_engine": router_engine, "block_tokens": block_tokens,
             "router_tokens": router_tokens,
             "align_tokens": align_tokens, "fused_route": fused_route,
@@ -431,6 +439,24 @@ def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
     -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
     widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
     return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
+
+
+# Tokens a combine task may sum, most first. On the H200 blocks of 8 were as fast as blocks of
+# 4 at 2048 and 4096 tokens, and blocks of 2 at 512 tokens no faster than single tokens.
+COMBINE_BLOCKS = (4,)
+
+
+def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None) -> int:
+    """Tokens a combine task sums for ``tokens`` (``make_moe_layer``'s ``combine_tokens``):
+    the most of ``COMBINE_BLOCKS`` that still make ``COMBINE_TASKS`` tasks of ``cols``
+    columns (``combine_cols_for`` by default), else 1. The combine runs after the last down
+    tiles, where a task's gather of 8 rows waits a round trip or two; blocks of tokens keep
+    more of y in flight a task (on the H200, blocks of 4: 4096 tokens static + graph 967.2
+    -> 932.7 us, dynamic 988.5 -> 938.7; 1024 tokens dynamic 444.2 -> 428.3, static and
+    barrier within 1 us)."""
+    cols = cols or combine_cols_for(tokens, hidden)
+    tasks = hidden // cols
+    return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= COMBINE_TASKS), 1)
 
 
 ALIGN_CHUNKS = 4  # align's tasks from which it runs over several CTAs

@@ -9,7 +9,8 @@ An edge map relates one ``call_device`` (a grid of tile tasks) to one event tens
   coordinate, the consumer task coordinates it releases; ``lo:hi`` is half-open.
 
 Expressions follow Python (precedence, floor ``//`` and ``%``) and may read the int32
-tensor arguments of the call, ``name[idx, ...]``, where ``:`` is a whole dimension. ``rank``
+tensor arguments of the call, ``name[idx, ...]``, where ``:`` is a whole dimension and
+``lo:hi`` the indices lo, ..., hi - 1 inside it (a block of rows may run past the end). ``rank``
 and ``world_size`` are the constants of an SPMD graph function (``EdgeMap.bind`` gives them
 their values for one rank).
 ``if``, ``and`` and ``or`` are reserved words, so an einsum RHS ``if`` is written ``i, f``.
@@ -96,7 +97,11 @@ class Neg(Node):
 
 @dataclass(frozen=True)
 class Slice(Node):
-    """``:`` as a tensor index: every index of that dimension, each giving its own value."""
+    """A tensor index of several values, each giving its own: ``:`` (no bounds), every index
+    of the dimension; ``lo:hi``, the indices lo, ..., hi - 1 that lie inside it (clipped, so
+    that task b of a block of B rows reads ``t[B*b:B*b+B, ...]`` whatever the rows' count)."""
+    lo: IntExpr | None = None
+    hi: IntExpr | None = None
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,10 @@ def _show(node: Node, context: int = 0) -> str:
             return str(value)
         case Coord(name) | Const(name):
             return name
-        case Slice():
+        case Slice(None, None):
             return ":"
+        case Slice(lo, hi):
+            return f"{_show(lo)}:{_show(hi)}"
         case Read(tensor, indices):
             return f"{tensor}[{', '.join(map(_show, indices))}]"
         case Range(lo, hi):
@@ -294,10 +301,17 @@ class _Evaluator:
                 if array.ndim != len(indices):
                     self.fail(f"{name!r} is read with {len(indices)} indices "
                               f"but has shape {array.shape}")
-                axes = [range(n) if isinstance(ix, Slice) else self.values(ix)
+                axes = [self.axis(ix, n) if isinstance(ix, Slice) else self.values(ix)
                         for ix, n in zip(indices, array.shape, strict=True)]
                 return [self.element(name, array, index) for index in product(*axes)]
         raise TypeError(f"not an integer expression: {node!r}")
+
+    def axis(self, index: Slice, n: int) -> list[int]:
+        """The indices ``index`` takes of a dimension of ``n``."""
+        if index.lo is None:
+            return list(range(n))
+        return [i for lo in self.values(index.lo) for hi in self.values(index.hi)
+                for i in range(max(lo, 0), min(hi, n))]
 
     def element(self, name: str, array: np.ndarray, index: tuple[int, ...]) -> int:
         """``array[index]`` without Python's negative wraparound."""
@@ -567,11 +581,13 @@ class _Parser:
             self.i += 1
             return Slice()
         if self.tok.text != ":":
-            node = self.int_expr()
+            lo = self.int_expr()
             if self.tok.text != ":":
-                return node
-        self.fail("partial slices are not supported; a tensor index is an expression or ':'",
-                  self.tok.pos)
+                return lo
+            self.i += 1
+            if self.tok.text not in (",", "]"):
+                return Slice(lo, self.int_expr())
+        self.fail("a tensor index is an expression, ':' or 'lo:hi'", self.tok.pos)
 
 
 def parse(text: str, *, kind: str, task_rank: int, event_rank: int,

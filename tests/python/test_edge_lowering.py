@@ -24,6 +24,9 @@ CASES = [  # text, kind, grid (task or event coordinates), event/task rank, tens
     ("ij->idx[i, j+1] % 8, j", "out", (3, 2), 2, {"idx": (3, 3)}),
     ("i->a[b[i]]", "out", (4,), 1, {"a": (5,), "b": (4,)}),
     ("i->a[i,:] + b[:]", "out", (2,), 1, {"a": (2, 3), "b": (2,)}),
+    # blocks of two rows, the last one clipped to the tensor's three
+    ("bc->pair_tile[2*b:2*b+2, :], c", "in", (2, 2), 2, {"pair_tile": (3, 2)}),
+    ("i->a[i-1:i+1]", "out", (4,), 1, {"a": (4,)}),
     ("e=>ptr[e]:ptr[e+1]", "in", (4,), 1, {"ptr": (5,)}),
     ("e=>ptr[e]:ptr[e+1], 0:2", "in", (3,), 2, {"ptr": (4,)}),
 ]

@@ -56,6 +56,12 @@ def caret_column(message: str) -> int:
     ("i->a[a[i]]", (1, 1), (0,), [(1,)]),
     ("i->a[i-1] if i > 0", (1, 1), (0,), []),  # the guard keeps the read in bounds
     ("i->i if a[i] > 0 and topk[i, 0] < 3", (1, 1), (0,), [(0,)]),
+    # a block of rows, clipped to the tensor: task 1 of blocks of 2 has one row of three
+    ("b->topk[2*b:2*b+2, :]", (1, 1), (0,), [(1,), (3,), (0,), (2,)]),
+    ("b->topk[2*b:2*b+2, :]", (1, 1), (1,), [(3,), (3,)]),
+    ("i->idx[i, 1:3]", (1, 1), (2,), [(9,), (10,)]),
+    ("i->a[i-1:i+1]", (1, 1), (0,), [(2,)]),  # below 0 clipped too
+    ("i->a[i:i]", (1, 1), (1,), []),
 ])
 def test_evaluate(text, ranks, coord, expected):
     assert parse_in(text, *ranks).evaluate(coord, TENSORS) == expected
@@ -94,6 +100,8 @@ def test_reads_include_guards_and_trigger_ranges():
                                       Read("ptr", (BinOp("+", Coord("e"), Int(1)),))),)
     assert isinstance(edge_map.guard, BoolOp) and edge_map.guard.op == "or"
     assert parse_in("i->topk[i,:]", 1, 1).indices == (Read("topk", (Coord("i"), Slice())),)
+    assert parse_in("i->topk[i:i+2, 0]", 1, 1).indices == (
+        Read("topk", (Slice(Coord("i"), BinOp("+", Coord("i"), Int(2))), Int(0))),)
 
 
 @pytest.mark.parametrize("text, printed", [
@@ -102,6 +110,7 @@ def test_reads_include_guards_and_trigger_ranges():
     ("ij->i-(j-1)", "i - (j - 1)"),
     ("ij->-(i+j)", "-(i + j)"),
     ("ij->idx[i,j+1]%8", "idx[i, j + 1] % 8"),
+    ("ij->idx[2*i:2*i+2,:]", "idx[2 * i:2 * i + 2, :]"),
 ])
 def test_ast_prints_back(text, printed):
     assert str(parse_in(text, 2, 1).indices[0]) == printed
@@ -138,7 +147,9 @@ BAD_MAPS = [
     ("i->foo[i]", "in", 1, 1, r"'foo' is not a tensor argument \(the arguments are: a, idx,", 3),
     ("i->topk[i]", "in", 1, 1, r"'topk' is 2-D but is read with 1 index", 3),
     ("i->a[i, 0]", "in", 1, 1, r"'a' is 1-D but is read with 2 indices", 3),
-    ("i->topk[i, 0:1]", "in", 1, 1, r"partial slices are not supported", 12),
+    ("i->topk[i, 0:]", "in", 1, 1, r"a tensor index is an expression, ':' or 'lo:hi'", 13),
+    ("i->topk[i, :1]", "in", 1, 1, r"a tensor index is an expression, ':' or 'lo:hi'", 11),
+    ("i->i if topk[i, 0:1] > 0", "in", 1, 1, r"a guard cannot use ':'", 8),
     ("i->topk", "in", 1, 1, r"tensor 'topk' must be read with indices", 3),
     ("i->i+ab", "in", 1, 1, r"unknown name 'ab'", 5),
     ("e=>e", "out", 1, 1, r"a trigger map '=>' is only allowed on in_edges", 1),

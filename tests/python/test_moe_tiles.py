@@ -320,12 +320,13 @@ def test_grouped_gemms_and_combine_references_are_within_their_bounds(tokens, ro
         assert_within(y[r], hr @ w_down[e].astype(np.float64), F * 2.0 ** -22 * (np.abs(hr) @ wd))
 
     topw = rng.dirichlet(np.ones(K), tokens).astype(np.float32)
-    out = poisoned((tokens, H), "bfloat16")
-    run_tasks(moe.make_combine_tile(H, K, 64), (tokens, H // 64), topw, pair_row, pair_tile, y,
-              out)
     ys = y[pair_row]
-    assert_within(out, np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64)),
-                  moe.combine_bound(topw, ys))
+    want = np.einsum("tk,tkh->th", topw.astype(np.float64), ys.astype(np.float64))
+    for combine_tokens in (1, 3):  # 3: a partial last block at 1, 7 and 20 tokens
+        out = poisoned((tokens, H), "bfloat16")
+        run_tasks(moe.make_combine_tile(H, K, 64, tokens=combine_tokens),
+                  (-(-tokens // combine_tokens), H // 64), topw, pair_row, pair_tile, y, out)
+        assert_within(out, want, moe.combine_bound(topw, ys))
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
@@ -487,6 +488,57 @@ def test_align_runs_over_several_ctas_from_four_chunks(tokens, align_tokens):
 def test_y_must_be_fp32_or_bf16(make):
     with pytest.raises(EtcError, match=r"y_dtype must be one of \('float32', 'bfloat16'\)"):
         make()
+
+
+def k_loops(source: str) -> list[str]:
+    """The bodies of the generated CUDA's K loops (``for (int ko...``), braces included."""
+    bodies = []
+    for loop in re.finditer(r"for \(int ko\w* = 0;", source):
+        start = depth = source.index("{", loop.end())
+        for end in range(start, len(source)):
+            depth = depth + {"{": 1, "}": -1}.get(source[end], 0) if end > start else 1
+            if depth == 0:
+                break
+        bodies.append(source[start:end + 1])
+    return bodies
+
+
+@pytest.mark.parametrize("tokens", (1, 1024, 2048))
+def test_grouped_gemm_k_loops_read_no_row_index(tokens):
+    """A gathered tile's A rows (sorted_token) are looked up once a task, not every K slice:
+    the megakernel could not hoist those loads (16-row mma tiles at one token, 64 x 256 and
+    128 x 256 wgmma tiles at 1024 and 2048)."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16")
+    source = build(make_moe_layer(**options), {"T": tokens}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                         claim=True)).cuda_source()
+    loops = k_loops(source)
+    assert len(loops) >= 2 and all("mma" in body for body in loops), len(loops)
+    assert not [body for body in loops if "sorted_token" in body]
+    assert "sorted_token" in source
+
+
+@pytest.mark.parametrize("tokens", (7, 20))
+def test_layer_with_combine_tasks_of_several_tokens_matches_float64(tokens, rng):
+    """Combine tasks of 3 tokens (a partial last block at 7 and 20), each waiting on the
+    tiles of its tokens' pairs through ``pair_tile[3*b:3*b+3, :]``."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, combine_tokens=3)
+    combine = next(c for c in TaskGraph.build(graph, {"T": tokens}).calls
+                   if c.fn.name.startswith("combine"))
+    assert combine.fn.name.endswith("_b3") and combine.grid == (-(-tokens // 3), H // 64)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    for order in (RandomOrder(7), ReadyQueueOrder()):
+        assert_within(execute(graph, *inputs, order=order), want, bound)
+
+
+def test_combine_tasks_of_several_tokens_compile_for_sm90a(tmp_path):
+    """The claimed static layer of 2048 tokens with combine tasks of 2 tokens."""
+    options = moe_layer.options_for(2048, blocked_weights=True, y_dtype="bfloat16",
+                                    combine_tokens=2)
+    names = compile_layer(make_moe_layer(**options), 2048, tmp_path, "static",
+                          options["ctas_per_sm"])
+    assert "combine_2048_top8_c2048_t256_b2_ybf16" in names, names
 
 
 def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
@@ -682,6 +734,19 @@ def test_layer_options_pick_the_router_engine_by_tokens():
 def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
     assert moe_layer.combine_cols_for(tokens, hidden) == cols
     assert moe_layer.options_for(tokens, hidden=hidden)["combine_cols"] == cols
+
+
+@pytest.mark.parametrize("tokens, hidden, block", [(1, 2048, 1), (128, 2048, 1), (256, 2048, 1),
+                                                   (512, 2048, 1), (1020, 2048, 1),
+                                                   (1024, 2048, 4), (1101, 2048, 4),
+                                                   (4096, 2048, 4), (1024, 4096, 4)])
+def test_combine_tasks_sum_more_tokens_while_they_stay_many(tokens, hidden, block):
+    assert moe_layer.combine_tokens_for(tokens, hidden) == block
+    options = moe_layer.options_for(tokens, hidden=hidden)
+    assert options["combine_tokens"] == block
+    tasks = moe.ceil_div(tokens, block) * (hidden // options["combine_cols"])
+    assert tasks >= moe_layer.COMBINE_TASKS or block == 1
+    assert moe_layer.options_for(tokens, hidden=hidden, combine_tokens=3)["combine_tokens"] == 3
 
 
 @pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),

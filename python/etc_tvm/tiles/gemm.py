@@ -110,6 +110,25 @@ def copy_a_chunk(dst, src, valid, row):
                                           T.Select(valid(row), T.uint32(16), T.uint32(0)))
 
 
+@T.inline
+def gather_rows(rows, a_rows, chunks: int, cols: int, threads: int, tx):
+    # rows[r] = a_rows(tile row of this thread's chunk r): the same in every stage, so read
+    # once a task. Without it the megakernel re-read the index every K slice (its loads of
+    # a workspace view that may alias outputs cannot be hoisted past the loop's barriers).
+    for r in T.unroll(-(-chunks // threads)):
+        if chunks % threads == 0 or r * threads + tx < chunks:
+            rows[r] = a_rows((r * threads + tx) // cols)
+
+
+def chunk_source(a_src, a_valid, rows, r, row, k):
+    """(address, validity) of A chunk ``r`` (tile row ``row``, column ``k``): ``a_src`` of the
+    tile row and ``a_valid``; with gathered ``rows`` (``gather_rows``), ``a_src`` of the A row
+    ``rows[r]`` and its sign (a negative row reads nothing)."""
+    if rows is None:
+        return a_src(row, k), a_valid
+    return a_src(T.max(rows[r], 0), k), lambda _: rows[r] >= 0
+
+
 @T.meta_class
 class MmaTile:
     """One ``bm x bn`` fp32 accumulator tile on ``mma.sync.m16n8k16``, fed through a
@@ -117,9 +136,10 @@ class MmaTile:
 
     The caller says where operand elements live (``a_src(r, k)``: the address of row r of the
     tile, column k of A; ``b_src(k, c)``: row k, tile column c of B), so gathered rows
-    (grouped GEMMs) and per-expert weights reuse the same main loop. After ``run`` thread
-    ``lane`` of warp ``warp`` holds ``frag(m, n, 2h + v)`` = tile element
-    ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``frag``.
+    (grouped GEMMs) and per-expert weights reuse the same main loop; with ``a_rows`` (tile row
+    -> A row, negative for none), ``run`` looks the rows up once and ``a_src`` takes the A
+    row. After ``run`` thread ``lane`` of warp ``warp`` holds ``frag(m, n, 2h + v)`` = tile
+    element ``(row(m, h), col(n, v))``; ``store`` writes it out, other epilogues read ``frag``.
     The geometry is checked by ``check_geometry`` before a tile is built.
     """
 
@@ -153,7 +173,7 @@ class MmaTile:
         return self.acc[m, n, e]
 
     @T.inline
-    def load_stage(self, a_src, b_src, k_step, a_valid=None):
+    def load_stage(self, a_src, b_src, k_step, a_valid=None, rows=None):
         # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
         s = T.meta_var(k_step % self.stages)
         a_cols, b_cols = T.meta_var(self.bk // CHUNK), T.meta_var(self.bn // CHUNK)
@@ -163,9 +183,10 @@ class MmaTile:
         for r in T.unroll(-(-a_chunks // self.threads)):
             c = T.meta_var(r * self.threads + self.tx)
             if a_chunks % self.threads == 0 or c < a_chunks:
-                copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]),
-                             a_src(c // a_cols, k_step * self.bk + c % a_cols * CHUNK),
-                             a_valid, c // a_cols)
+                src, valid = T.meta_var(chunk_source(a_src, a_valid, rows, r, c // a_cols,
+                                                     k_step * self.bk + c % a_cols * CHUNK))
+                copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]), src, valid,
+                             c // a_cols)
         for r in T.unroll(-(-b_chunks // self.threads)):
             c = T.meta_var(r * self.threads + self.tx)
             if b_chunks % self.threads == 0 or c < b_chunks:
@@ -174,22 +195,28 @@ class MmaTile:
                     b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
 
     @T.inline
-    def run(self, a_src, b_src, num_k, a_valid=None):
-        # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]; a_valid: copy_a_chunk's
+    def run(self, a_src, b_src, num_k, a_valid=None, a_rows=None):
+        # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]; a_valid: copy_a_chunk's;
+        # a_rows: the class docstring's
         for m in T.unroll(self.mi):
             for n in T.unroll(self.ni):
                 for e in T.unroll(4):
                     self.acc[m, n, e] = T.float32(0)
+        chunks = T.meta_var(self.bm * self.bk // CHUNK)
+        rows = T.meta_var(None if a_rows is None else T.alloc_local(
+            (-(-chunks // self.threads),), "int32"))
+        if a_rows is not None:
+            gather_rows(rows, a_rows, chunks, self.bk // CHUNK, self.threads, self.tx)
         # Prologue: slices 0 .. stages-2 in flight, one commit group each.
         for p in T.unroll(self.stages - 1):
             if p < num_k:
-                self.load_stage(a_src, b_src, p, a_valid)
+                self.load_stage(a_src, b_src, p, a_valid, rows)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             # Refill the slot freed at the end of the previous step; an empty group past the end
             # keeps "all but the newest stages-1 groups" meaning "slice ko has landed".
             if ko + self.stages - 1 < num_k:
-                self.load_stage(a_src, b_src, ko + self.stages - 1, a_valid)
+                self.load_stage(a_src, b_src, ko + self.stages - 1, a_valid, rows)
             T.ptx.cp.async_.commit_group()
             T.ptx.cp.async_.wait_group(self.stages - 1)
             T.cuda.cta_sync()

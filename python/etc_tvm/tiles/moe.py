@@ -1105,11 +1105,13 @@ def _live_blocks(engine: str, tile_rows: int) -> int:
 
 
 @T.inline
-def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
-    # the tile's GEMM over its rows row0.. : padding rows (sorted_token -1) read nothing,
-    # and where a warpgroup holds several m64 blocks those without rows (a block's first
-    # row is padding) issue no products. tma: (maps, b_row, b_col) of WgmmaTile.run_tma, in place of
-    # a_src and b_src: the A rows row0.. load as whole boxes (padding rows read too)
+def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None):
+    # the tile's GEMM over its rows row0.. of A rows a_rows(r) of ``a`` (negative: padding,
+    # sorted_token -1, reads nothing), and where a warpgroup holds several m64 blocks those
+    # without rows (a block's first row is padding) issue no products. tma: (maps, b_row,
+    # b_col) of WgmmaTile.run_tma, in place of a_rows and b_src: the A rows row0.. load as
+    # whole boxes (padding rows read too)
+    a_src = T.meta_var(lambda i, k: a.ptr_to([i, k]))
     if blocks > 1:
         live = T.local_scalar("int32")
         live = 1
@@ -1117,11 +1119,11 @@ def _run_rows(mma, a_src, b_src, num_k, sorted_token, row0, blocks, tma=None):
             if sorted_token[row0 + b * 64] >= 0:
                 live = b + 1
         if tma is None:
-            mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0, live)
+            mma.run(a_src, b_src, num_k, live_blocks=live, a_rows=a_rows)
         else:
             mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1], live)
     elif tma is None:
-        mma.run(a_src, b_src, num_k, lambda r: sorted_token[row0 + r] >= 0)
+        mma.run(a_src, b_src, num_k, a_rows=a_rows)
     else:
         mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1])
 
@@ -1159,7 +1161,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             mma = new_tile(tx, warp, lane)
             # padding rows (token -1) read nothing: their A rows land as zeros, so their h
             # rows are zero (and never read); at few tokens they are most rows of a tile
-            _run_rows(mma, lambda r, k: x.ptr_to([T.max(sorted_token[g * BT + r], 0), k]),
+            _run_rows(mma, x, lambda r: sorted_token[g * BT + r],
                       _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
                       g * BT, live_blocks)
             for m in T.unroll(mma.mi):
@@ -1234,7 +1236,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
             mma = new_tile(tx, warp, lane)
             # with TMA, the slab's rows and columns in the map's 2-D view of w_down:
             # (E * H/bn * F, bn) blocked, (E * F, H) in place
-            _run_rows(mma, lambda r, k: h.ptr_to([g * BT + r, k]),
+            _run_rows(mma, h, lambda r: T.Select(sorted_token[g * BT + r] >= 0, g * BT + r, -1),
                       _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
                       live_blocks, (maps, (e * (H // bn) + n) * F if blocked else e * F,
                                     0 if blocked else n * bn) if tma else None)
@@ -1289,54 +1291,67 @@ def gate_up_reference(xrows, w_gate, w_up) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------- combine
 @functools.cache
 def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
-                      threads: int = 128, y_dtype: str = "float32") -> DeviceFunc:
-    """The tile ``combine_<H>_top<K>_c<cols>``: task (t, c) writes
+                      threads: int = 128, y_dtype: str = "float32",
+                      tokens: int = 1) -> DeviceFunc:
+    """The tile ``combine_<H>_top<K>_c<cols>``: task (b, c) writes, for each token t of
+    b*tokens .. b*tokens + tokens - 1 below T,
     out[t, c*cols:(c+1)*cols] = sum_k topw[t, k] * y[pair_row[t, k], same] in fp32, in k
     order, rounded once to bf16; y is down's (``Y_DTYPES``); ``pair_tile`` is read by the
-    in-edge only."""
-    H, K = hidden, top_k
+    in-edge only (``pair_tile[tokens*b:tokens*b+tokens, :]``). Several ``tokens`` a task keep
+    as many times the bytes of y in flight: where one CTA an SM runs the tasks, a token's
+    32 KB gather (H = 2048, K = 8, bf16 y) waits a memory round trip or two."""
+    H, K, TB = hidden, top_k, tokens
     _check_y_dtype(y_dtype, "combine")
     vecs = cols // 4
     if H % cols or cols % 4 or (vecs > threads and vecs % threads):
         raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
                        f"spread over {threads} threads")
+    if TB < 1:
+        raise EtcError(f"combine tile: tokens must be positive, got {TB}")
     ntok, rows = tirx.Var("T", "int32"), tirx.Var("rows", "int32")
     steps = ceil_div(vecs, threads)
 
     @T.prim_func
-    def combine(t: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
+    def combine(b: T.int32, c: T.int32, topw: T.Buffer((ntok, K), "float32"),
                 pair_row: T.Buffer((ntok, K), "int32"), pair_tile: T.Buffer((ntok, K), "int32"),
                 y: T.Buffer((rows, H), y_dtype), out: T.Buffer((ntok, H), "bfloat16")):
         T.device_entry()
         tx = T.thread_id([threads])
-        acc = T.alloc_local((steps, 4), "float32")
-        # every step's sums before any store: nothing tells the compiler that out and y do
-        # not overlap, so a store between two steps kept the next step's loads from leaving
-        # early, one round trip a step
-        for s in T.unroll(steps):
-            if s * threads + tx < vecs:
-                col = T.meta_var(c * cols + (s * threads + tx) * 4)
-                for j in T.vectorized(4):
-                    acc[s, j] = T.float32(0)
-                for k in T.unroll(K):
-                    for j in T.vectorized(4):
-                        acc[s, j] = acc[s, j] + topw[t, k] * T.Cast(
-                            "float32", y[pair_row[t, k], col + j])
-        for s in T.unroll(steps):
-            if s * threads + tx < vecs:
-                for j in T.vectorized(4):
-                    out[t, c * cols + (s * threads + tx) * 4 + j] = T.Cast("bfloat16", acc[s, j])
+        acc = T.alloc_local((TB, steps, 4), "float32")
+        # every token's and step's sums before any store: nothing tells the compiler that out
+        # and y do not overlap, so a store between two steps kept the next step's loads from
+        # leaving early, one round trip a step
+        for u in T.unroll(TB):
+            if b * TB + u < ntok:
+                for s in T.unroll(steps):
+                    if s * threads + tx < vecs:
+                        col = T.meta_var(c * cols + (s * threads + tx) * 4)
+                        for j in T.vectorized(4):
+                            acc[u, s, j] = T.float32(0)
+                        for k in T.unroll(K):
+                            for j in T.vectorized(4):
+                                acc[u, s, j] = acc[u, s, j] + topw[b * TB + u, k] * T.Cast(
+                                    "float32", y[pair_row[b * TB + u, k], col + j])
+        for u in T.unroll(TB):
+            if b * TB + u < ntok:
+                for s in T.unroll(steps):
+                    if s * threads + tx < vecs:
+                        for j in T.vectorized(4):
+                            out[b * TB + u, c * cols + (s * threads + tx) * 4 + j] = T.Cast(
+                                "bfloat16", acc[u, s, j])
 
-    name = f"combine_{H}_top{K}_c{cols}_t{threads}" + _Y_SUFFIX[y_dtype]
+    name = f"combine_{H}_top{K}_c{cols}_t{threads}" + (f"_b{TB}" if TB > 1 else "") \
+        + _Y_SUFFIX[y_dtype]
     tile = device_func(combine.with_attr("global_symbol", name))
 
     @tile.set_reference
-    def _(t, c, topw, pair_row, pair_tile, y, out):
+    def _(b, c, topw, pair_row, pair_tile, y, out):
         span = slice(c * cols, (c + 1) * cols)
-        acc = np.zeros(cols, np.float32)
-        for k in range(K):
-            acc = acc + topw[t, k] * y[pair_row[t, k], span].astype(np.float32)
-        out[t, span] = acc.astype(out.dtype)
+        for t in range(b * TB, min((b + 1) * TB, topw.shape[0])):
+            acc = np.zeros(cols, np.float32)
+            for k in range(K):
+                acc = acc + topw[t, k] * y[pair_row[t, k], span].astype(np.float32)
+            out[t, span] = acc.astype(out.dtype)
 
     return tile
 

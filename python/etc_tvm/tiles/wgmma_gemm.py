@@ -86,7 +86,8 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
-from .gemm import OUT_DTYPES, copy_a_chunk, error_bound, store_fragments
+from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gather_rows,
+                   store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -187,19 +188,20 @@ class SwizzledRing:
         return self.smem.ptr_to([self.base + byte // 2])
 
     @T.inline
-    def load_stage(self, slot, a_src, b_src, k0, tx, a_valid=None):
+    def load_stage(self, slot, a_src, b_src, k0, tx, a_valid=None, rows=None):
         # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
         # B rows k0:+bk into ring slot ``slot``; chunk c of a 128-byte panel row r goes to
-        # c ^ r%8, of a 64-byte one to c ^ (r//2)%4.
+        # c ^ r%8, of a 64-byte one to c ^ (r//2)%4. rows: gemm.chunk_source's.
         a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
         row_bytes, per_row = T.meta_var((self.a_row, self.a_row // 16))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // a_cols, c % a_cols))
+            src, valid = T.meta_var(chunk_source(a_src, a_valid, rows, r, row, k0 + cc * CHUNK))
             copy_a_chunk(self.at(slot * self.a_stage + cc // per_row * (self.bm * row_bytes)
                                  + row * row_bytes
                                  + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row) * 16),
-                         a_src(row, k0 + cc * CHUNK), a_valid, row)
+                         src, valid, row)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // b_cols, c % b_cols))
@@ -344,15 +346,20 @@ class WgmmaTile:
         self.issue(ko % self.stages, live_blocks)
 
     @T.inline
-    def run(self, a_src, b_src, num_k, a_valid=None, live_blocks=None):
+    def run(self, a_src, b_src, num_k, a_valid=None, live_blocks=None, a_rows=None):
         # a_valid: gemm.copy_a_chunk's; live_blocks: the m64 blocks of the tile, from the
         # first, that hold rows (CTA-uniform): the others' products are zero and not issued,
-        # so their accumulators stay zero
+        # so their accumulators stay zero; a_rows: gemm.MmaTile's
         ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
+        chunks = T.meta_var(self.bm * self.bk // CHUNK)
+        rows = T.meta_var(None if a_rows is None else T.alloc_local(
+            (chunks // ring.threads,), "int32"))
+        if a_rows is not None:
+            gather_rows(rows, a_rows, chunks, self.bk // CHUNK, ring.threads, self.tx)
         self.begin()
         for p in T.unroll(prefetch):
             if p < num_k:
-                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx, a_valid)
+                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx, a_valid, rows)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)
@@ -360,7 +367,7 @@ class WgmmaTile:
             self.mma_step(ko, live_blocks)
             if ko + prefetch < num_k:
                 ring.load_stage((ko + prefetch) % stages, a_src, b_src,
-                                (ko + prefetch) * self.bk, self.tx, a_valid)
+                                (ko + prefetch) * self.bk, self.tx, a_valid, rows)
             T.ptx.cp.async_.commit_group()
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.cuda.cta_sync()  # no warpgroup still reads the ring when the next task refills it

@@ -159,7 +159,7 @@ class _Lowering:
                 raise NotImplementedError(f"'{node}' reads a runtime tensor this kernel does not "
                                           "bind")
             buf = self.tensors[node.tensor]
-            index = [self.loop(tirx.IntImm("int32", 0), tirx.Cast("int32", buf.shape[k]))
+            index = [self.slice(i, tirx.Cast("int32", buf.shape[k]))
                      if isinstance(i, em.Slice) else self.expr(i)
                      for k, i in enumerate(node.indices)]
             return self.read(buf, index)
@@ -167,6 +167,14 @@ class _Lowering:
             lo, hi = self.expr(node.lo), self.expr(node.hi)
             return self.loop(lo, hi)
         raise TypeError(f"cannot lower {type(node).__name__} '{node}'")
+
+    def slice(self, node: em.Slice, extent: tirx.Expr) -> tirx.Var:
+        """The loop over the indices of a dimension of ``extent`` that ``node`` takes."""
+        zero = tirx.IntImm("int32", 0)
+        if node.lo is None:
+            return self.loop(zero, extent)
+        lo = tirx.max(self.expr(node.lo), zero)
+        return self.loop(lo, tirx.max(tirx.min(self.expr(node.hi), extent), lo))
 
 
 def lower_edge(edge_map: em.EdgeMap, coords: dict,
