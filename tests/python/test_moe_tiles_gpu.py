@@ -306,18 +306,20 @@ def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weight
                     rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("bn, ctas_per_sm", [(256, 1), (128, 2)])
 @pytest.mark.parametrize("tokens", (100, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
-def test_two_warpgroup_layer_megakernel(strategy, tokens, rng, expert_weights,
+def test_two_warpgroup_layer_megakernel(strategy, tokens, bn, ctas_per_sm, rng, expert_weights,
                                         expert_weights_f64):
-    """128 x 256 tasks on two warpgroups of one m64 block each (256 threads, one CTA an SM;
-    the static and barrier kernels claiming), every routing: a warpgroup whose block holds
-    no rows multiplies zeros and stores nothing."""
-    graph = moe_layer.make_moe_layer(**moe_layer.options_for(
-        tokens, tile_rows=128, bn=256, threads=256, blocked_weights=True))
-    compiled = build(graph, {"T": tokens}, strategy=strategy,
-                     options=KernelOptions(claim=strategy in ("static", "barrier")))
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, 128, 256)
+    """128 x ``bn`` tasks on two warpgroups of one m64 block each (256 threads; 128 x 256 at
+    one CTA an SM, 128 x 128 at two; the static and barrier kernels claiming), every routing:
+    a warpgroup whose block holds no rows multiplies zeros and stores nothing."""
+    options = moe_layer.options_for(tokens, tile_rows=128, bn=bn, down_bn=bn, threads=256,
+                                    ctas_per_sm=ctas_per_sm, blocked_weights=True)
+    compiled = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=ctas_per_sm,
+                                           claim=strategy in ("static", "barrier")))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, 128, bn, bn)
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
                     rng, expert_weights, expert_weights_f64)
