@@ -45,6 +45,12 @@ __device__ __forceinline__ unsigned long long etc_globaltimer_ns() {
   return t;
 }
 
+// ``v``, which every lane of the warp holds alike (a shared word the CTA wrote before a
+// barrier), through redux.sync: its result is a uniform register, so ptxas knows a branch on it
+// does not diverge and keeps the code it guards in the uniform datapath (wgmma descriptors in
+// uniform registers, not rebuilt a K step). Every lane of the warp must run it.
+__device__ __forceinline__ int etc_uniform(int v) { return __reduce_max_sync(0xffffffffu, v); }
+
 // Loads of a counter at the scope of the agents that change it: the GPU's CTAs (kGpu), or
 // other GPUs as well (kSys: counters a remote rank decrements).
 enum EtcScope { kGpu, kSys };

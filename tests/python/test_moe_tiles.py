@@ -549,6 +549,39 @@ def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
             "combine_2048_top8_c2048_t128_ybf16"} <= names, names
 
 
+def innermost_loops(code: str) -> list[list[str]]:
+    """The instructions of each innermost loop of SASS ``code``: the span from a backward
+    branch's target to the branch, holding no other backward branch."""
+    loops = []
+    for function in re.split(r"\n\s*Function : ", code)[1:]:
+        body = [(int(a, 16), op.strip()) for a, op in
+                re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", function)]
+        back = [(int(m.group(1), 16), at) for at, op in body
+                if (m := re.search(r"\bBRA(?:\.\w+)*\s+(0x[0-9a-f]+)", op))
+                and int(m.group(1), 16) < at]
+        loops += [[op for at, op in body if lo <= at <= hi] for lo, hi in back
+                  if not any(lo <= a and b < hi for a, b in back if (a, b) != (lo, hi))]
+    return loops
+
+
+def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(tmp_path):
+    """The static kernel as bench_moe builds it at 1024 tokens (claimed): its wgmma K loops
+    take their descriptors from uniform registers, as the tiles' own grids do. The flag that
+    guards a task's body after its trigger scan is read as a uniform value (``etc_uniform``);
+    read as a plain shared word, it made ptxas take every task body for divergent code and
+    rebuild the descriptors in vector registers (8 - 16 R2UR a K step)."""
+    options = moe_layer.options_for(1024, blocked_weights=True, y_dtype="bfloat16")
+    source = build(make_moe_layer(**options), {"T": 1024}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"], claim=True)
+                   ).cuda_source()
+    cubin, _ = build_cubin(source, tmp_path, allow_spills=True)
+    wgmma = [loop for loop in innermost_loops(sass(cubin))
+             if any("HGMMA." in op for op in loop)]
+    assert len(wgmma) == 2, [len(loop) for loop in wgmma]  # gate_up's and down's K loops
+    for loop in wgmma:
+        assert not any("R2UR" in op for op in loop), "\n".join(loop)
+
+
 def test_layer_routings_are_what_they_say(rng):
     for routing in ROUTINGS:
         topk, _ = moe.route(*make_inputs(rng, 20, H, E, F, routing)[:2], K)

@@ -416,7 +416,9 @@ class PersistentKernel:
                 i32(self.checks[(call.index, k)]), return_type="int32"))))
         released = None
         if self._scans(call):
-            released = self.skip[0] == 0
+            skip = tirx.Var("skip", "int32")
+            stmts.append(tirx.Bind(skip, self._uniform(self.skip[0])))
+            released = skip == 0
             if static_done is not None:  # a peek that saw the trigger decided it
                 released = tirx.Select(static_done != 0, static_done == i32(READY), released)
         run_body = _both(released, inside)
@@ -539,6 +541,16 @@ class PersistentKernel:
                 out += [_warp_sync(), self._halt_any()]
             out.append(tirx.IfThenElse(self.halt[0] == 0, tirx.stmt_seq(*reading), None))
         return tirx.stmt_seq(*out)
+
+    def _uniform(self, value: tirx.PrimExpr) -> tirx.PrimExpr:
+        """``value``, an int32 every thread reads alike (a shared word written before a
+        barrier), as a warp-uniform value (``etc_uniform``) where the CTA is whole warps. A
+        branch on a plain shared read is divergent code to ptxas: the task body it guards lost
+        the uniform datapath (the 4096-token layer's down tiles: 176 instructions a K step
+        against 132, the wgmma descriptors rebuilt in vector registers)."""
+        if self.scopes.num_threads % WARP:
+            return value
+        return self.runtime_call("etc_uniform", value, return_type="int32")
 
     def _halt_any(self) -> tirx.Stmt:
         """Every lane of warp 0: ``halt`` = whether any lane's wait failed."""
