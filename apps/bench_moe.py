@@ -145,6 +145,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         "writes (default: moe_layer.combine_cols_for the tokens)")
     parser.add_argument("--combine-tokens", type=int, help="tokens a combine task sums "
                         "(default: moe_layer.combine_tokens_for the tokens)")
+    parser.add_argument("--combine-prefetch", action="store_true",
+                        help="combine tasks first ask for their rows of y in L2")
     parser.add_argument("--y-dtype", choices=moe.Y_DTYPES, default="bfloat16",
                         help="how the down GEMM's output, which the combine reads back, is "
                         "stored (bf16, as the HF block's experts return theirs: at T=1024 on "
@@ -190,6 +192,7 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         threads=options.threads, experts_per_task=options.experts_per_task,
         ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, combine_tokens=options.combine_tokens,
+        combine_prefetch=options.combine_prefetch,
         blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
         fused_route=options.fused_route, down_loads=options.down_loads)
@@ -288,7 +291,8 @@ def print_row(row: dict, ours) -> None:
               f"{about['router_splits']} splits on {about['router_engine']}"
               + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"
               + f", combine tasks of {about['combine_tokens']} tokens x {about['combine_cols']}"
-              + " columns"
+              + " columns" + (" (rows prefetched into L2)" if about.get("combine_prefetch")
+                              else "")
               + (f", align over tasks of {about['align_tokens']} tokens"
                  if about["align_tokens"] else ", top-k and align in one task"
                  if about.get("fused_route") else ", one align task")

@@ -51,7 +51,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
-                   down_loads: str = "cp.async", combine_tokens: int = 1):
+                   down_loads: str = "cp.async", combine_tokens: int = 1,
+                   combine_prefetch: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -84,7 +85,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     (``moe.make_route_tile``), which waits for every router task; for few tokens, where
     top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
     "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``). ``combine_tokens``: the
-    tokens a combine task sums (``moe.make_combine_tile``)."""
+    tokens a combine task sums, ``combine_prefetch``: whether it first asks for its rows of y
+    in L2 (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -120,7 +122,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         align = moe.make_align_tile(E, K, BT, threads)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
     down_shape = moe.grouped_weight_shape(E, F, H, down_bn, blocked_weights)
-    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype, combine_tokens)
+    combine = moe.make_combine_tile(H, K, combine_cols, threads, y_dtype, combine_tokens,
+                                    combine_prefetch)
     TC = combine_tokens
     nb1, nb2, nc = 2 * F // bn, H // down_bn, H // combine_cols
     per_block = combine_cols // down_bn  # down column blocks per combine column block

@@ -541,6 +541,28 @@ def test_combine_tasks_of_several_tokens_compile_for_sm90a(tmp_path):
     assert "combine_2048_top8_c2048_t256_b2_ybf16" in names, names
 
 
+def test_combine_tasks_that_prefetch_their_rows_compile_for_sm90a(tmp_path):
+    """The claimed static layer of 2048 tokens whose combine tasks first ask for their 32 rows
+    of y in L2: one bulk prefetch (UBLKPF) a row, from one thread each."""
+    options = moe_layer.options_for(2048, blocked_weights=True, y_dtype="bfloat16",
+                                    combine_prefetch=True)
+    graph = make_moe_layer(**options)
+    assert "combine_2048_top8_c2048_t256_b4_l2_ybf16" in {
+        c.fn.name for c in TaskGraph.build(graph, {"T": 2048}).calls}
+    source = build(graph, {"T": 2048}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"], claim=True)
+                   ).cuda_source()
+    assert "cp.async.bulk.prefetch.L2.global" in source
+    cubin, _ = build_cubin(source, tmp_path, allow_spills=True)
+    assert "UBLKPF.L2" in sass(cubin)
+
+
+def test_combine_prefetch_takes_whole_16_byte_rows():
+    moe.make_combine_tile(2048, 8, 8, 128, "bfloat16", prefetch=True)  # 16 bytes a row
+    with pytest.raises(EtcError, match="multiple of 16 bytes; cols=4 of bfloat16 make 8"):
+        moe.make_combine_tile(2048, 8, 4, 128, "bfloat16", prefetch=True)
+
+
 def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
     graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, blocked_weights=True,
                                                    y_dtype="bfloat16"))

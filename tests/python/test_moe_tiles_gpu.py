@@ -412,6 +412,24 @@ def test_combine_blocks_layer_megakernel(strategy, tokens, rng, expert_weights,
                     expert_weights, expert_weights_f64, "bfloat16")
 
 
+@pytest.mark.parametrize("tokens", (1101,))  # a partial last combine block
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+def test_combine_prefetch_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                           expert_weights_f64):
+    """Combine tasks that first ask for their rows of y in L2 (bulk prefetches), the tokens'
+    defaults otherwise (blocked weights, y in bf16; the static kernel claiming)."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
+                                    combine_prefetch=True)
+    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                      claim=strategy == "static"))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"],
+                                               options["bn"], options["down_bn"])
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
+                    expert_weights, expert_weights_f64, "bfloat16")
+
+
 @pytest.mark.parametrize("tokens", (1100,))  # partial last router and top-k blocks
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
 def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,

@@ -80,6 +80,7 @@ import functools
 import math
 
 import numpy as np
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -1292,14 +1293,17 @@ def gate_up_reference(xrows, w_gate, w_up) -> tuple[np.ndarray, np.ndarray]:
 @functools.cache
 def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                       threads: int = 128, y_dtype: str = "float32",
-                      tokens: int = 1) -> DeviceFunc:
+                      tokens: int = 1, prefetch: bool = False) -> DeviceFunc:
     """The tile ``combine_<H>_top<K>_c<cols>``: task (b, c) writes, for each token t of
     b*tokens .. b*tokens + tokens - 1 below T,
     out[t, c*cols:(c+1)*cols] = sum_k topw[t, k] * y[pair_row[t, k], same] in fp32, in k
     order, rounded once to bf16; y is down's (``Y_DTYPES``); ``pair_tile`` is read by the
     in-edge only (``pair_tile[tokens*b:tokens*b+tokens, :]``). Several ``tokens`` a task keep
     as many times the bytes of y in flight: where one CTA an SM runs the tasks, a token's
-    32 KB gather (H = 2048, K = 8, bf16 y) waits a memory round trip or two."""
+    32 KB gather (H = 2048, K = 8, bf16 y) waits a memory round trip or two. ``prefetch``:
+    the task first asks for each of its rows of y in L2 (one bulk prefetch a row, from as
+    many threads), as ptxas lets a thread's loads out only a few dozen at a time, each batch
+    then waiting on L2 rather than on DRAM."""
     H, K, TB = hidden, top_k, tokens
     _check_y_dtype(y_dtype, "combine")
     vecs = cols // 4
@@ -1308,6 +1312,10 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                        f"spread over {threads} threads")
     if TB < 1:
         raise EtcError(f"combine tile: tokens must be positive, got {TB}")
+    row_bytes = cols * tvm.DataType(y_dtype).bits // 8
+    if prefetch and row_bytes % 16:
+        raise EtcError(f"combine tile: a prefetched row of y is a multiple of 16 bytes; "
+                       f"cols={cols} of {y_dtype} make {row_bytes}")
     ntok, rows = tirx.Var("T", "int32"), tirx.Var("rows", "int32")
     steps = ceil_div(vecs, threads)
 
@@ -1318,6 +1326,13 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
         T.device_entry()
         tx = T.thread_id([threads])
         acc = T.alloc_local((TB, steps, 4), "float32")
+        if prefetch:
+            for r in T.unroll(ceil_div(TB * K, threads)):
+                row = T.meta_var(r * threads + tx)
+                if row < TB * K and b * TB + row // K < ntok:
+                    T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                        y.ptr_to([pair_row[b * TB + row // K, row % K], c * cols]),
+                        T.uint32(row_bytes))
         # every token's and step's sums before any store: nothing tells the compiler that out
         # and y do not overlap, so a store between two steps kept the next step's loads from
         # leaving early, one round trip a step
@@ -1341,7 +1356,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                                 "bfloat16", acc[u, s, j])
 
     name = f"combine_{H}_top{K}_c{cols}_t{threads}" + (f"_b{TB}" if TB > 1 else "") \
-        + _Y_SUFFIX[y_dtype]
+        + ("_l2" if prefetch else "") + _Y_SUFFIX[y_dtype]
     tile = device_func(combine.with_attr("global_symbol", name))
 
     @tile.set_reference
