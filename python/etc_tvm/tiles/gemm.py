@@ -120,6 +120,16 @@ def gather_rows(rows, a_rows, chunks: int, cols: int, threads: int, tx):
             rows[r] = a_rows((r * threads + tx) // cols)
 
 
+def gathered_rows(a_rows, chunks: int, cols: int, threads: int, tx):
+    """Inside a tile's ``run``: a thread's A rows of its chunks (``gather_rows``) in local
+    memory, or None without ``a_rows``."""
+    if a_rows is None:
+        return None
+    rows = T.alloc_local((-(-chunks // threads),), "int32")
+    gather_rows(rows, a_rows, chunks, cols, threads, tx)
+    return rows
+
+
 def chunk_source(a_src, a_valid, rows, r, row, k):
     """(address, validity) of A chunk ``r`` (tile row ``row``, column ``k``): ``a_src`` of the
     tile row and ``a_valid``; with gathered ``rows`` (``gather_rows``), ``a_src`` of the A row
@@ -202,11 +212,8 @@ class MmaTile:
             for n in T.unroll(self.ni):
                 for e in T.unroll(4):
                     self.acc[m, n, e] = T.float32(0)
-        chunks = T.meta_var(self.bm * self.bk // CHUNK)
-        rows = T.meta_var(None if a_rows is None else T.alloc_local(
-            (-(-chunks // self.threads),), "int32"))
-        if a_rows is not None:
-            gather_rows(rows, a_rows, chunks, self.bk // CHUNK, self.threads, self.tx)
+        rows = T.meta_var(gathered_rows(a_rows, self.bm * self.bk // CHUNK, self.bk // CHUNK,
+                                        self.threads, self.tx))
         # Prologue: slices 0 .. stages-2 in flight, one commit group each.
         for p in T.unroll(self.stages - 1):
             if p < num_k:

@@ -86,7 +86,7 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
-from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gather_rows,
+from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gathered_rows,
                    store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
@@ -351,11 +351,8 @@ class WgmmaTile:
         # first, that hold rows (CTA-uniform): the others' products are zero and not issued,
         # so their accumulators stay zero; a_rows: gemm.MmaTile's
         ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
-        chunks = T.meta_var(self.bm * self.bk // CHUNK)
-        rows = T.meta_var(None if a_rows is None else T.alloc_local(
-            (chunks // ring.threads,), "int32"))
-        if a_rows is not None:
-            gather_rows(rows, a_rows, chunks, self.bk // CHUNK, ring.threads, self.tx)
+        rows = T.meta_var(gathered_rows(a_rows, self.bm * self.bk // CHUNK, self.bk // CHUNK,
+                                        ring.threads, self.tx))
         self.begin()
         for p in T.unroll(prefetch):
             if p < num_k:
