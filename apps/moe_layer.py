@@ -462,15 +462,14 @@ def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None)
     return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= COMBINE_TASKS), 1)
 
 
-ALIGN_CHUNKS = 4  # align's tasks from which it runs over several CTAs
+ALIGN_FROM_TOKENS = 512  # tokens from which align runs over several CTAs
 
 
 def align_tokens_for(tokens: int) -> int:
     """Tokens an align task walks for ``tokens`` (``make_moe_layer``'s ``align_tokens``):
-    ``moe.ALIGN_CHUNK_TOKENS`` from ``ALIGN_CHUNKS`` chunks of them on, else 0 (one align
-    task: below that the two extra hand-offs cost more than the shorter walks save)."""
-    chunk = moe.ALIGN_CHUNK_TOKENS
-    return chunk if tokens >= ALIGN_CHUNKS * chunk else 0
+    ``moe.ALIGN_CHUNK_TOKENS`` from ``ALIGN_FROM_TOKENS`` on, else 0 (one align task: below
+    that the two extra hand-offs cost more than the shorter walks save)."""
+    return moe.ALIGN_CHUNK_TOKENS if tokens >= ALIGN_FROM_TOKENS else 0
 
 
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8,

@@ -469,9 +469,9 @@ def test_align_tokens_must_be_whole_top_k_blocks():
         make_moe_layer(H, E, K, F, align_tokens=12)
 
 
-@pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 128),
-                                                  (4096, 128)])
-def test_align_runs_over_several_ctas_from_four_chunks(tokens, align_tokens):
+@pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 64),
+                                                  (4096, 64)])
+def test_align_runs_over_several_ctas_from_512_tokens(tokens, align_tokens):
     options = moe_layer.options_for(tokens)
     assert (options["align_tokens"], options["fused_route"]) == (align_tokens, not align_tokens)
     one_task = moe_layer.options_for(tokens, align_tokens=0)

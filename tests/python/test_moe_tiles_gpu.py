@@ -439,7 +439,7 @@ def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
     assert (options["router_tokens"], options["block_tokens"]) == (32, 16)
 
 
-@pytest.mark.parametrize("tokens", (600,))  # 5 chunks of 128 tokens, the last of 88
+@pytest.mark.parametrize("tokens", (600,))  # 10 chunks of 64 tokens, the last of 24
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
                                             expert_weights_f64):
