@@ -19,9 +19,11 @@ from test_tiles import assert_within
 tp_layers = _load_app("tp_layers")
 BF16 = ml_dtypes.bfloat16
 TILE = 128
-ORDERS = [ReadyQueueOrder(), RandomOrder(0), RandomOrder(1),
-          DynamicQueueOrder(2, rank_local=True)]  # the ranks' own dynamic kernels
-ORDER_IDS = ["ready", "random-0", "random-1", "dynamic-rank-local"]  # the same in every process
+# named, so that every test process collects the same ids (pytest-xdist)
+ORDERS = [pytest.param(ReadyQueueOrder(), id="ready"),
+          pytest.param(RandomOrder(0), id="random-0"), pytest.param(RandomOrder(1), id="random-1"),
+          pytest.param(DynamicQueueOrder(2, rank_local=True),  # the ranks' own dynamic kernels
+                       id="dynamic-rank-local")]
 
 
 def draw(rng, shape, scale=1.0):
@@ -29,7 +31,7 @@ def draw(rng, shape, scale=1.0):
 
 
 @pytest.mark.parametrize("W", [2, 4])
-@pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
+@pytest.mark.parametrize("order", ORDERS)
 def test_gemm_reduce_scatter_rows_match_float64(W, order, rng):
     M, K, N = W * TILE, 64, 2 * TILE  # K: this rank's slice
     A, B = draw(rng, (M, K * W)), draw(rng, (K * W, N), 1 / np.sqrt(K * W))
@@ -44,7 +46,7 @@ def test_gemm_reduce_scatter_rows_match_float64(W, order, rng):
 
 
 @pytest.mark.parametrize("W", [2, 4])
-@pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
+@pytest.mark.parametrize("order", ORDERS)
 def test_all_gather_gemm_columns_match_float64(W, order, rng):
     M, K, N = TILE, 128, W * TILE  # M: this rank's rows
     A, B = draw(rng, (M * W, K)), draw(rng, (K, N), 1 / np.sqrt(K))
