@@ -165,6 +165,9 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--down-loads", choices=("cp.async", "tma"), default="cp.async",
                         help="how the down tiles fill their rings (wgmma tiles: TMA loads of "
                         "h's rows and the weight slab; default cp.async)")
+    parser.add_argument("--early-weights", action="store_true",
+                        help="down tasks issue their first weight slices before they wait "
+                        "for their rows of h (a task prelude)")
     return parser
 
 
@@ -195,7 +198,8 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         combine_prefetch=options.combine_prefetch,
         blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
-        fused_route=options.fused_route, down_loads=options.down_loads)
+        fused_route=options.fused_route, down_loads=options.down_loads,
+        early_weights=options.early_weights)
 
 
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,
@@ -293,6 +297,7 @@ def print_row(row: dict, ours) -> None:
               + f", combine tasks of {about['combine_tokens']} tokens x {about['combine_cols']}"
               + " columns" + (" (rows prefetched into L2)" if about.get("combine_prefetch")
                               else "")
+              + (", down weights before the wait" if about.get("early_weights") else "")
               + (f", align over tasks of {about['align_tokens']} tokens"
                  if about["align_tokens"] else ", top-k and align in one task"
                  if about.get("fused_route") else ", one align task")

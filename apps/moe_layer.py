@@ -52,7 +52,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
                    down_loads: str = "cp.async", combine_tokens: int = 1,
-                   combine_prefetch: bool = False):
+                   combine_prefetch: bool = False, early_weights: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -86,14 +86,17 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
     "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``). ``combine_tokens``: the
     tokens a combine task sums, ``combine_prefetch``: whether it first asks for its rows of y
-    in L2 (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``)."""
+    in L2 (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``). ``early_weights``: the
+    down tasks issue their first weight slices before they wait for their rows of h
+    (``moe.make_down_tile``'s)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
                                  down_bk=down_bk, stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
-                                 y_dtype=y_dtype, down_loads=down_loads)
+                                 y_dtype=y_dtype, down_loads=down_loads,
+                                 early_weights=early_weights)
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
@@ -213,7 +216,8 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                  down_bn: int, bk: int | None = None, down_bk: int | None = None,
                  stages: int | None = None, engine: str = "mma",
                  threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
-                 y_dtype: str = "float32", down_loads: str = "cp.async"):
+                 y_dtype: str = "float32", down_loads: str = "cp.async",
+                 early_weights: bool = False):
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
     each with ``stages`` or the deepest ring that fits a CTA's share of the SM.
 
@@ -241,7 +245,7 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                                   stages or deepest(bn, bk), engine, blocked_weights),
             moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
                                stages or deepest(down_bn, down_bk), engine, blocked_weights,
-                               y_dtype, down_loads))
+                               y_dtype, down_loads, early_weights))
 
 
 # The shallowest ring of 64-column K slices expert_tiles keeps by default (a wgmma ring's
@@ -251,7 +255,8 @@ MIN_DEEP_RING = 3
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
 EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "down_bk", "stages", "engine",
-                  "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads")
+                  "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads",
+                  "early_weights")
 
 
 @functools.cache

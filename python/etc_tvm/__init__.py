@@ -23,10 +23,12 @@ __all__ = ["DeadlockError", "EdgeMapError", "EtcError", "ExecutionError", "Graph
 if not RUNTIME_ONLY:
     from . import edge_map
     from .build import build
-    from .device_func import RANK, WORLD_SIZE, DeviceFunc, device_func, input_check
+    from .device_func import (RANK, WORLD_SIZE, DeviceFunc, await_inputs, device_func,
+                              input_check)
     from .etensor import ETensor
     from .graph_func import GraphFunc, call_device, graph_func
     from .tensor import Tensor
 
-    __all__ += ["RANK", "WORLD_SIZE", "DeviceFunc", "ETensor", "GraphFunc", "Tensor", "build",
-                "call_device", "device_func", "edge_map", "graph_func", "input_check"]
+    __all__ += ["RANK", "WORLD_SIZE", "DeviceFunc", "ETensor", "GraphFunc", "Tensor",
+                "await_inputs", "build", "call_device", "device_func", "edge_map", "graph_func",
+                "input_check"]

@@ -26,6 +26,12 @@ A value read from an input that the body indexes with (an expert id, a slot) goe
 ``input_check(value, size, n)``: outside ``0..size-1`` the kernel records it and the host
 raises the n-th of the function's ``checks`` messages, naming the task and the value.
 
+A body may mark where its task waits for its in-edges with ``T.evaluate(await_inputs())``, a
+statement of its top level. What comes before it, the task's *prelude*, a persistent kernel
+runs before those waits, so that loads that need no producer (a weight slab into shared
+memory) overlap them; where the task's inputs are ready anyway (its own grid, the reference
+executor) the mark is nothing.
+
 A device function carries a NumPy reference with the same parameters (coordinates as ints,
 tensors as arrays whose outputs it writes in place); the CPU reference executor runs it. A
 reference of a multi-rank graph function may also take keyword-only ``rank``, ``world_size``
@@ -54,6 +60,7 @@ REFERENCE_CONTEXT = ("rank", "world_size", "peers")
 RANK = tirx.call_extern("int32", "etc_rank")
 WORLD_SIZE = tirx.call_extern("int32", "etc_world_size")
 INPUT_CHECK = "etc_input_check"
+AWAIT_INPUTS = "etc_await_inputs"
 
 
 def input_check(value, size, check: int = 0) -> tirx.PrimExpr:
@@ -63,6 +70,18 @@ def input_check(value, size, check: int = 0) -> tirx.PrimExpr:
     (``{value}`` in it becomes the value), naming the task; the body must leave such a value
     unused. A placeholder call that each kernel binds to its stop record and running task."""
     return tirx.call_extern("int32", INPUT_CHECK, value, size, tirx.IntImm("int32", check))
+
+
+def await_inputs() -> tirx.PrimExpr:
+    """In a body, as the statement ``T.evaluate(await_inputs())`` of its top level: where the
+    task's waits for its in-edges go. Its prelude, the statements before, runs first in a
+    persistent kernel, for every task of the call (released by its trigger or not, and, with
+    symbolic sizes, inside the launch's grids only): it may read the task's coordinates,
+    inputs that no call writes, and tensors whose producers the kernel then waits for first
+    (``DeviceFunc.prelude_reads``); it writes shared and local memory only. The kernel drains
+    the prelude's ``cp.async`` copies after the task, so that a task whose body does not run
+    leaves none in flight."""
+    return tirx.call_extern("int32", AWAIT_INPUTS)
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,7 @@ class DeviceFunc:
         self.updates = _check_updates(tuple(updates), self.buffer_params, name)
         self.tensor_maps = _check_tensor_maps(tuple(tensor_maps), self, name)
         self.checks = _check_input_checks(tuple(checks), prim_func, name)
+        self.prelude_reads = _prelude_reads(prim_func, name)
         self.num_threads = _thread_count(prim_func, name, num_threads)
         self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
@@ -249,6 +269,62 @@ def _check_input_checks(checks: tuple, func: tirx.PrimFunc, name: str) -> tuple:
             raise EtcError(f"device function {name}: input_check number {check} has no "
                            f"message among its {len(checks)} checks")
     return checks
+
+
+def is_await_inputs(stmt: tirx.Stmt) -> bool:
+    """Whether ``stmt`` is the ``await_inputs`` mark."""
+    return (isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.Call)
+            and stmt.value.op.same_as(tvm.ir.Op.get("tirx.call_extern"))
+            and isinstance(stmt.value.args[0], tvm.ir.StringImm)
+            and stmt.value.args[0].value == AWAIT_INPUTS)
+
+
+def split_prelude(stmts: list) -> tuple[list, list] | None:
+    """``(prelude, rest)`` of a body's top-level statements around its ``await_inputs``
+    mark (dropped), or None where it has none."""
+    marks = [i for i, s in enumerate(stmts) if is_await_inputs(s)]
+    return None if not marks else (stmts[:marks[0]], stmts[marks[0] + 1:])
+
+
+def _prelude_reads(func: tirx.PrimFunc, name: str) -> tuple[str, ...]:
+    """The tensor parameters the prelude of ``func`` reads (``await_inputs``), after checking
+    that the mark is one statement of the top level and that the prelude writes no tensor."""
+    entry = func.body
+    stmts = list(tirx.stmt_list(entry.body)) if isinstance(entry, tirx.AttrStmt) else []
+    marks = []
+    tvm_ffi.structural_walk(func.body, [(tirx.Evaluate, lambda s: marks.append(s)
+                                         if is_await_inputs(s) else None)], order="pre")
+    split = split_prelude(stmts)
+    if len(marks) > 1 or (marks and split is None):
+        raise EtcError(f"device function {name}: await_inputs() must be one statement of the "
+                       f"body's top level (not inside a branch or loop); found {len(marks)}, "
+                       f"{'none' if split is None else 'one'} at the top level")
+    if split is None:
+        return ()
+    params = {p: p.name for p in func.params if tirx.is_buffer_var(p)}
+    loads, stores = set(), set()
+
+    def note(into, buffer):
+        return lambda node: into.add(params[buffer(node)]) if buffer(node) in params else None
+
+    prelude = tirx.stmt_seq(*split[0]) if split[0] else tirx.Evaluate(0)
+    tvm_ffi.structural_walk(prelude, [(tvm.ir.TensorLoad, note(loads, lambda n: n.source)),
+                                      (tirx.BufferStore, note(stores, lambda n: n.buffer))],
+                            order="pre")
+    bound = set()
+    for stmt in split[0]:
+        if isinstance(stmt, tirx.Bind):
+            tvm_ffi.structural_walk(stmt.value, [(tvm.ir.TensorLoad,
+                                                  note(bound, lambda n: n.source))], order="pre")
+    if bound:
+        raise EtcError(f"device function {name}: its prelude binds a value read from "
+                       f"{sorted(bound)} at its top level, which runs for tasks outside the "
+                       "launch's grids too; read it into a local scalar (T.local_scalar)")
+    if stores:
+        raise EtcError(f"device function {name}: its prelude (before await_inputs()) writes "
+                       f"{sorted(stores)}; it runs before the task's waits, and writes shared "
+                       "and local memory only")
+    return tuple(p.name for p in func.params if tirx.is_buffer_var(p) and p.name in loads)
 
 
 def _split_params(func: tirx.PrimFunc, name: str):

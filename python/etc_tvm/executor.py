@@ -544,7 +544,7 @@ class _Run:
     # ---------------------------------------------------------------- readiness
     def _needed_tensors(self, call: CallNode) -> set[int]:
         """Tensors that must be complete before a task of ``call`` can evaluate its waits."""
-        need = call.reads(call.in_edges)
+        need = call.reads(call.in_edges) | call.prelude_reads()
         for e in call.in_edges:
             need |= self.arm_inputs.get(e.etensor, set())
         return {t for t in need if self.graph.tensors[t].producer is not None}

@@ -159,6 +159,11 @@ class CallNode:
         params = dict(zip((p.name for p in self.fn.buffer_params), self.tensor_args()))
         return {params[name] for e in edges for name in e.map.reads}
 
+    def prelude_reads(self) -> set[int]:
+        """Tensor indices its device function's prelude reads (``await_inputs``)."""
+        params = dict(zip((p.name for p in self.fn.buffer_params), self.tensor_args()))
+        return {params[name] for name in self.fn.prelude_reads}
+
 
 Element = tuple  # (etensor name, coordinate tuple)
 
@@ -277,8 +282,14 @@ class TaskGraph:
 
     def completion_waits(self, call: CallNode) -> set[int]:
         """The calls whose completion ``call``'s tasks wait for before reading their in-edge
-        maps: the producers of the tensors those maps read."""
+        maps or running their prelude: the producers of the tensors those read."""
         return {self.tensors[t].producer for t in call.reads(call.in_edges)
+                | call.prelude_reads() if self.tensors[t].producer is not None}
+
+    def prelude_waits(self, call: CallNode) -> set[int]:
+        """The calls whose completion ``call``'s tasks wait for before their prelude: the
+        producers of the tensors it reads."""
+        return {self.tensors[t].producer for t in call.prelude_reads()
                 if self.tensors[t].producer is not None}
 
     def gates(self) -> dict[str, set[int]]:
@@ -399,7 +410,8 @@ class TaskGraph:
 
         With ``conservative_only``, just the edges that element-level edges do not already
         express: waits through data-dependent maps or triggers, on ETensors notified through
-        data or counted at run time, and on the completion of tensors those read.
+        data or counted at run time, and on the completion of tensors those or a prelude
+        (``await_inputs``) read.
         """
         dynamic = self.dynamically_notified()
         notifiers = defaultdict(set)
@@ -415,7 +427,7 @@ class TaskGraph:
                 if runtime or not conservative_only:
                     deps[call.index] |= notifiers[e.etensor]
                 deps[call.index] |= {self.tensors[t].producer for t in arm.get(e.etensor, ())}
-            for t in call.reads(call.in_edges):
+            for t in call.reads(call.in_edges) | call.prelude_reads():
                 if self.tensors[t].producer is not None:
                     deps[call.index].add(self.tensors[t].producer)
             deps[call.index].discard(call.index)

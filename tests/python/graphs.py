@@ -2,7 +2,8 @@
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 
 from tiles import (COLS, TILE, ROWS, double_tile, gather_tile, matmul_tile, mix_tile,
-                   partial_rowsum_tile, reduce_scatter_tile, rowsum_tile, scale_tile)
+                   partial_rowsum_tile, pick_row_tile, reduce_scatter_tile, rowsum_tile,
+                   scale_tile, weight_row_tile)
 
 
 @graph_func
@@ -69,3 +70,19 @@ def backward_chain(X: Tensor(("M", COLS))):
     E = ETensor((M // ROWS,), name="E")
     return call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS)),
                        in_edges={E: "i->i+1 if i < 3"}, out_edges={E: "i->i"})
+
+
+@graph_func
+def weighted_rows(X: Tensor(("M", COLS)), W: Tensor(("N", COLS)),
+                  pick: Tensor(("P",), "int32")):
+    """Row tile i of scale, times the weight row that a first call picks for it: the
+    weighting task copies its row (its prelude, once the picks are complete) before it waits
+    for its tile of scale."""
+    M = X.shape[0]
+    ready = ETensor((M // ROWS,), name="ready")
+    row = call_device(pick_row_tile, tile_num=(M // ROWS,), args=[pick],
+                      out=Tensor((pick.shape[0],), "int32", name="row"))
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    out_edges={ready: "i->i"})
+    return call_device(weight_row_tile, tile_num=(M // ROWS,), args=[row, W, A],
+                       out=Tensor((M, COLS), name="B"), in_edges={ready: "i->i"})

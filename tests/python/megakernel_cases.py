@@ -33,5 +33,10 @@ CASES = {
     "gemm_reduce_scatter": (graphs.gemm_reduce_scatter, {"M": 8 * TILE, "K": 64, "N": 12 * TILE},
                             lambda r: [f32(r, 8 * TILE, 64), f32(r, 64, 12 * TILE)],
                             lambda a, b: np.matmul(*f64(a, b))),
+    "prelude_weighted_rows": (graphs.weighted_rows, {"M": 300 * ROWS, "N": 7, "P": 300},
+                              lambda r: [f32(r, 300 * ROWS, COLS), f32(r, 7, COLS),
+                                         r.integers(0, 7, 300).astype("int32")],
+                              lambda x, w, pick: _scale(f64(x)[0])
+                              * f64(w)[0][pick[::-1]].repeat(ROWS, axis=0)),
 }
 RTOL, ATOL = 1e-5, 1e-4  # float32 arithmetic against float64

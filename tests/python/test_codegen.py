@@ -46,6 +46,31 @@ def test_device_runtime_compiles_alone(tmp_path):
          "etc_notify(c + 1); }\n", tmp_path)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_prelude_kernels_compile_for_sm90a(strategy, tmp_path):
+    nvcc(build(graphs.weighted_rows, PRELUDE_DIMS, strategy=strategy,
+               num_sms=132).cuda_source(), tmp_path)
+
+
+PRELUDE_DIMS = {"M": 160, "N": 7, "P": 40}
+
+
+@pytest.mark.parametrize("claim", [False, True])
+def test_prelude_runs_after_its_producers_and_before_the_task_waits(claim):
+    """weight_row_tile's prelude (the copy of its weight row) runs once the call that picks
+    the rows is complete and before the wait on its tile of scale; after the body the kernel
+    drains the prelude's copies, which a task whose body did not run would leave in flight."""
+    source = build(graphs.weighted_rows, PRELUDE_DIMS, num_sms=8,
+                   options=KernelOptions(claim=claim)).cuda_source()
+    branch = source[source.index("if (t < 120) {"):]  # the third call's tasks
+    picks_done = branch.index("etc_wait((&(counters_ptr[40]))")
+    copy = branch.index("cp_async_cg")
+    tile_wait = branch.index("etc_wait((&(counters_ptr[(t % 40)]))")
+    assert picks_done < copy < tile_wait < branch.index("B_ptr[") \
+        < branch.index("cp_async_wait_all")
+
+
 def test_wait_before_body_before_notify():
     source = build(graphs.gemm_reduce_scatter, DIMS, num_sms=132).cuda_source()
     kernel = source[source.index("gemm_reduce_scatter_megakernel_kernel("):]

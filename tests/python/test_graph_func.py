@@ -5,13 +5,13 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from etc_tvm import (ETensor, EdgeMapError, EtcError, GraphFunc, Tensor, call_device,
-                     device_func, graph_func, input_check, ops)
+from etc_tvm import (ETensor, EdgeMapError, EtcError, GraphFunc, Tensor, await_inputs,
+                     call_device, device_func, graph_func, input_check, ops)
 from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.task_graph import TaskGraph
 
-from graphs import gemm_reduce_scatter, row_sum
-from tiles import COLS, mix_tile, scale_tile
+from graphs import gemm_reduce_scatter, row_sum, weighted_rows
+from tiles import COLS, mix_tile, scale_tile, weight_row_tile
 
 
 def etc_calls(func):
@@ -275,3 +275,50 @@ def test_device_func_thread_count():
     assert scale_tile.num_threads == 128 and mix_tile.num_coords == 1
     with pytest.raises(EtcError, match=r"runs 128 threads \(T.thread_id\) but num_threads=64"):
         device_func(scale_tile.prim_func, num_threads=64)
+
+
+@T.prim_func(check_well_formed=False)
+def mark_in_branch(i: T.int32, A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    if i > 0:
+        T.evaluate(await_inputs())
+    A[tx] = T.float32(0)
+
+
+@T.prim_func(check_well_formed=False)
+def prelude_writes(i: T.int32, W: T.Buffer((4,), "float32"), A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    A[tx] = W[tx]
+    T.evaluate(await_inputs())
+
+
+@T.prim_func(check_well_formed=False)
+def prelude_binds_a_read(i: T.int32, row: T.Buffer((4,), "int32"),
+                         A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    r = T.bind(row[i])
+    T.evaluate(await_inputs())
+    A[tx] = T.Cast("float32", r)
+
+
+@pytest.mark.parametrize("fn,match", [
+    (mark_in_branch, "await_inputs\\(\\) must be one statement of the body's top level"),
+    (prelude_writes, "its prelude \\(before await_inputs\\(\\)\\) writes \\['A'\\]"),
+    (prelude_binds_a_read, "its prelude binds a value read from \\['row'\\] at its top level"),
+])
+def test_prelude_contract(fn, match):
+    with pytest.raises(EtcError, match=match):
+        device_func(fn)
+
+
+def test_prelude_reads():
+    """What a prelude reads decides what the kernel waits for before it runs."""
+    assert weight_row_tile.prelude_reads == ("row", "W")
+    assert scale_tile.prelude_reads == ()
+    graph = TaskGraph.build(weighted_rows, {"M": 40, "N": 7, "P": 10})
+    pick, _, weight = graph.calls
+    assert graph.prelude_waits(weight) == graph.completion_waits(weight) == {pick.index}
+    assert graph.completion_waits(pick) == set()

@@ -569,6 +569,44 @@ def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
             "combine_2048_top8_c2048_t128_ybf16"} <= names, names
 
 
+@pytest.mark.parametrize("tokens", (1, 1024))
+def test_early_weights_layer_compiles_for_sm90a(tokens, tmp_path):
+    """Down tasks that load their first weight slices in their prelude, in the static kernel
+    as bench_moe builds it (claimed), the tiles' defaults otherwise: no wgmma serialised."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
+                                    early_weights=True)
+    graph = make_moe_layer(**options)
+    _, report = build_cubin(build(graph, {"T": tokens}, strategy="static", num_sms=132,
+                                  options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                                        claim=True)).cuda_source(),
+                            tmp_path, allow_spills=True)
+    assert "serializ" not in report, report[-4000:]
+    down = next(c for c in TaskGraph.build(graph, {"T": tokens}).calls
+                if c.fn.name.startswith("down"))
+    assert down.fn.name.endswith("_early") and down.fn.prelude_reads == ("w_down",
+                                                                         "tile_expert")
+
+
+@pytest.mark.parametrize("order", ["random0", "static5", "dynamic3"])
+@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 7), ("wgmma", 64, 20)])
+def test_layer_with_early_weights_matches_float64(engine, tile_rows, tokens, order):
+    """The down tasks' prelude runs on the reference executor too (as the whole task, once
+    its waits are done): the same layer."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=128, tile_rows=tile_rows, engine=engine,
+                           early_weights=True)
+    rng = np.random.default_rng(tokens)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(out, want, bound)
+
+
+def test_early_weights_are_cp_async_copies():
+    with pytest.raises(EtcError, match="early_weights issues cp.async copies"):
+        moe.make_down_tile(768, 2048, 128, 64, 128, 64, 128, 4, "wgmma", loads="tma",
+                           early_weights=True)
+
+
 def innermost_loops(code: str) -> list[list[str]]:
     """The instructions of each innermost loop of SASS ``code``: the span from a backward
     branch's target to the branch, holding no other backward branch."""

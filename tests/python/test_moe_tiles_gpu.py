@@ -471,3 +471,23 @@ def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):
             replay()
             torch.cuda.synchronize()
             assert_within(replay.checked(), want, bound)
+
+
+@pytest.mark.parametrize("tokens", (1, 16, 1024))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_early_weights_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                        expert_weights_f64):
+    """Down tasks whose prelude issues their first weight slices before they wait for h
+    (``early_weights``), the tokens' defaults otherwise (blocked weights, y in bf16; the
+    static and barrier kernels claiming): the tasks of unused tiles, which the trigger skips
+    after their prelude ran, leave no copy in flight."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
+                                    early_weights=True)
+    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                      claim=strategy in ("static", "barrier")))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"],
+                                               options["bn"], options["down_bn"])
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
+                    expert_weights, expert_weights_f64, "bfloat16")

@@ -5,7 +5,7 @@ Row tiles are ROWS rows of a (M, COLS) float32 tensor; 2-D tiles are TILE x TILE
 import numpy as np
 from tvm.script import tirx as T
 
-from etc_tvm import device_func, input_check
+from etc_tvm import await_inputs, device_func, input_check
 
 ROWS, COLS, TILE, THREADS = 4, 32, 16, 128
 M, N, K, P = T.int32(), T.int32(), T.int32(), T.int32()
@@ -140,3 +140,44 @@ def double_tile(i: T.int32, A: T.Buffer((8,), "float32"), C: T.Buffer((8,), "flo
     tx = T.thread_id([4])
     for r in T.serial(2):
         C[r * 4 + tx] = A[r * 4 + tx] * T.float32(2)
+
+
+@device_func
+def weight_row_tile(i: T.int32, row: T.Buffer((P,), "int32"), W: T.Buffer((N, COLS), "float32"),
+                    A: T.Buffer((M, COLS), "float32"), B: T.Buffer((M, COLS), "float32")):
+    """B = A * W[row[i]] on rows [i*ROWS, (i+1)*ROWS). Its prelude copies the weight row
+    into shared memory before the task waits for A's rows."""
+    T.device_entry()
+    tx = T.thread_id([THREADS])
+    w = T.alloc_shared((COLS,), "float32")
+    r = T.local_scalar("int32")
+    r = row[i]
+    if tx < COLS // 4:
+        T.ptx.cp.async_.cg.shared.global_(w.ptr_to([tx * 4]), W.ptr_to([r, tx * 4]), 16)
+    T.ptx.cp.async_.commit_group()
+    T.evaluate(await_inputs())
+    T.ptx.cp.async_.wait_group(0)
+    T.cuda.cta_sync()
+    for q in T.serial(ROWS * COLS // THREADS):
+        e = q * THREADS + tx
+        B[i * ROWS + e // COLS, e % COLS] = A[i * ROWS + e // COLS, e % COLS] * w[e % COLS]
+
+
+@weight_row_tile.set_reference
+def _(i, row, W, A, B):
+    rows = slice(i * ROWS, (i + 1) * ROWS)
+    B[rows] = A[rows] * W[row[i]]
+
+
+@device_func
+def pick_row_tile(i: T.int32, pick: T.Buffer((P,), "int32"), row: T.Buffer((P,), "int32")):
+    """row[i] = pick[P - 1 - i] (a tensor that weight_row_tile's prelude reads)."""
+    T.device_entry()
+    tx = T.thread_id([THREADS])
+    if tx == 0:
+        row[i] = pick[P - 1 - i]
+
+
+@pick_row_tile.set_reference
+def _(i, pick, row):
+    row[i] = pick[len(pick) - 1 - i]

@@ -185,9 +185,14 @@ class MmaTile:
     @T.inline
     def load_stage(self, a_src, b_src, k_step, a_valid=None, rows=None):
         # Issue (never wait for) the copies of K slice k_step into ring slot k_step % stages.
+        self.load_a(a_src, k_step, a_valid, rows)
+        self.load_b(b_src, k_step)
+
+    @T.inline
+    def load_a(self, a_src, k_step, a_valid=None, rows=None):
         s = T.meta_var(k_step % self.stages)
-        a_cols, b_cols = T.meta_var(self.bk // CHUNK), T.meta_var(self.bn // CHUNK)
-        a_chunks, b_chunks = T.meta_var(self.bm * a_cols), T.meta_var(self.bk * b_cols)
+        a_cols = T.meta_var(self.bk // CHUNK)
+        a_chunks = T.meta_var(self.bm * a_cols)
         # Where a stage has fewer chunks than threads (a 16 x 32 router task on 256 threads),
         # the threads past them issue none.
         for r in T.unroll(-(-a_chunks // self.threads)):
@@ -197,6 +202,12 @@ class MmaTile:
                                                      k_step * self.bk + c % a_cols * CHUNK))
                 copy_a_chunk(self.As.ptr_to([s, c // a_cols, c % a_cols * CHUNK]), src, valid,
                              c // a_cols)
+
+    @T.inline
+    def load_b(self, b_src, k_step):
+        s = T.meta_var(k_step % self.stages)
+        b_cols = T.meta_var(self.bn // CHUNK)
+        b_chunks = T.meta_var(self.bk * b_cols)
         for r in T.unroll(-(-b_chunks // self.threads)):
             c = T.meta_var(r * self.threads + self.tx)
             if b_chunks % self.threads == 0 or c < b_chunks:
@@ -205,9 +216,19 @@ class MmaTile:
                     b_src(k_step * self.bk + c // b_cols, c % b_cols * CHUNK), 16)
 
     @T.inline
-    def run(self, a_src, b_src, num_k, a_valid=None, a_rows=None):
+    def preload_b(self, b_src, num_k):
+        # B of the slices run's prologue loads (0 .. stages-2), as one commit group ahead of
+        # its groups: from a task's prelude (await_inputs), weights that no producer writes
+        # stream while the task waits; run(..., b_preloaded=True) then loads their A alone
+        for p in T.unroll(self.stages - 1):
+            if p < num_k:
+                self.load_b(b_src, p)
+        T.ptx.cp.async_.commit_group()
+
+    @T.inline
+    def run(self, a_src, b_src, num_k, a_valid=None, a_rows=None, b_preloaded=False):
         # acc = A[tile rows, 0:num_k*bk] @ B[0:num_k*bk, tile cols]; a_valid: copy_a_chunk's;
-        # a_rows: the class docstring's
+        # a_rows: the class docstring's; b_preloaded: after preload_b
         for m in T.unroll(self.mi):
             for n in T.unroll(self.ni):
                 for e in T.unroll(4):
@@ -217,7 +238,10 @@ class MmaTile:
         # Prologue: slices 0 .. stages-2 in flight, one commit group each.
         for p in T.unroll(self.stages - 1):
             if p < num_k:
-                self.load_stage(a_src, b_src, p, a_valid, rows)
+                if b_preloaded:
+                    self.load_a(a_src, p, a_valid, rows)
+                else:
+                    self.load_stage(a_src, b_src, p, a_valid, rows)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             # Refill the slot freed at the end of the previous step; an empty group past the end

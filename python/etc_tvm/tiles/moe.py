@@ -85,7 +85,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..device_func import DeviceFunc, device_func, input_check
+from ..device_func import DeviceFunc, await_inputs, device_func, input_check
 from ..errors import EtcError, ExecutionError
 from . import gemm, wgmma_gemm
 
@@ -1107,12 +1107,13 @@ def _live_blocks(engine: str, tile_rows: int) -> int:
 
 
 @T.inline
-def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None):
+def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None,
+              b_preloaded=False):
     # the tile's GEMM over its rows row0.. of A rows a_rows(r) of ``a`` (negative: padding,
     # sorted_token -1, reads nothing), and where a warpgroup holds several m64 blocks those
     # without rows (a block's first row is padding) issue no products. tma: (maps, b_row,
     # b_col) of WgmmaTile.run_tma, in place of a_rows and b_src: the A rows row0.. load as
-    # whole boxes (padding rows read too)
+    # whole boxes (padding rows read too); b_preloaded: the tile's run's
     a_src = T.meta_var(lambda i, k: a.ptr_to([i, k]))
     if blocks > 1:
         live = T.local_scalar("int32")
@@ -1121,11 +1122,12 @@ def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None
             if sorted_token[row0 + b * 64] >= 0:
                 live = b + 1
         if tma is None:
-            mma.run(a_src, b_src, num_k, live_blocks=live, a_rows=a_rows)
+            mma.run(a_src, b_src, num_k, live_blocks=live, a_rows=a_rows,
+                    b_preloaded=b_preloaded)
         else:
             mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1], live)
     elif tma is None:
-        mma.run(a_src, b_src, num_k, a_rows=a_rows)
+        mma.run(a_src, b_src, num_k, a_rows=a_rows, b_preloaded=b_preloaded)
     else:
         mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1])
 
@@ -1201,7 +1203,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int = 16,
                    bn: int = 64, bk: int = 64, threads: int = 128, stages: int = 2,
                    engine: str = "mma", blocked: bool = False,
-                   y_dtype: str = "float32", loads: str = "cp.async") -> DeviceFunc:
+                   y_dtype: str = "float32", loads: str = "cp.async",
+                   early_weights: bool = False) -> DeviceFunc:
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
     ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
@@ -1209,7 +1212,10 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     products: those rows of y are zero. ``loads``: "cp.async", or "tma" on the wgmma engine
     (``WgmmaTile.run_tma``: h's rows are the tile's own, not gathered, so whole boxes of
     them and of the weight slab load by TMA, and every slot of the ring but the one read is
-    in flight; padding rows are then read, as the zeros gate_up wrote there)."""
+    in flight; padding rows are then read, as the zeros gate_up wrote there).
+    ``early_weights`` (cp.async loads): the task's prelude (``await_inputs``) reads its
+    expert and issues the weight slices of its ring's prologue (``preload_b``), so that in a
+    persistent kernel they stream while the task waits for its rows of h."""
     F, H, E, BT = intermediate, hidden, experts, tile_rows
     _check_y_dtype(y_dtype, "down")
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
@@ -1220,7 +1226,17 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     tma = loads == "tma"
     if tma and engine != "wgmma":
         raise EtcError(f"down tile: loads 'tma' runs on the wgmma engine, not {engine!r}")
+    if tma and early_weights:
+        raise EtcError("down tile: early_weights issues cp.async copies; TMA loads fill the "
+                       "ring from its barriers within the task")
     rows, tiles = tirx.Var("rows", "int32"), tirx.Var("tiles", "int32")
+
+    @T.inline
+    def product(mma, g, n, e, h, w_down, sorted_token, y, tma_loads):
+        _run_rows(mma, h, lambda r: T.Select(sorted_token[g * BT + r] >= 0, g * BT + r, -1),
+                  _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
+                  live_blocks, tma_loads, b_preloaded=early_weights)
+        mma.store(y, g * BT, n * bn)
 
     # with TMA the maps' variables are free: each kernel binds them
     @T.prim_func(check_well_formed=not tma)
@@ -1234,18 +1250,24 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         lane = T.lane_id([WARP])
         e = T.local_scalar("int32")
         e = tile_expert[g]
-        if e < E:
+        # with TMA, the slab's rows and columns in the map's 2-D view of w_down:
+        # (E * H/bn * F, bn) blocked, (E * F, H) in place
+        tma_loads = T.meta_var((maps, (e * (H // bn) + n) * F if blocked else e * F,
+                                0 if blocked else n * bn) if tma else None)
+        if early_weights:
+            early = new_tile(tx, warp, lane)
+            if e < E:
+                early.preload_b(_weight_src(w_down, e, n, bn, blocked), F // bk)
+            T.evaluate(await_inputs())
+            if e < E:
+                product(early, g, n, e, h, w_down, sorted_token, y, tma_loads)
+        elif e < E:
             mma = new_tile(tx, warp, lane)
-            # with TMA, the slab's rows and columns in the map's 2-D view of w_down:
-            # (E * H/bn * F, bn) blocked, (E * F, H) in place
-            _run_rows(mma, h, lambda r: T.Select(sorted_token[g * BT + r] >= 0, g * BT + r, -1),
-                      _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
-                      live_blocks, (maps, (e * (H // bn) + n) * F if blocked else e * F,
-                                    0 if blocked else n * bn) if tma else None)
-            mma.store(y, g * BT, n * bn)
+            product(mma, g, n, e, h, w_down, sorted_token, y, tma_loads)
 
     name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
-        "_tma" if tma else "") + ("_blocked" if blocked else "") + _Y_SUFFIX[y_dtype]
+        "_tma" if tma else "") + ("_blocked" if blocked else "") + _Y_SUFFIX[y_dtype] + (
+        "_early" if early_weights else "")
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk, tensor_maps=maps)
 
     @tile.set_reference

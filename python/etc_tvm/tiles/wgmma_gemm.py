@@ -192,7 +192,12 @@ class SwizzledRing:
         # Issue (never wait for) the 16-byte copies of the tile's A rows, columns k0:+bk, and
         # B rows k0:+bk into ring slot ``slot``; chunk c of a 128-byte panel row r goes to
         # c ^ r%8, of a 64-byte one to c ^ (r//2)%4. rows: gemm.chunk_source's.
-        a_cols, b_cols = T.meta_var((self.bk // CHUNK, self.bn // CHUNK))
+        self.load_a(slot, a_src, k0, tx, a_valid, rows)
+        self.load_b(slot, b_src, k0, tx)
+
+    @T.inline
+    def load_a(self, slot, a_src, k0, tx, a_valid=None, rows=None):
+        a_cols = T.meta_var(self.bk // CHUNK)
         row_bytes, per_row = T.meta_var((self.a_row, self.a_row // 16))
         for r in T.unroll(self.bm * a_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
@@ -202,6 +207,10 @@ class SwizzledRing:
                                  + row * row_bytes
                                  + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row) * 16),
                          src, valid, row)
+
+    @T.inline
+    def load_b(self, slot, b_src, k0, tx):
+        b_cols = T.meta_var(self.bn // CHUNK)
         for r in T.unroll(self.bk * b_cols // self.threads):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // b_cols, c % b_cols))
@@ -346,17 +355,31 @@ class WgmmaTile:
         self.issue(ko % self.stages, live_blocks)
 
     @T.inline
-    def run(self, a_src, b_src, num_k, a_valid=None, live_blocks=None, a_rows=None):
+    def preload_b(self, b_src, num_k):
+        # gemm.MmaTile.preload_b: B of run's prologue slices (0 .. stages-3), one commit group
+        self.ring.init()
+        for p in T.unroll(self.prefetch):
+            if p < num_k:
+                self.ring.load_b(p, b_src, p * self.bk, self.tx)
+        T.ptx.cp.async_.commit_group()
+
+    @T.inline
+    def run(self, a_src, b_src, num_k, a_valid=None, live_blocks=None, a_rows=None,
+            b_preloaded=False):
         # a_valid: gemm.copy_a_chunk's; live_blocks: the m64 blocks of the tile, from the
         # first, that hold rows (CTA-uniform): the others' products are zero and not issued,
-        # so their accumulators stay zero; a_rows: gemm.MmaTile's
+        # so their accumulators stay zero; a_rows: gemm.MmaTile's; b_preloaded: after
+        # preload_b
         ring, stages, prefetch = T.meta_var((self.ring, self.stages, self.prefetch))
         rows = T.meta_var(gathered_rows(a_rows, self.bm * self.bk // CHUNK, self.bk // CHUNK,
                                         ring.threads, self.tx))
         self.begin()
         for p in T.unroll(prefetch):
             if p < num_k:
-                ring.load_stage(p, a_src, b_src, p * self.bk, self.tx, a_valid, rows)
+                if b_preloaded:
+                    ring.load_a(p, a_src, p * self.bk, self.tx, a_valid, rows)
+                else:
+                    ring.load_stage(p, a_src, b_src, p * self.bk, self.tx, a_valid, rows)
             T.ptx.cp.async_.commit_group()
         for ko in T.serial(num_k):
             T.ptx.cp.async_.wait_group(prefetch - 1)

@@ -91,7 +91,9 @@ def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tir
             check = None if not checks else (lambda value, size, k: Tb.cuda.func_call(
                 "etc_input_check", value, size, status.ptr_to([0]), i32(first_task) + flat,
                 i32(checks[k]), source_code=runtime_source(), return_type="int32"))
-            body = inline_task(fn, coords, buffers, scopes, arena=None, maps=maps, check=check)
+            prelude, body = inline_task(fn, coords, buffers, scopes, arena=None, maps=maps,
+                                        check=check)
+            body = tirx.stmt_seq(*(prelude or []), body)  # in stream order inputs are ready
             for d in scopes.defs:
                 Tb.add_to_parent(tirx.ScopeIdDefStmt(d))
             if triggers:

@@ -16,7 +16,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.tirx import buffer_data
 
-from ..device_func import RANK, WORLD_SIZE, DeviceFunc, is_input_check
+from ..device_func import RANK, WORLD_SIZE, DeviceFunc, is_input_check, split_prelude
 
 # ScopeIdDef.scope values (tvm/tirx/exec_scope.py) -> (parent, current) scope names
 SCOPE_NAMES = {3: ("cta", "warpgroup"), 4: ("cta", "warp"), 5: ("warpgroup", "warp"),
@@ -86,8 +86,10 @@ def input_check_sites(graph) -> list[tuple]:
 def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
                 arena: tirx.Buffer | None, align: int = 128, rank: int = 0,
                 world_size: int = 1, maps: Sequence[tirx.Var] = (),
-                check: Callable | None = None) -> tirx.Stmt:
-    """The statements that run ``fn``'s body for the task at ``coords`` on ``buffers``, on
+                check: Callable | None = None) -> tuple[list, tirx.Stmt]:
+    """``(prelude, body)``: the statements that run ``fn``'s body for the task at ``coords``
+    on ``buffers``, split at its ``await_inputs`` mark (the prelude a list of statements;
+    None, and all of it the body, where it has none), on
     rank ``rank`` of ``world_size`` (``RANK`` and ``WORLD_SIZE`` in the body); ``maps``: the
     kernel's encoded tensor maps in place of ``fn.tensor_maps``, in order. ``check(value,
     size, number)``: what the body's ``input_check`` s become (a call that records a failed
@@ -118,9 +120,24 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
         raise ValueError(f"{fn.name} checks its inputs: the kernel must bind its checks to a "
                          "stop record")
     body = _bind_placeholders(substitute(tirx.stmt_seq(*stmts), vmap), rank, world_size, check)
+    body = tirx.stmt_seq(*prologue, body)
     if arena is not None:
         body = _into_arena(body, arena, align)
-    return tirx.stmt_seq(*prologue, body)
+    split = split_prelude(_flat(body))
+    if split is None:
+        return None, body
+    return split[0], tirx.stmt_seq(*split[1]) if split[1] else tirx.Evaluate(0)
+
+
+# Statements that only name things: a prelude leaves them unguarded, for the body after it.
+DECLARATIONS = (tirx.Bind, tirx.DeclBuffer, tirx.AllocBuffer)
+
+
+def _flat(stmt: tirx.Stmt) -> list:
+    """The statements of nested sequences, in order."""
+    if isinstance(stmt, tirx.SeqStmt):
+        return [s for part in stmt.seq for s in _flat(part)]
+    return [stmt]
 
 
 def encode_tensor_maps(tasks) -> tuple[list[list[tirx.Var]], list[tirx.Stmt]]:

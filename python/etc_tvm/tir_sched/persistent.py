@@ -37,8 +37,8 @@ from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
 from .device_runtime import STATUS_WORDS, runtime_source
 from .grid_kernel import unravel
-from .inline import (ThreadScopes, encode_tensor_maps, i32, inline_task, input_check_sites,
-                     shared_bytes)
+from .inline import (DECLARATIONS, ThreadScopes, encode_tensor_maps, i32, inline_task,
+                     input_check_sites, shared_bytes)
 
 TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 WARP = 32
@@ -398,22 +398,26 @@ class PersistentKernel:
         stmts = [tirx.Bind(v, e) for v, e in zip(coord_vars, values)]
         inside = self.inside(call, coord_vars)
         stmts.append(self._trace("etc_trace_start", task))
-        waits = self._waits(call, task, coord_vars)
-        if waits is not None:
-            run_waits = None if skip_waits is None else skip_waits == 0
-            if static_done is not None:
-                run_waits = _both(run_waits, static_done == 0)
-            run_waits = _both(run_waits, inside)
-            stmts.append(waits if run_waits is None else tirx.IfThenElse(run_waits, waits, None))
-        stmts.append(after_waits)
-        stmts.append(self._trace("etc_trace_waited", task))
+        run_waits = None if skip_waits is None else skip_waits == 0
+        if static_done is not None:
+            run_waits = _both(run_waits, static_done == 0)
+        run_waits = _both(run_waits, inside)
         args, peers = self._task_buffers(call, coord_vars)
-        body = tirx.stmt_seq(*peers, *tirx.stmt_list(inline_task(
+        prelude, body = inline_task(
             call.fn, coord_vars, args, self.scopes, self.arena, rank=self.rank or 0,
             world_size=self.graph.world_size, maps=self.map_vars[call.index],
             check=lambda value, size, k: self.runtime_call(
                 "etc_input_check", value, size, self.status.ptr_to([0]), task,
-                i32(self.checks[(call.index, k)]), return_type="int32"))))
+                i32(self.checks[(call.index, k)]), return_type="int32"))
+        if prelude is None:
+            body = tirx.stmt_seq(*peers, *tirx.stmt_list(body))
+        else:  # the prelude before the waits, once the tensors it reads are complete
+            stmts.append(self._guarded(self._prelude_waits(call, task), run_waits))
+            stmts += [s if isinstance(s, DECLARATIONS) else self._guarded(s, inside)
+                      for s in [*peers, *prelude]]
+        stmts.append(self._guarded(self._waits(call, task, coord_vars), run_waits))
+        stmts.append(after_waits)
+        stmts.append(self._trace("etc_trace_waited", task))
         released = None
         if self._scans(call):
             skip = tirx.Var("skip", "int32")
@@ -422,7 +426,9 @@ class PersistentKernel:
             if static_done is not None:  # a peek that saw the trigger decided it
                 released = tirx.Select(static_done != 0, static_done == i32(READY), released)
         run_body = _both(released, inside)
-        stmts.append(body if run_body is None else tirx.IfThenElse(run_body, body, None))
+        stmts.append(self._guarded(body, run_body))
+        if prelude is not None:  # copies the prelude issued for a body that did not run
+            stmts.append(tirx.Evaluate(Tb.ptx.cp.async_.wait_all()))
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
@@ -444,6 +450,10 @@ class PersistentKernel:
             stmts.append(self.ring.publish())
         stmts.append(self._trace("etc_trace_end", task))
         return tirx.stmt_seq(*[s for s in stmts if s is not None])
+
+    @staticmethod
+    def _guarded(stmt: tirx.Stmt | None, cond: tirx.Expr | None) -> tirx.Stmt | None:
+        return stmt if stmt is None or cond is None else tirx.IfThenElse(cond, stmt, None)
 
     def _task_buffers(self, call, coords) -> tuple[list, list]:
         """The tensors a task of ``call`` runs on, and the statements that bind them: on
@@ -502,6 +512,24 @@ class PersistentKernel:
                                              tirx.stmt_seq(steps, publish), None),
                              tirx.Evaluate(Tb.cuda.cta_sync()),
                              tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+
+    def _prelude_waits(self, call, task) -> tirx.Stmt | None:
+        """``_waits`` for a prelude: the completions of the calls whose tensors it reads,
+        one lane of warp 0 each (the waits after the prelude find them seen)."""
+        flats = [i32(self.layout.done[p]) for p in sorted(self.graph.prelude_waits(call))]
+        if not flats:
+            return None
+        warp = self.scopes.num_threads >= WARP
+        steps = [tirx.IfThenElse(self.tx == i32(k % WARP), self._wait(flat, task), None)
+                 if warp else self._wait(flat, task) for k, flat in enumerate(flats)]
+        publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
+        if warp:
+            publish = tirx.stmt_seq(self._halt_any(), tirx.IfThenElse(self.tx == 0, publish,
+                                                                      None))
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1), tirx.stmt_seq(
+            tirx.BufferStore(self.halt, i32(0), [i32(0)]), *steps, publish), None),
+            tirx.Evaluate(Tb.cuda.cta_sync()),
+            tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
 
     def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
