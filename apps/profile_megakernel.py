@@ -52,6 +52,9 @@ def main() -> None:
                         help="how the MoE down GEMM's output is stored (as bench_moe's)")
     parser.add_argument("--moe-align-tokens", type=int, help="tokens a MoE align task walks, "
                         "0 for one task (default: moe_layer.align_tokens_for the tokens)")
+    parser.add_argument("--moe-early-weights", action="store_true",
+                        help="MoE down tasks issue their first weight slices before they wait "
+                        "for h (as bench_moe's --early-weights)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
                         "default: 1 for the chain and the MLPs, moe_layer.options_for's for "
@@ -90,7 +93,7 @@ def main() -> None:
                 bn=args.moe_bn, down_bn=args.moe_down_bn,
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
                 blocked_weights=blocked, y_dtype=args.moe_y_dtype,
-                align_tokens=args.moe_align_tokens)
+                align_tokens=args.moe_align_tokens, early_weights=args.moe_early_weights)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \
