@@ -165,9 +165,10 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--down-loads", choices=("cp.async", "tma"), default="cp.async",
                         help="how the down tiles fill their rings (wgmma tiles: TMA loads of "
                         "h's rows and the weight slab; default cp.async)")
-    parser.add_argument("--early-weights", action="store_true",
+    parser.add_argument("--early-weights", action=argparse.BooleanOptionalAction,
                         help="down tasks issue their first weight slices before they wait "
-                        "for their rows of h (a task prelude)")
+                        "for their rows of h, a task prelude (default: below "
+                        f"{moe_layer.EARLY_WEIGHTS_BELOW} tokens)")
     return parser
 
 

@@ -352,7 +352,8 @@ def options_for(tokens: int, **options) -> dict:
     of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
-    (``combine_cols_for``) and tokens a task (``combine_tokens_for``), align's tokens a task
+    (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
+    load their first weights in their prelude (``early_weights_for``), align's tokens a task
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
@@ -384,7 +385,10 @@ def options_for(tokens: int, **options) -> dict:
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
     combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden)
+    early_weights = options["early_weights"] if options.get("early_weights") is not None \
+        else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
+            "early_weights": early_weights,
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": combine_cols,
             "combine_tokens": options.get("combine_tokens")
@@ -468,6 +472,21 @@ def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None)
 
 
 ALIGN_FROM_TOKENS = 512  # tokens from which align runs over several CTAs
+
+
+EARLY_WEIGHTS_BELOW = 2  # tokens below which the down tasks load weights in their prelude
+
+
+def early_weights_for(tokens: int) -> bool:
+    """Whether the down tasks issue their first weight slices before they wait for h
+    (``make_moe_layer``'s ``early_weights``): at one token, where the 8 expert tiles' h
+    completes at about the same time and the CTAs that claimed down tasks would otherwise
+    stream nothing until then. On the H200 (static + graph, claimed; three runs) one token
+    40.8 / 40.6 / 40.9 -> 39.5 / 39.5 / 38.3 us; at 4, 8 and 16 tokens the static kernel
+    within 1 us, the barrier kernel 0.7 - 2.8 us faster, the dynamic one 0.8 - 4.2 us slower:
+    a task the ring hands out is ready, gains nothing from its prelude, and its ring's first
+    step then waits for every weight slice the prelude issued (one cp.async group)."""
+    return tokens < EARLY_WEIGHTS_BELOW
 
 
 def align_tokens_for(tokens: int) -> int:

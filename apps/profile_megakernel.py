@@ -52,9 +52,10 @@ def main() -> None:
                         help="how the MoE down GEMM's output is stored (as bench_moe's)")
     parser.add_argument("--moe-align-tokens", type=int, help="tokens a MoE align task walks, "
                         "0 for one task (default: moe_layer.align_tokens_for the tokens)")
-    parser.add_argument("--moe-early-weights", action="store_true",
+    parser.add_argument("--moe-early-weights", action=argparse.BooleanOptionalAction,
                         help="MoE down tasks issue their first weight slices before they wait "
-                        "for h (as bench_moe's --early-weights)")
+                        "for h (as bench_moe's --early-weights; default: "
+                        "moe_layer.early_weights_for the tokens)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
                         "default: 1 for the chain and the MLPs, moe_layer.options_for's for "

@@ -801,6 +801,15 @@ def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, wa
                                        engine=options.get("engine", "wgmma")) == want[0]
 
 
+@pytest.mark.parametrize("tokens, options, want", [
+    (1, {}, True), (2, {}, False), (16, {}, False), (1024, {}, False),
+    (1, {"early_weights": False}, False), (1024, {"early_weights": True}, True),
+    (1, {"down_loads": "tma", "engine": "wgmma", "tile_rows": 64}, False),
+])
+def test_layer_options_load_down_weights_early_at_few_tokens(tokens, options, want):
+    assert moe_layer.options_for(tokens, **options)["early_weights"] is want
+
+
 def test_router_tokens_must_be_whole_top_k_blocks():
     with pytest.raises(ValueError, match="router_tokens 24 must be a multiple of block_tokens 16"):
         make_moe_layer(H, E, K, F, router_engine="mma", block_tokens=16, router_tokens=24)
