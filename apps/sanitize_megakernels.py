@@ -4,7 +4,8 @@
         compute-sanitizer --tool $tool --error-exitcode 1 python3 apps/sanitize_megakernels.py
     done
 
-(``apps/sanitize_megakernels.py mixed dynamic``: only those strategies.)
+(``apps/sanitize_megakernels.py mixed dynamic``: only those strategies; ``--cases
+prelude_weighted_rows``: only those graphs of megakernel_cases, and not the MoE graph.)
 
 Every graph of tests/python/megakernel_cases.py under the static strategy (list and
 round-robin queues), the dynamic, mixed and barrier strategies, and the MoE graph of
@@ -33,9 +34,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("strategies", nargs="*", default=None,
                         help="run only these strategies (default: all)")
-    wanted = parser.parse_args().strategies or None
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES),
+                        help="run only these graphs of megakernel_cases (default: all, then "
+                        "the MoE graph)")
+    args = parser.parse_args()
+    wanted = args.strategies or None
     rng = np.random.default_rng(0)
     for name, (graph, dims, make, _) in sorted(CASES.items()):
+        if args.cases and name not in args.cases:
+            continue
         inputs = make(rng)
         want = execute(graph, *inputs)
         for strategy, scheduler in (("static", list_schedule), ("static", round_robin_schedule),
@@ -46,7 +53,7 @@ def main() -> None:
             got = build(graph, dims, strategy=strategy, scheduler=scheduler)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
             print(f"{name} {strategy} {scheduler.__name__}: ok", flush=True)
-    for count_mode in COUNT_MODES:
+    for count_mode in () if args.cases else COUNT_MODES:
         graph, inputs = moe_graph(2, count_mode), make_inputs("random", 12, 2)
         want = execute(graph, *inputs)
         for strategy in MOE_STRATEGIES:
