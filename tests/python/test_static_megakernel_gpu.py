@@ -50,7 +50,7 @@ def test_unfused_replayed_from_a_cuda_graph(case, rng):
 
 
 @pytest.mark.parametrize("claim", [False, True])
-@pytest.mark.parametrize("case", ["two_ops", "gemm_reduce_scatter"])
+@pytest.mark.parametrize("case", ["two_ops", "gemm_reduce_scatter", "prelude_weighted_rows"])
 def test_100_launches_are_identical(case, claim, rng):
     graph, dims, make, _ = CASES[case]
     compiled = build(graph, dims, options=KernelOptions(claim=claim))
