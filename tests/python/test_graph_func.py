@@ -234,12 +234,42 @@ def float_coordinate(i: T.float32, A: T.Buffer((4,), "float32")):
     A[tx] = T.float32(0)
 
 
+@T.prim_func(check_well_formed=False)
+def mark_in_branch(i: T.int32, A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    if i > 0:
+        T.evaluate(await_inputs())
+    A[tx] = T.float32(0)
+
+
+@T.prim_func(check_well_formed=False)
+def prelude_writes(i: T.int32, W: T.Buffer((4,), "float32"), A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    A[tx] = W[tx]
+    T.evaluate(await_inputs())
+
+
+@T.prim_func(check_well_formed=False)
+def prelude_binds_a_read(i: T.int32, row: T.Buffer((4,), "int32"),
+                         A: T.Buffer((4,), "float32")):
+    T.device_entry()
+    tx = T.thread_id([4])
+    r = T.bind(row[i])
+    T.evaluate(await_inputs())
+    A[tx] = T.Cast("float32", r)
+
+
 @pytest.mark.parametrize("fn,match", [
     (no_coordinates, "has no task coordinates"),
     (scalar_after_tensor, "scalar parameter 'j' after a tensor parameter"),
     (cta_id, "declares a cluster or CTA id"),
     (no_threads, "declares no T.thread_id: pass num_threads"),
     (float_coordinate, "task coordinate 'i' must be T.int32"),
+    (mark_in_branch, "await_inputs\\(\\) must be one statement of the body's top level"),
+    (prelude_writes, "its prelude \\(before await_inputs\\(\\)\\) writes \\['A'\\]"),
+    (prelude_binds_a_read, "its prelude binds a value read from \\['row'\\] at its top level"),
 ])
 def test_device_func_contract(fn, match):
     with pytest.raises(EtcError, match=match):
@@ -275,43 +305,6 @@ def test_device_func_thread_count():
     assert scale_tile.num_threads == 128 and mix_tile.num_coords == 1
     with pytest.raises(EtcError, match=r"runs 128 threads \(T.thread_id\) but num_threads=64"):
         device_func(scale_tile.prim_func, num_threads=64)
-
-
-@T.prim_func(check_well_formed=False)
-def mark_in_branch(i: T.int32, A: T.Buffer((4,), "float32")):
-    T.device_entry()
-    tx = T.thread_id([4])
-    if i > 0:
-        T.evaluate(await_inputs())
-    A[tx] = T.float32(0)
-
-
-@T.prim_func(check_well_formed=False)
-def prelude_writes(i: T.int32, W: T.Buffer((4,), "float32"), A: T.Buffer((4,), "float32")):
-    T.device_entry()
-    tx = T.thread_id([4])
-    A[tx] = W[tx]
-    T.evaluate(await_inputs())
-
-
-@T.prim_func(check_well_formed=False)
-def prelude_binds_a_read(i: T.int32, row: T.Buffer((4,), "int32"),
-                         A: T.Buffer((4,), "float32")):
-    T.device_entry()
-    tx = T.thread_id([4])
-    r = T.bind(row[i])
-    T.evaluate(await_inputs())
-    A[tx] = T.Cast("float32", r)
-
-
-@pytest.mark.parametrize("fn,match", [
-    (mark_in_branch, "await_inputs\\(\\) must be one statement of the body's top level"),
-    (prelude_writes, "its prelude \\(before await_inputs\\(\\)\\) writes \\['A'\\]"),
-    (prelude_binds_a_read, "its prelude binds a value read from \\['row'\\] at its top level"),
-])
-def test_prelude_contract(fn, match):
-    with pytest.raises(EtcError, match=match):
-        device_func(fn)
 
 
 def test_prelude_reads():

@@ -399,8 +399,16 @@ def test_combine_blocks_layer_megakernel(strategy, tokens, rng, expert_weights,
                                          expert_weights_f64):
     """Combine tasks of 2 tokens (``pair_tile[2*b:2*b+2, :]`` in-edges), the tokens'
     defaults otherwise (blocked weights, y in bf16; the static and barrier kernels claiming)."""
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              combine_tokens=2)
+
+
+def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              **options):
+    """The layer with ``options`` over the tokens' defaults (blocked weights, y in bf16), the
+    static and barrier kernels claiming, every routing through one kernel."""
     options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
-                                    combine_tokens=2)
+                                    **options)
     run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
                 options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
                                       claim=strategy in ("static", "barrier")))
@@ -481,13 +489,5 @@ def test_early_weights_layer_megakernel(strategy, tokens, rng, expert_weights,
     (``early_weights``), the tokens' defaults otherwise (blocked weights, y in bf16; the
     static and barrier kernels claiming): the tasks of unused tiles, which the trigger skips
     after their prelude ran, leave no copy in flight."""
-    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
-                                    early_weights=True)
-    run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
-                options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
-                                      claim=strategy in ("static", "barrier")))
-    blocked = moe_layer.blocked_expert_weights(*expert_weights, options["tile_rows"],
-                                               options["bn"], options["down_bn"])
-    for routing in moe_layer.ROUTINGS:
-        check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64, "bfloat16")
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              early_weights=True)
