@@ -86,7 +86,7 @@ def input_check_sites(graph) -> list[tuple]:
 def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: ThreadScopes,
                 arena: tirx.Buffer | None, align: int = 128, rank: int = 0,
                 world_size: int = 1, maps: Sequence[tirx.Var] = (),
-                check: Callable | None = None) -> tuple[list, tirx.Stmt]:
+                check: Callable | None = None) -> tuple[list | None, tirx.Stmt]:
     """``(prelude, body)``: the statements that run ``fn``'s body for the task at ``coords``
     on ``buffers``, split at its ``await_inputs`` mark (the prelude a list of statements;
     None, and all of it the body, where it has none), on

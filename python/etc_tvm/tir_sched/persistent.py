@@ -501,17 +501,8 @@ class PersistentKernel:
         round trip after another. Then a barrier, and the CTA leaves its loop if the grid is
         stopping."""
         warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
-        lane = self.tx if warp else None
-        steps = self._wait_steps(call, task, coords, self._wait, lane)
-        if steps is None:
-            return None
-        publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
-        if warp:
-            publish = tirx.stmt_seq(self._halt_any(), tirx.IfThenElse(lane == 0, publish, None))
-        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1),
-                                             tirx.stmt_seq(steps, publish), None),
-                             tirx.Evaluate(Tb.cuda.cta_sync()),
-                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+        steps = self._wait_steps(call, task, coords, self._wait, self.tx if warp else None)
+        return None if steps is None else self._by_warp0(steps)
 
     def _prelude_waits(self, call, task) -> tirx.Stmt | None:
         """``_waits`` for a prelude: the completions of the calls whose tensors it reads,
@@ -520,16 +511,24 @@ class PersistentKernel:
         if not flats:
             return None
         warp = self.scopes.num_threads >= WARP
-        steps = [tirx.IfThenElse(self.tx == i32(k % WARP), self._wait(flat, task), None)
-                 if warp else self._wait(flat, task) for k, flat in enumerate(flats)]
+        return self._by_warp0(tirx.stmt_seq(
+            tirx.BufferStore(self.halt, i32(0), [i32(0)]),
+            *[tirx.IfThenElse(self.tx == i32(k % WARP), self._wait(flat, task), None)
+              if warp else self._wait(flat, task) for k, flat in enumerate(flats)]))
+
+    def _by_warp0(self, steps: tirx.Stmt) -> tirx.Stmt:
+        """``steps`` (waits that set ``halt``) by warp 0 (thread 0 in a CTA of fewer
+        threads), which publishes whether one failed; then a barrier, and the CTA leaves its
+        loop if the grid is stopping."""
+        warp = self.scopes.num_threads >= WARP
         publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
         if warp:
-            publish = tirx.stmt_seq(self._halt_any(), tirx.IfThenElse(self.tx == 0, publish,
-                                                                      None))
-        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1), tirx.stmt_seq(
-            tirx.BufferStore(self.halt, i32(0), [i32(0)]), *steps, publish), None),
-            tirx.Evaluate(Tb.cuda.cta_sync()),
-            tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+            publish = tirx.stmt_seq(self._halt_any(),
+                                    tirx.IfThenElse(self.tx == 0, publish, None))
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1),
+                                             tirx.stmt_seq(steps, publish), None),
+                             tirx.Evaluate(Tb.cuda.cta_sync()),
+                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
 
     def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
