@@ -123,7 +123,7 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
     body = tirx.stmt_seq(*prologue, body)
     if arena is not None:
         body = _into_arena(body, arena, align)
-    split = split_prelude(_flat(body))
+    split = split_prelude(tirx.stmt_list(body))
     if split is None:
         return None, body
     return split[0], tirx.stmt_seq(*split[1]) if split[1] else tirx.Evaluate(0)
@@ -131,13 +131,6 @@ def inline_task(fn: DeviceFunc, coords: Sequence, buffers: Sequence, scopes: Thr
 
 # Statements that only name things: a prelude leaves them unguarded, for the body after it.
 DECLARATIONS = (tirx.Bind, tirx.DeclBuffer, tirx.AllocBuffer)
-
-
-def _flat(stmt: tirx.Stmt) -> list:
-    """The statements of nested sequences, in order."""
-    if isinstance(stmt, tirx.SeqStmt):
-        return [s for part in stmt.seq for s in _flat(part)]
-    return [stmt]
 
 
 def encode_tensor_maps(tasks) -> tuple[list[list[tirx.Var]], list[tirx.Stmt]]:
