@@ -60,15 +60,23 @@ PRELUDE_DIMS = {"M": 160, "N": 7, "P": 40}
 def test_prelude_runs_after_its_producers_and_before_the_task_waits(claim):
     """weight_row_tile's prelude (the copy of its weight row) runs once the call that picks
     the rows is complete and before the wait on its tile of scale; after the body the kernel
-    drains the prelude's copies, which a task whose body did not run would leave in flight."""
+    drains the prelude's copies, which a task whose body did not run would leave in flight.
+    The prelude's waits publish a failure in a flag of their own: the task's waits publish in
+    ``stop`` with no barrier after the prelude's readers."""
     source = build(graphs.weighted_rows, PRELUDE_DIMS, num_sms=8,
                    options=KernelOptions(claim=claim)).cuda_source()
     branch = source[source.index("if (t < 120) {"):]  # the third call's tasks
     picks_done = branch.index("etc_wait((&(counters_ptr[40]))")
     copy = branch.index("cp_async_cg")
     tile_wait = branch.index("etc_wait((&(counters_ptr[(t % 40)]))")
-    assert picks_done < copy < tile_wait < branch.index("B_ptr[") \
+    assert picks_done < branch.index("prelude_stop_ptr[0] = halt_ptr[0]") \
+        < branch.index("if (prelude_stop_ptr[0] != 0)") < copy < tile_wait \
+        < branch.index(" stop_ptr[0] = halt_ptr[0]", tile_wait) < branch.index("B_ptr[") \
         < branch.index("cp_async_wait_all")
+    assert branch.count("prelude_stop_ptr[0] = halt_ptr[0]") == 1
+    plain = build(graphs.gemm_reduce_scatter, DIMS, num_sms=8,
+                  options=KernelOptions(claim=claim)).cuda_source()
+    assert "prelude_stop" not in plain
 
 
 def test_wait_before_body_before_notify():

@@ -227,6 +227,10 @@ class PersistentKernel:
         self.arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
             if arena_bytes else None
         self.stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
+        # the prelude waits' own flag: a task's waits publish in ``stop`` right after them,
+        # with no barrier between, while slow threads may still read the prelude's result
+        self.prelude_stop = tirx.decl_buffer((1,), "int32", "prelude_stop", scope="shared") \
+            if any(graph.prelude_waits(c) for c in self.calls) else None
         # a waiting thread's own stop flag, published to ``stop`` once its waits are done
         self.halt = tirx.decl_buffer((1,), "int32", "halt", scope="local")
         self.skip = tirx.decl_buffer((1,), "int32", "skip", scope="shared")
@@ -333,8 +337,10 @@ class PersistentKernel:
         if self.workspace is not None:
             for stmt in self.workspace.declarations():
                 Tb.add_to_parent(stmt)
-        for buf in (self.stop, self.skip, self.hooks, self.seen, self.remembered, self.halt):
-            Tb.add_to_parent(tirx.AllocBuffer(buf))
+        for buf in (self.stop, self.prelude_stop, self.skip, self.hooks, self.seen,
+                    self.remembered, self.halt):
+            if buf is not None:
+                Tb.add_to_parent(tirx.AllocBuffer(buf))
         if self.arena is not None:
             Tb.add_to_parent(tirx.AllocBuffer(self.arena))
 
@@ -514,21 +520,23 @@ class PersistentKernel:
         return self._by_warp0(tirx.stmt_seq(
             tirx.BufferStore(self.halt, i32(0), [i32(0)]),
             *[tirx.IfThenElse(self.tx == i32(k % WARP), self._wait(flat, task), None)
-              if warp else self._wait(flat, task) for k, flat in enumerate(flats)]))
+              if warp else self._wait(flat, task) for k, flat in enumerate(flats)]),
+            self.prelude_stop)
 
-    def _by_warp0(self, steps: tirx.Stmt) -> tirx.Stmt:
+    def _by_warp0(self, steps: tirx.Stmt, flag: tirx.Buffer | None = None) -> tirx.Stmt:
         """``steps`` (waits that set ``halt``) by warp 0 (thread 0 in a CTA of fewer
-        threads), which publishes whether one failed; then a barrier, and the CTA leaves its
-        loop if the grid is stopping."""
+        threads), which publishes in ``flag`` (``stop`` unless given) whether one failed;
+        then a barrier, and the CTA leaves its loop if the grid is stopping."""
         warp = self.scopes.num_threads >= WARP
-        publish = tirx.BufferStore(self.stop, self.halt[0], [i32(0)])
+        flag = self.stop if flag is None else flag
+        publish = tirx.BufferStore(flag, self.halt[0], [i32(0)])
         if warp:
             publish = tirx.stmt_seq(self._halt_any(),
                                     tirx.IfThenElse(self.tx == 0, publish, None))
         return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1),
                                              tirx.stmt_seq(steps, publish), None),
                              tirx.Evaluate(Tb.cuda.cta_sync()),
-                             tirx.IfThenElse(self.stop[0] != 0, tirx.Break(), None))
+                             tirx.IfThenElse(flag[0] != 0, tirx.Break(), None))
 
     def _wait_steps(self, call, task, coords, wait, lane=None) -> tirx.Stmt | None:
         """``halt[0] = 0``, then ``wait(counter index, task)`` on each element: by one
