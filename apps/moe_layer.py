@@ -73,8 +73,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
-    ``engine``: "mma" (``mma.sync``) or "wgmma" (warpgroup MMA, for tiles of 64-row
-    multiples). ``bk``: the grouped GEMMs' K slice, ``down_bk``: the down tiles' where it
+    ``engine``: "mma" (``mma.sync``), "wgmma" (warpgroup MMA, for tiles of 64-row
+    multiples) or "swapped" (warpgroup MMA with the weights on its m64 side, for tiles of
+    8-row multiples up to 256; ``moe.ENGINES``). ``bk``: the grouped GEMMs' K slice, ``down_bk``: the down tiles' where it
     differs (by default ``expert_tiles``' choice). ``blocked_weights``: the layer takes both
     expert weights as ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
     (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
@@ -225,7 +226,7 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x 256 tasks at two CTAs an
     SM keep 5 stages of 32 (A in 64-byte swizzled rows) where 2 of 64 fit. TMA loads take
     whole 64-column slices."""
-    wgmma = engine == "wgmma"
+    wgmma = engine in ("wgmma", "swapped")
     footprint = wgmma_gemm.shared_bytes if wgmma else functools.partial(gemm.shared_bytes,
                                                                          threads=threads)
     limit = min(wgmma_gemm.SMEM_LIMIT if wgmma else gemm.SMEM_LIMIT, arena_limit(ctas_per_sm))
@@ -321,9 +322,13 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     at 4096); else 128 (a third more FLOPs per loaded byte than 64: at 1024 tokens the static
     layer went from 1504 to 1149 us). With ``bn`` left to it, TMA down tiles take at most 128
     columns: of their 64-column slices, a 64 x 256 ring keeps 2 stages at two CTAs an SM.
-    ``engine``: the tiles' (``engine_for`` by default); ``threads``: the tiles'."""
+    ``engine``: the tiles' (``engine_for`` by default); ``threads``: the tiles'. Swapped
+    tiles take 128 columns a warpgroup (two m64 blocks of weight columns: a tile of 96 rows
+    holds 96 accumulators a thread)."""
     engine = engine or engine_for(tile_rows, "wgmma")
-    if bn is None:
+    if bn is None and engine == "swapped":
+        bn = 128 * (threads // wgmma_gemm.WARPGROUP)
+    elif bn is None:
         one_block = tile_rows == wgmma_gemm.BLOCK_ROWS * (threads // wgmma_gemm.WARPGROUP)
         wide = engine == "wgmma" and one_block and 2 * intermediate % 256 == 0 \
             and hidden % 256 == 0
@@ -531,8 +536,8 @@ def ctas_per_sm_for(threads: int) -> int:
 
 def engine_for(tile_rows: int, engine: str) -> str:
     """The grouped GEMMs' engine for tiles of ``tile_rows``: ``engine``, but "mma" where the
-    tiles are no multiple of 64 rows (a warpgroup MMA is 64 rows)."""
-    return engine if tile_rows % 64 == 0 else "mma"
+    tiles are no multiple of 64 rows (a warpgroup MMA is 64 rows; swapped, of 8)."""
+    return engine if tile_rows % (8 if engine == "swapped" else 64) == 0 else "mma"
 
 
 def layer_float64_torch(x, w_router, w_gate, w_up, w_down, top_k: int) -> np.ndarray:

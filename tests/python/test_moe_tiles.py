@@ -1178,6 +1178,42 @@ def test_wgmma_layer_matches_float64(tokens, rng):
     assert_within(execute(graph, *inputs, order=RandomOrder(2)), want, bound)
 
 
+@pytest.mark.parametrize("tokens", (1, 20))
+def test_swapped_layer_matches_float64(tokens, rng):
+    """Tiles of 24 rows (no multiple of 16 or 64) on swapped wgmma tiles."""
+    graph = make_moe_layer(H, E, K, F, tile_rows=24, combine_cols=128, engine="swapped")
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
+    assert {"gate_up_128x64_e16_24x128x64_s8_t128_swapped",
+            "down_64x128_e16_24x128x64_s8_t128_swapped"} <= names, names
+    inputs = make_inputs(rng, tokens, H, E, F)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(graph, *inputs, order=RandomOrder(2)), want, bound)
+
+
+@pytest.mark.parametrize("threads, bk", [(128, 32), (256, 64)])
+def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(threads, bk,
+                                                                          tmp_path):
+    """96-row swapped tiles at 1024 tokens (m64n96k16: the weights' panels on the m64 side,
+    read MN-major), the static kernel claiming: no wgmma serialised, no register spilled;
+    the SiLU epilogue pairs a thread's gate and up halves of a panel."""
+    ctas_per_sm = moe_layer.ctas_per_sm_for(threads)
+    options = moe_layer.options_for(1024, engine="swapped", tile_rows=96, bk=bk,
+                                    threads=threads, ctas_per_sm=ctas_per_sm,
+                                    blocked_weights=True, y_dtype="bfloat16")
+    bn = 128 * threads // 128
+    assert (options["bn"], options["down_bn"]) == (bn, bn)
+    graph = make_moe_layer(**options)
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
+    assert any(n.startswith(f"gate_up_2048x768_e128_96x{bn}x{bk}_") and
+               n.endswith(f"_t{threads}_swapped_blocked") for n in names), names
+    source = build(graph, {"T": 1024}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=ctas_per_sm, claim=True)).cuda_source()
+    assert "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16" in source
+    cubin, report = build_cubin(source, tmp_path)
+    assert "serializ" not in report, report[-4000:]
+    assert "tnspA" in sass(cubin)
+
+
 def test_grouped_gemm_engine_is_checked():
     with pytest.raises(EtcError, match="engine must be one of"):
         moe.make_down_tile(F, H, E, engine="tensor")

@@ -324,6 +324,30 @@ def test_two_warpgroup_layer_megakernel(strategy, tokens, bn, ctas_per_sm, rng, 
                     rng, expert_weights, expert_weights_f64)
 
 
+@pytest.mark.parametrize("tokens, tile_rows, threads, bk, ctas_per_sm", [
+    (1024, 96, 128, 32, 2), (1024, 80, 256, 64, 1), (1024, 72, 128, 32, 3),
+    (100, 24, 128, 32, 2), (1, 8, 128, 64, 2)])
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_swapped_layer_megakernel(strategy, tokens, tile_rows, threads, bk, ctas_per_sm, rng,
+                                  expert_weights, expert_weights_f64):
+    """Grouped GEMMs on swapped wgmma tiles (the weights on the m64 side, the tile's rows
+    the instruction's N): tiles of 96, 80 and 72 rows (at 1024 tokens an expert's pairs
+    mostly fit one; 72 rows in 5-stage rings at three CTAs an SM, whose A stages end off a
+    swizzle atom), 24 and 8 rows, one and two warpgroups, blocked weights, every routing
+    (the static and barrier kernels claiming)."""
+    options = moe_layer.options_for(tokens, engine="swapped", tile_rows=tile_rows, bk=bk,
+                                    threads=threads, ctas_per_sm=ctas_per_sm,
+                                    blocked_weights=True)
+    compiled = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
+                     options=KernelOptions(ctas_per_sm=ctas_per_sm,
+                                           claim=strategy in ("static", "barrier")))
+    blocked = moe_layer.blocked_expert_weights(*expert_weights, tile_rows, options["bn"],
+                                               options["down_bn"])
+    for routing in moe_layer.ROUTINGS:
+        check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
+                    rng, expert_weights, expert_weights_f64)
+
+
 @pytest.mark.parametrize("tokens, tile_rows, blocked", [(512, 64, True), (1024, 128, False)])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, expert_weights,

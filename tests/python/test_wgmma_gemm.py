@@ -32,6 +32,15 @@ CONFIGS = {  # make_wgmma_gemm_tile configurations
                                     "stores": "staged"},
     "64x256x32_bf16_t128": {"bm": 64, "bn": 256, "bk": 32, "stages": 5, "threads": 128,
                             "out_dtype": "bfloat16"},  # A in 64-byte swizzled rows
+    # swapped: B's panels on the m64 side, the tile's rows the instruction's N
+    "96x128x32_f32_t128_swapped": {"bm": 96, "bn": 128, "bk": 32, "stages": 6,
+                                   "threads": 128, "swapped": True},
+    "40x256x64_bf16_swapped": {"bm": 40, "bn": 256, "bk": 64, "stages": 3,
+                               "out_dtype": "bfloat16", "swapped": True},
+    # its A stages end 512 bytes past a swizzle atom (b_ring_offset)
+    "72x128x32_bf16_t128_swapped": {"bm": 72, "bn": 128, "bk": 32, "stages": 5,
+                                    "threads": 128, "out_dtype": "bfloat16",
+                                    "swapped": True},
 }
 
 
@@ -83,7 +92,8 @@ def chain_float64(A, W1, W2):
 
 
 # ------------------------------------------------------------------ NumPy reference vs float64
-@pytest.mark.parametrize("name", ["128x256x64_f32", "128x256x64_bf16_s3", "64x64x64_f32_t128"])
+@pytest.mark.parametrize("name", ["128x256x64_f32", "128x256x64_bf16_s3", "64x64x64_f32_t128",
+                                  "96x128x32_f32_t128_swapped"])
 def test_reference_is_within_its_bound(name, rng):
     cfg = config(name)
     M, K, N = 2 * cfg["bm"], 3 * cfg["bk"], 2 * cfg["bn"]
@@ -154,6 +164,37 @@ def test_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
             np.testing.assert_array_equal(got, A[m * 64:(m + 1) * 64, kk * 16:(kk + 1) * 16])
 
 
+@pytest.mark.parametrize("bm, bn, bk", [(96, 128, 32), (40, 256, 64), (8, 64, 128)])
+def test_swapped_descriptors_read_back_the_tile_the_loads_wrote(bm, bn, bk, rng):
+    """Swapped, each of B's 64-column panels is an m64 operand read MN-major (the B
+    descriptor from the panel on) and all bm rows of A one K-major operand of N = bm."""
+    A = rng.integers(0, 2 ** 16, (bm, bk), dtype=np.uint16)
+    B = rng.integers(0, 2 ** 16, (bk, bn), dtype=np.uint16)
+    a_row = min(bk, 64)
+    a_smem, b_smem = swizzled_stage(A, bm, bk, a_row), swizzled_stage(B, bk, bn)
+    steps = a_row // 16
+    for kk in range(bk // 16):
+        for panel in range(bn // 64):
+            got = read_descriptor(b_smem, kk * 16 * 64 + panel * bk * 64, lbo=bk * 64,
+                                  sbo=512, rows=16, cols=64, k_major=False)
+            np.testing.assert_array_equal(got, B[kk * 16:(kk + 1) * 16,
+                                                 panel * 64:(panel + 1) * 64])
+        got = read_descriptor(a_smem, kk // steps * bm * a_row + kk % steps * 16, lbo=None,
+                              sbo=8 * a_row, rows=bm, cols=16, k_major=True, swizzle=2 * a_row)
+        np.testing.assert_array_equal(got, A[:, kk * 16:(kk + 1) * 16])
+
+
+@pytest.mark.parametrize("bm, bk, stages", [(72, 32, 5), (72, 32, 8), (40, 64, 3), (8, 32, 7),
+                                            (64, 32, 5), (128, 64, 4)])
+def test_b_stages_start_on_a_swizzle_atom(bm, bk, stages):
+    """The B panels' 128-byte swizzle needs 1024-byte atoms: past A stages ending on 512 bytes
+    (72 rows of 32-column slices, five stages), the B ring starts on the next atom; where
+    they end on one, it starts right after them (the shared memory as before)."""
+    start = wgmma_gemm.b_ring_offset(bm, bk, stages)
+    assert start % 1024 == 0 and 0 <= start - stages * bm * bk * 2 < 1024
+    assert wgmma_gemm.shared_bytes(bm, 128, bk, stages) == start + stages * bk * 128 * 2 + 1024
+
+
 # ------------------------------------------------------------------ machine code for sm_90a
 def sass_of(source: str, tmp_path) -> str:
     """The SASS of ``source`` built for sm_90a: no spill, no wgmma serialised by ptxas."""
@@ -168,14 +209,18 @@ def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
     M, K, N = 2 * cfg["bm"], 4 * cfg["bk"], 2 * cfg["bn"]
     compiled = build(gemm_graph(cfg), {"M": M, "K": K, "N": N}, strategy="unfused")
     source = compiled.cuda_source()
-    assert WGMMA.format(n=cfg["bn"]) in source
+    swapped = cfg.get("swapped", False)
+    n = cfg["bm"] if swapped else cfg["bn"]
+    assert WGMMA.format(n=n) in source
     assert "fence.proxy.async.shared::cta" in source
     code = sass_of(source, tmp_path)
-    hgmma = f"HGMMA.64x{cfg['bn']}x16.F32.BF16"
+    hgmma = f"HGMMA.64x{n}x16.F32.BF16"
     # one per m64 block of a warpgroup and k16 step, per K step (the loop may be unrolled)
-    per_step = cfg["bm"] // (cfg["threads"] // 128) // 64 * cfg["bk"] // 16
+    blocks = cfg["bn"] if swapped else cfg["bm"]
+    per_step = blocks // (cfg["threads"] // 128) // 64 * cfg["bk"] // 16
     assert count(code, hgmma) % per_step == 0 and count(code, hgmma) >= per_step, code
-    assert "tnspB" in code  # B read MN-major from shared memory
+    # B read MN-major from shared memory: swapped, as the m64 operand
+    assert ("tnspA" in code) == swapped and ("tnspB" in code) != swapped
     assert count(code, "LDGSTS.E.BYPASS.128") > 0
     assert count(code, "HMMA.16816.F32.BF16") == 0
     # staged: the tile leaves in 16-byte stores, a thread's share of whole rows
@@ -245,7 +290,14 @@ def test_tile_shared_memory_and_threads():
     ({"stages": 5}, "more than"),
     ({"out_dtype": "float16"}, "out_dtype"),
     ({"stores": "rows"}, "stores must be one of"),
-    ({"stores": "staged"}, "staged stores write bf16 tiles, not float32"),
+    ({"stores": "staged"}, "staged stores write bf16 tiles"),
+    ({"bm": 36, "swapped": True}, "bm must be a multiple of 8 up to 256"),
+    ({"bm": 264, "bn": 64, "threads": 128, "swapped": True}, "bm must be a multiple of 8"),
+    ({"bm": 64, "bn": 192, "swapped": True}, "bn must be a multiple of 128"),
+    ({"bm": 96, "bn": 256, "threads": 128, "swapped": True}, "accumulators per thread"),
+    ({"bm": 64, "loads": "tma", "swapped": True}, "swapped tiles load by cp.async"),
+    ({"bm": 64, "out_dtype": "bfloat16", "stores": "staged", "swapped": True},
+     "staged stores write bf16 tiles of rows on the m64 side"),
 ])
 def test_factory_rejects_shapes_it_cannot_run(kwargs, message):
     with pytest.raises(EtcError, match=message):

@@ -66,8 +66,9 @@ Choices, and why:
   time either way.
 - SiLU-and-multiply is fused in gate_up's epilogue: the gate and up weights are interleaved in
   blocks of 8 columns (``interleave_gate_up``), so accumulator blocks 2q and 2q+1 of a thread
-  hold gate and up of the same h column; h is written once, in bf16, with no fp32 (rows, 2F)
-  round trip and no extra dependency hop.
+  hold gate and up of the same h column (on the "swapped" engine, whose accumulators hold
+  the tile transposed, a thread's halves g and g + 8 of a 16-column group); h is written
+  once, in bf16, with no fp32 (rows, 2F) round trip and no extra dependency hop.
 - y stays fp32 by default and the combine sums in fp32 in k order (deterministic, no
   atomics), rounding once to bf16. Stored in bf16 instead (``Y_DTYPES``, as vLLM keeps it),
   y costs half the bytes down writes and the combine reads back, for one more rounding.
@@ -1063,7 +1064,7 @@ def _np_silu(v):
         return v / (1 + np.exp(-v))
 
 
-ENGINES = ("mma", "wgmma")
+ENGINES = ("mma", "wgmma", "swapped")
 # down's output y, which the combine reads back: fp32, or bf16 (half the bytes, as vLLM keeps
 # it; one more rounding, ``y_rounding_bound``)
 Y_DTYPES = ("float32", "bfloat16")
@@ -1086,16 +1087,18 @@ def y_rounding_bound(y: np.ndarray, y_dtype: str) -> np.ndarray:
 def _engine(engine: str, bm: int, bn: int, bk: int, threads: int, stages: int):
     """The grouped GEMMs' accumulator tile: a constructor ``(tx, warp, lane) -> tile`` of
     ``gemm.MmaTile`` ("mma": mma.sync, any 16-row multiple) or ``wgmma_gemm.WgmmaTile``
-    ("wgmma": 64-row multiples per warpgroup), after checking the geometry; and a name
-    suffix."""
+    ("wgmma": 64-row multiples per warpgroup; "swapped": the weights on the m64 side, any
+    8-row multiple up to 256, so that a tile pads an expert's rows to 8, not 64), after
+    checking the geometry; and a name suffix."""
     if engine == "mma":
         gemm.check_geometry(bm, bn, bk, threads, stages)
         return lambda tx, warp, lane: gemm.MmaTile(bm, bn, bk, threads, stages, tx, warp,
                                                    lane), ""
-    if engine == "wgmma":
-        wgmma_gemm.check_geometry(bm, bn, bk, stages, threads)
+    if engine in ("wgmma", "swapped"):
+        swapped = engine == "swapped"
+        wgmma_gemm.check_geometry(bm, bn, bk, stages, threads, swapped=swapped)
         return lambda tx, warp, lane: wgmma_gemm.WgmmaTile(bm, bn, bk, stages, threads, tx,
-                                                           warp, lane), "_wgmma"
+                                                           warp, lane, swapped), f"_{engine}"
     raise EtcError(f"grouped GEMM: engine must be one of {ENGINES}, got {engine!r}")
 
 
@@ -1145,6 +1148,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     live_blocks = _live_blocks(engine, BT)
+    swapped = engine == "swapped"
     if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
         raise EtcError(f"gate_up tile: H={H} must be a multiple of bk={bk}, 2F={2 * F} of "
                        f"bn={bn}, and bn of {2 * INTERLEAVE}")
@@ -1168,16 +1172,26 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             _run_rows(mma, x, lambda r: sorted_token[g * BT + r],
                       _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
                       g * BT, live_blocks)
-            for m in T.unroll(mma.mi):
-                for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
-                    for hh in T.unroll(2):
+            if swapped:  # a thread's columns c and c + 8 of a panel: gate and up
+                for m in T.unroll(mma.mi):
+                    for q in T.unroll(mma.ni):
                         for v in T.unroll(2):
-                            col = T.meta_var(mma.col(2 * q, v))  # a gate column of the tile
-                            h[g * BT + mma.row(m, hh),
+                            col = T.meta_var(mma.col(m, 0))  # a gate column of the tile
+                            h[g * BT + mma.row(q, v),
                               n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
                               + col % INTERLEAVE] = T.Cast(
-                                  "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
-                                  * mma.frag(m, 2 * q + 1, 2 * hh + v))
+                                  "bfloat16", _silu(mma.frag(m, q, v)) * mma.frag(m, q, 2 + v))
+            else:
+                for m in T.unroll(mma.mi):
+                    for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
+                        for hh in T.unroll(2):
+                            for v in T.unroll(2):
+                                col = T.meta_var(mma.col(2 * q, v))  # a gate column
+                                h[g * BT + mma.row(m, hh),
+                                  n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                                  + col % INTERLEAVE] = T.Cast(
+                                      "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
+                                      * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_blocked" if blocked else "")
@@ -1224,7 +1238,7 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         raise EtcError(f"down tile: F={F} must be a multiple of bk={bk} and H={H} of bn={bn}")
     maps = wgmma_gemm.operand_maps(loads, "h", BT, bk, "down tile", b="w_down")
     tma = loads == "tma"
-    if tma and engine != "wgmma":
+    if tma and engine != "wgmma":  # (a swapped tile's rows are no TMA box of A)
         raise EtcError(f"down tile: loads 'tma' runs on the wgmma engine, not {engine!r}")
     if tma and early_weights:
         raise EtcError("down tile: early_weights issues cp.async copies; TMA loads fill the "

@@ -12,7 +12,8 @@ shared memory through 64-bit matrix descriptors, so a warpgroup issues one
 
 Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
 
-    ring = [A stage 0 .. A stage S-1][B stage 0 .. B stage S-1], base aligned to 1024 bytes
+    ring = [A stage 0 .. A stage S-1][B stage 0 .. B stage S-1], base aligned to 1024 bytes,
+           the B stages from the next 1024-byte boundary (``b_ring_offset``)
     A stage: bk/64 panels of  bm rows x 64 bf16 (128 bytes a row)   K-major ("row-major A")
              (bk = 32: one panel of bm rows x 32 bf16, 64 bytes a row, the 64-byte swizzle)
     B stage: bn/64 panels of  bk rows x 64 bf16 (128 bytes a row)   N-major (B as stored)
@@ -103,37 +104,53 @@ STORES = ("fragments", "staged")  # WgmmaTile.store, WgmmaTile.store_staged
 STAGE_PAD = 8  # bf16 a staged row is padded by: the fragments' 4-byte writes miss no bank twice
 TMA_LOAD = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
 
-__all__ = ["STORES", "WgmmaTile", "check_geometry", "error_bound", "make_wgmma_gemm_tile",
-           "shared_bytes", "operand_maps", "task_cost"]
+__all__ = ["STORES", "WgmmaTile", "b_ring_offset", "check_geometry", "error_bound",
+           "make_wgmma_gemm_tile", "shared_bytes", "operand_maps", "task_cost"]
+
+
+def b_ring_offset(bm: int, bk: int, stages: int) -> int:
+    """Where the B stages start, bytes from the ring's aligned base: past the A stages, on a
+    swizzle atom (A stages of 32-column slices and a swapped tile's rows, a multiple of 8,
+    end on 512 bytes only)."""
+    return -(-stages * bm * bk * 2 // ATOM_BYTES) * ATOM_BYTES
 
 
 def shared_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
     """Bytes of shared memory one task uses: the bf16 A and B rings plus the alignment slack."""
-    return stages * (bm * bk + bk * bn) * 2 + ATOM_BYTES
+    return b_ring_offset(bm, bk, stages) + stages * bk * bn * 2 + ATOM_BYTES
 
 
 def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
-                   out_dtype: str = "float32", stores: str = "fragments") -> None:
+                   out_dtype: str = "float32", stores: str = "fragments",
+                   swapped: bool = False) -> None:
     """Reject the shapes the layout, the instruction and the register file cannot take, and
     ``stores`` ("fragments": ``WgmmaTile.store``; "staged": ``store_staged``, of bf16 tiles:
     its padded rows, ``bm * (bn + 8)`` elements, always fit the ring, whose 3 or more stages
     of slices at least 32 deep hold ``96 * (bm + bn)``: the accumulator limit keeps
-    ``bm * bn`` within 32768)."""
-    name = f"wgmma gemm tile {bm}x{bn}x{bk}"
+    ``bm * bn`` within 32768). ``swapped``: ``WgmmaTile``'s."""
+    name = f"wgmma gemm tile {bm}x{bn}x{bk}" + (" (swapped)" if swapped else "")
     if stores not in STORES:
         raise EtcError(f"{name}: stores must be one of {STORES}, got {stores!r}")
-    if stores == "staged" and out_dtype != "bfloat16":
-        raise EtcError(f"{name}: staged stores write bf16 tiles, not {out_dtype}")
+    if stores == "staged" and (out_dtype != "bfloat16" or swapped):
+        raise EtcError(f"{name}: staged stores write bf16 tiles of rows on the m64 side, not "
+                       f"{out_dtype}{' swapped' if swapped else ''} ones")
     if out_dtype not in OUT_DTYPES:
         raise EtcError(f"{name}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if threads not in (WARPGROUP, 2 * WARPGROUP):
         raise EtcError(f"{name}: threads must be 128 or 256 (one or two warpgroups), "
                        f"got {threads}")
     groups = threads // WARPGROUP
-    if bm <= 0 or bm % (64 * groups):
+    if swapped:
+        if bm <= 0 or bm % 8 or bm > 256:
+            raise EtcError(f"{name}: bm must be a multiple of 8 up to 256: the tile's rows are "
+                           "the N of one wgmma")
+        if bn <= 0 or bn % (PANEL * groups):
+            raise EtcError(f"{name}: bn must be a multiple of {PANEL * groups}: each of the "
+                           f"{groups} warpgroups takes whole 64-column panels, its m64 blocks")
+    elif bm <= 0 or bm % (64 * groups):
         raise EtcError(f"{name}: bm must be a multiple of 64 per warpgroup ({64 * groups} for "
                        f"{threads} threads): wgmma computes m64 blocks")
-    if bn <= 0 or bn % PANEL or bn > 256:
+    elif bn <= 0 or bn % PANEL or bn > 256:
         raise EtcError(f"{name}: bn must be 64, 128, 192 or 256: one wgmma spans the tile's N "
                        "(at most 256) in 64-column swizzle panels")
     if bk <= 0 or bk % PANEL and bk != PANEL // 2:
@@ -142,13 +159,10 @@ def check_geometry(bm: int, bn: int, bk: int, stages: int, threads: int,
     if stages < 3:
         raise EtcError(f"{name}: stages must be >= 3: one wgmma batch stays in flight while "
                        f"the slot two steps back is refilled, got {stages}")
-    acc = bm // groups // 64 * bn // 2
+    acc = bm * bn // (2 * 64 * groups)  # either way: bm * bn / threads
     if acc > MAX_ACC_REGS:
         raise EtcError(f"{name}: {acc} fp32 accumulators per thread with {threads} threads, "
                        f"more than {MAX_ACC_REGS}: use 256 threads or a smaller tile")
-    if (bm * bk // CHUNK) % threads or (bk * bn // CHUNK) % threads:
-        raise EtcError(f"{name}: its 16-byte chunks per stage do not divide among {threads} "
-                       "threads")
     smem = shared_bytes(bm, bn, bk, stages)
     if smem > SMEM_LIMIT:
         raise EtcError(f"{name} x{stages} stages needs {smem} bytes of shared memory, more "
@@ -172,7 +186,7 @@ class SwizzledRing:
         self.a_row = min(bk, PANEL) * 2  # bytes of one swizzled A row: 64 or 128
         self.a_stage = bm * bk * 2  # bytes of one A stage
         self.b_stage = bk * bn * 2
-        self.b_ring = stages * self.a_stage  # where the B stages start
+        self.b_ring = b_ring_offset(bm, bk, stages)
         self.smem = T.alloc_buffer((shared_bytes(bm, bn, bk, stages) // 2,), "bfloat16",
                                    scope="shared.dyn")
         self.base = T.local_scalar("int32")  # bf16 elements from the allocation to the base
@@ -197,16 +211,19 @@ class SwizzledRing:
 
     @T.inline
     def load_a(self, slot, a_src, k0, tx, a_valid=None, rows=None):
-        a_cols = T.meta_var(self.bk // CHUNK)
+        # (a swapped tile's rows may leave the last chunks to some of the threads)
+        a_cols, chunks = T.meta_var((self.bk // CHUNK, self.bm * self.bk // CHUNK))
         row_bytes, per_row = T.meta_var((self.a_row, self.a_row // 16))
-        for r in T.unroll(self.bm * a_cols // self.threads):
+        for r in T.unroll(-(-chunks // self.threads)):
             c = T.meta_var(r * self.threads + tx)
             row, cc = T.meta_var((c // a_cols, c % a_cols))
-            src, valid = T.meta_var(chunk_source(a_src, a_valid, rows, r, row, k0 + cc * CHUNK))
-            copy_a_chunk(self.at(slot * self.a_stage + cc // per_row * (self.bm * row_bytes)
-                                 + row * row_bytes
-                                 + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row) * 16),
-                         src, valid, row)
+            if chunks % self.threads == 0 or c < chunks:
+                src, valid = T.meta_var(chunk_source(a_src, a_valid, rows, r, row,
+                                                     k0 + cc * CHUNK))
+                copy_a_chunk(self.at(slot * self.a_stage + cc // per_row * (self.bm * row_bytes)
+                                     + row * row_bytes
+                                     + (cc % per_row ^ row * row_bytes // ROW_BYTES % per_row)
+                                     * 16), src, valid, row)
 
     @T.inline
     def load_b(self, slot, b_src, k0, tx):
@@ -258,9 +275,11 @@ class SwizzledRing:
         step = kk // steps * (self.bm * self.a_row) + m * 64 * self.a_row + kk % steps * 32
         return desc[0] + T.Cast("uint64", slot * (self.a_stage // 16) + step // 16)
 
-    def b_desc(self, desc, slot, kk):
-        """B's descriptor for k16 step ``kk``: 16 rows (two swizzle atoms) further."""
-        return desc[1] + T.Cast("uint64", slot * (self.b_stage // 16) + kk * 16 * ROW_BYTES // 16)
+    def b_desc(self, desc, slot, kk, panel=0):
+        """B's descriptor for k16 step ``kk``: 16 rows (two swizzle atoms) further; from its
+        64-column ``panel`` on."""
+        return desc[1] + T.Cast("uint64", slot * (self.b_stage // 16) + kk * 16 * ROW_BYTES // 16
+                                + panel * (self.bk * ROW_BYTES // 16))
 
 
 @T.meta_class
@@ -273,29 +292,47 @@ class WgmmaTile:
     per-expert or per-rank operands reuse the same loop. After ``run``, ``frag(m, n, e)``
     holds tile element ``(row(m, e // 2), col(n, e % 2))`` of this thread (m: the warpgroup's
     m64 blocks, n: the n8 blocks, as the mma.m16n8 C fragment); ``store`` writes the tile out,
-    other epilogues read ``frag``. The geometry is checked by ``check_geometry`` first."""
+    other epilogues read ``frag``. The geometry is checked by ``check_geometry`` first.
 
-    def __init__(self, bm, bn, bk, stages, threads, tx, warp, lane):
+    ``swapped``: the tile computes ``C^T = B^T A^T``: B's 64-column panels, as they lie in
+    the ring, are the instructions' m64 side (read MN-major, ``imm-trans-a`` = 1) and the
+    tile's rows their N (``m64n<bm>k16``, A's panels read K-major, ``imm-trans-b`` = 0), so
+    that bm is any multiple of 8 up to 256: a grouped GEMM's tile of an expert's rows then
+    pads them to 8, not 64. Each warpgroup holds ``bn / 64 / warpgroups`` panels. The
+    accumulators hold C transposed: ``frag(m, n, e)`` is tile element ``(row(n, e % 2),
+    col(m, e // 2))``, m the warpgroup's panels, n the n8 blocks of rows."""
+
+    def __init__(self, bm, bn, bk, stages, threads, tx, warp, lane, swapped=False):
         self.bm, self.bn, self.bk, self.stages = bm, bn, bk, stages
         self.tx, self.warp, self.lane = tx, warp, lane
+        self.swapped = swapped
         self.groups = threads // WARPGROUP
-        self.wg_rows = bm // self.groups  # rows per warpgroup
-        self.mt = self.wg_rows // 64  # m64 blocks per warpgroup
-        self.regs = bn // 2  # accumulators per m64 block and thread
-        self.mi, self.ni = self.mt, bn // 8
+        self.wg_rows = 0 if swapped else bm // self.groups  # rows per warpgroup
+        # m64 blocks per warpgroup; accumulators per m64 block and thread
+        self.mt = bn // PANEL // self.groups if swapped else self.wg_rows // 64
+        self.regs = (bm if swapped else bn) // 2
+        self.mi, self.ni = self.mt, self.regs // 4
         self.prefetch = stages - 2
-        self.wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{bn}k16").f32.bf16.bf16
+        self.wgmma = getattr(T.ptx.wgmma.mma_async.sync.aligned,
+                             f"m64n{bm if swapped else bn}k16").f32.bf16.bf16
         self.ring = SwizzledRing(bm, bn, bk, stages, threads)
         self.acc = T.alloc_local((self.mt, self.regs), "float32")
         self.desc = T.alloc_local((2,), "uint64")
 
     def row(self, m, h):
-        """The tile row of m64 block m, half h: 16 rows a warp, g = lane // 4 and g + 8."""
+        """The tile row of m64 block m, half h: 16 rows a warp, g = lane // 4 and g + 8
+        (swapped: of n8 block m, element h: rows 2t, 2t + 1, t = lane % 4)."""
+        if self.swapped:
+            return m * 8 + self.lane % 4 * 2 + h
         return self.warp // 4 * self.wg_rows + m * 64 + self.warp % 4 * 16 + self.lane // 4 \
             + h * 8
 
     def col(self, n, v):
-        """The tile column of n8 block n, element v (columns 2t, 2t + 1, t = lane % 4)."""
+        """The tile column of n8 block n, element v (columns 2t, 2t + 1, t = lane % 4;
+        swapped: of the warpgroup's panel n, half v: 16 columns a warp, lane // 4 and + 8)."""
+        if self.swapped:
+            return (self.warp // 4 * self.mt + n) * PANEL + self.warp % 4 * 16 \
+                + self.lane // 4 + v * 8
         return n * 8 + self.lane % 4 * 2 + v
 
     def frag(self, m, n, e):
@@ -305,7 +342,7 @@ class WgmmaTile:
     def begin(self):
         # the ring's aligned base, the descriptors, zero accumulators
         self.ring.init()
-        self.ring.encode(self.desc, self.warp // 4 * self.wg_rows)
+        self.ring.encode(self.desc, 0 if self.swapped else self.warp // 4 * self.wg_rows)
         for m in T.unroll(self.mt):
             for e in T.unroll(self.regs):
                 self.acc[m, e] = T.float32(0)
@@ -342,9 +379,14 @@ class WgmmaTile:
         ring, acc, desc = T.meta_var((self.ring, self.acc, self.desc))
         for kk in T.unroll(self.bk // 16):
             for m in T.unroll(blocks):
-                self.wgmma(*[acc[m, e] for e in range(self.regs)],
-                           ring.a_desc(desc, slot, kk, m), ring.b_desc(desc, slot, kk),
-                           True, 1, 1, 0, 1)
+                if self.swapped:  # B's panel (MN-major) times the tile's rows (K-major)
+                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                               ring.b_desc(desc, slot, kk, self.warp // 4 * self.mt + m),
+                               ring.a_desc(desc, slot, kk, 0), True, 1, 1, 1, 0)
+                else:
+                    self.wgmma(*[acc[m, e] for e in range(self.regs)],
+                               ring.a_desc(desc, slot, kk, m), ring.b_desc(desc, slot, kk),
+                               True, 1, 1, 0, 1)
 
     @T.inline
     def mma_step(self, ko, live_blocks=None):
@@ -450,7 +492,31 @@ class WgmmaTile:
 
     @T.inline
     def store(self, C, row0, col0):
-        store_fragments(self, C, row0, col0)
+        if self.swapped:
+            self.store_swapped(C, row0, col0)
+        else:
+            store_fragments(self, C, row0, col0)
+
+    @T.inline
+    def store_swapped(self, C, row0, col0):
+        # A thread's two elements of an instruction lie in one column (rows 2t, 2t + 1); the
+        # lane four over holds the next column. The pair trade one element, so that each
+        # holds two adjacent columns of one row, which leave in one store (and the bf16
+        # conversion reads the traded registers: converting accumulator pairs straight from
+        # the wgmma's registers, ptxas serialised every wgmma of the kernel, C7514).
+        odd = T.meta_var(self.lane // 4 % 2)
+        for m in T.unroll(self.mi):
+            for n in T.unroll(self.ni):
+                for h in T.unroll(2):
+                    mine = T.meta_var((self.frag(m, n, 2 * h), self.frag(m, n, 2 * h + 1)))
+                    got = T.meta_var(T.tvm_warp_shuffle_xor(
+                        T.uint32(0xFFFFFFFF), T.Select(odd == 1, mine[0], mine[1]), 4, 32, 32))
+                    pair = T.alloc_local((2,), "float32")
+                    pair[0] = T.Select(odd == 1, got, mine[0])
+                    pair[1] = T.Select(odd == 1, mine[1], got)
+                    for v in T.vectorized(2):
+                        C[row0 + self.row(n, odd), col0 + self.col(m, h) - odd + v] = \
+                            T.Cast(C.dtype, pair[v])
 
     @T.inline
     def store_as(self, stores, C, row0, col0):
@@ -507,7 +573,8 @@ def task_cost(K, bm: int, bn: int, bk: int):
 
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
                          threads: int = 256, out_dtype: str = "float32",
-                         loads: str = "cp.async", stores: str = "fragments") -> DeviceFunc:
+                         loads: str = "cp.async", stores: str = "fragments",
+                         swapped: bool = False) -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
     configuration, however the arguments are spelled (graphs naming one configuration share
     one device function).
@@ -519,19 +586,23 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     128-thread tiles of the library. ``loads``: "cp.async" (every thread copies 16 bytes at
     a time) or "tma" (one thread, one TMA load a 64-column panel, through tensor maps of A
     and B that the kernels encode; ``run_tma``). ``stores``: ``STORES``, "fragments"
-    (``WgmmaTile.store``) or "staged" (``store_staged``; bf16 tiles).
+    (``WgmmaTile.store``) or "staged" (``store_staged``; bf16 tiles). ``swapped``
+    (cp.async loads): ``WgmmaTile``'s, bm any multiple of 8.
     """
-    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads, stores)
+    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads, stores, swapped)
 
 
 @functools.cache
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
-               out_dtype: str, loads: str, stores: str) -> DeviceFunc:
-    check_geometry(bm, bn, bk, stages, threads, out_dtype, stores)
+               out_dtype: str, loads: str, stores: str, swapped: bool) -> DeviceFunc:
+    check_geometry(bm, bn, bk, stages, threads, out_dtype, stores, swapped)
     staged = stores == "staged"
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
     maps = operand_maps(loads, "A", bm, bk, "wgmma gemm tile")
     tma = loads == "tma"
+    if tma and swapped:
+        raise EtcError(f"wgmma gemm tile {bm}x{bn}x{bk}: swapped tiles load by cp.async, "
+                       "not TMA")
 
     # with TMA the maps' variables are free: each kernel binds them
     @T.prim_func(check_well_formed=not tma)
@@ -541,7 +612,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         tx = T.thread_id([threads])
         warp = T.warp_id([threads // 32])
         lane = T.lane_id([32])
-        tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane)
+        tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane, swapped)
         if tma:
             tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, K // bk)
         else:
@@ -551,7 +622,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" \
-        f"{'_staged' if staged else ''}"
+        f"{'_staged' if staged else ''}{'_swapped' if swapped else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
 
