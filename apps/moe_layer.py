@@ -76,9 +76,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``engine``: "mma" (``mma.sync``), "wgmma" (warpgroup MMA, for tiles of 64-row
     multiples) or "swapped" (warpgroup MMA with the weights on its m64 side, for tiles of
     8-row multiples up to 256; ``moe.ENGINES``). ``bk``: the grouped GEMMs' K slice,
-    ``down_bk``: the down tiles' where it differs (by default ``expert_tiles``' choice). ``blocked_weights``: the layer takes both
-    expert weights as ``moe.block_columns`` of ``bn`` and ``down_bn`` lays them out
-    (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
+    ``down_bk``: the down tiles' where it differs (by default ``expert_tiles``' choice).
+    ``blocked_weights``: the layer takes both expert weights as ``moe.block_columns`` of
+    ``bn`` and ``down_bn`` lays them out (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
     back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
     bound then counting the rounding). ``align_tokens``: 0 for one align task, else the
     tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
