@@ -73,22 +73,23 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
-    ``engine``: "mma" (``mma.sync``), "wgmma" (warpgroup MMA, for tiles of 64-row
-    multiples) or "swapped" (warpgroup MMA with the weights on its m64 side, for tiles of
-    8-row multiples up to 256; ``moe.ENGINES``). ``bk``: the grouped GEMMs' K slice,
-    ``down_bk``: the down tiles' where it differs (by default ``expert_tiles``' choice).
+    ``engine``: "mma" (``mma.sync``), "wgmma" (warpgroup MMA, for tiles of 64-row multiples)
+    or "swapped" (warpgroup MMA with the weights on its m64 side, for tiles of 8-row
+    multiples up to 256; ``moe.ENGINES``). ``bk``: the grouped GEMMs' K slice, ``down_bk``:
+    the down tiles' where it differs (by default ``expert_tiles``' choice).
     ``blocked_weights``: the layer takes both expert weights as ``moe.block_columns`` of
-    ``bn`` and ``down_bn`` lays them out (``blocked_expert_weights``). ``y_dtype``: how down's output, which the combine reads
-    back, is stored (``moe.Y_DTYPES``; bf16 halves those bytes, ``moe_layer_reference``'s
-    bound then counting the rounding). ``align_tokens``: 0 for one align task, else the
-    tokens each task of align over several CTAs walks (a multiple of ``block_tokens``;
-    ``align_tokens_for``). ``fused_route``: top-k and the one align task as one task
-    (``moe.make_route_tile``), which waits for every router task; for few tokens, where
-    top-k is one task anyway. ``down_loads``: how the down tiles fill their rings,
-    "cp.async" or "tma" (wgmma tiles; ``moe.make_down_tile``). ``combine_tokens``: the
-    tokens a combine task sums, ``combine_prefetch``: whether it first asks for its rows of y
-    in L2 (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``). ``early_weights``: the
-    down tasks issue their first weight slices before they wait for their rows of h
+    ``bn`` and ``down_bn`` lays them out (``blocked_expert_weights``). ``y_dtype``: how
+    down's output, which the combine reads back, is stored (``moe.Y_DTYPES``; bf16 halves
+    those bytes, ``moe_layer_reference``'s bound then counting the rounding).
+    ``align_tokens``: 0 for one align task, else the tokens each task of align over several
+    CTAs walks (a multiple of ``block_tokens``; ``align_tokens_for``). ``fused_route``:
+    top-k and the one align task as one task (``moe.make_route_tile``), which waits for
+    every router task; for few tokens, where top-k is one task anyway. ``down_loads``: how
+    the down tiles fill their rings, "cp.async" or "tma" (wgmma tiles;
+    ``moe.make_down_tile``). ``combine_tokens``: the tokens a combine task sums,
+    ``combine_prefetch``: whether it first asks for its rows of y in L2
+    (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``). ``early_weights``: the down
+    tasks issue their first weight slices before they wait for their rows of h
     (``moe.make_down_tile``'s)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
