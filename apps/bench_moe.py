@@ -108,16 +108,18 @@ def layer_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM of the megakernels (default: "
-                        "moe_layer.ctas_per_sm_for the tiles' threads: 2 of 128 threads, "
-                        "whose hand-offs and memory latency overlap the other CTA's task)")
+                        "moe_layer.ctas_per_sm_for the tiles' threads and engine: 2 of 128 "
+                        "threads, whose hand-offs and memory latency overlap the other CTA's "
+                        "task, 4 on swapped tiles)")
     parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
                         "layer's choice for the tile rows)")
     parser.add_argument("--down-bn", type=int, help="the down tasks' columns (default: --bn)")
-    parser.add_argument("--engine", choices=moe.ENGINES, default="wgmma",
-                        help="the grouped GEMMs' MMA where their tiles have 64 rows (default: "
-                        "wgmma; at 1024 tokens on the H200, 534 us against 660 on mma)")
+    parser.add_argument("--engine", choices=moe.ENGINES,
+                        help="the grouped GEMMs' MMA (default: moe_layer.grouped_engine_for "
+                        "the tokens: swapped wgmma tiles from 257 tokens while an expert's "
+                        "pairs fit 96 rows, else wgmma, mma for 16-row tiles)")
     parser.add_argument("--bk", type=int,
                         help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
                         "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "

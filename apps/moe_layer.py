@@ -29,6 +29,7 @@ the H200), where each of 8 count and 8 place tasks walks 1024.
 Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
 """
 import functools
+import math
 
 import numpy as np
 
@@ -352,8 +353,9 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
 
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
-    rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from "wgmma" if none
-    is asked for), the tiles' threads (``layer_threads_for``) and the CTAs an SM they are
+    rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from
+    ``grouped_engine_for`` if neither an engine nor tile rows nor TMA down loads are asked
+    for, else from "wgmma"), the tiles' threads (``layer_threads_for``) and the CTAs an SM they are
     built for (``ctas_per_sm_for``; build the kernel with ``KernelOptions(ctas_per_sm=...)``
     of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
@@ -366,12 +368,16 @@ def options_for(tokens: int, **options) -> dict:
     None."""
     experts = options.get("experts", QWEN3_30B_A3B["experts"])
     ctas_per_sm = options.get("ctas_per_sm")
-    engine = options.get("engine") or "wgmma"
-    rows = options.get("tile_rows") or tile_rows_for(
-        tokens, experts, options.get("top_k", QWEN3_30B_A3B["top_k"]), ctas_per_sm, engine)
+    top_k = options.get("top_k", QWEN3_30B_A3B["top_k"])
+    # rows asked for without an engine, or TMA down tiles: wgmma tiles
+    wgmma_asked = options.get("tile_rows") or options.get("down_loads") == "tma"
+    engine = options.get("engine") or ("wgmma" if wgmma_asked
+                                       else grouped_engine_for(tokens, experts, top_k))
+    rows = options.get("tile_rows") or tile_rows_for(tokens, experts, top_k, ctas_per_sm,
+                                                     engine)
     engine = engine_for(rows, engine)
     threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
-    ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads)
+    ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads, engine)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
     block_tokens = options.get("block_tokens") or ROUTER_BLOCKS[router_engine][0]
     router_tokens, experts_per_task = router_block_for(tokens, router_engine)
@@ -502,10 +508,39 @@ def align_tokens_for(tokens: int) -> int:
     return moe.ALIGN_CHUNK_TOKENS if tokens >= ALIGN_FROM_TOKENS else 0
 
 
+# The most rows of a swapped tile the layer picks: 96 x 128 tasks keep their 96 accumulators a
+# thread with nothing spilled at four CTAs an SM (128 registers)
+SWAPPED_ROWS = 96
+
+
+def swapped_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
+    """Rows of a swapped grouped-GEMM tile for ``tokens``: an expert's average share s of the
+    pairs plus two standard deviations of a random routing's (about ``2 sqrt(s)``), in
+    whole n8 blocks, so that most experts' pairs fit one tile (their weights read once) with
+    little padding: 80 rows at 1024 tokens, 48 at 512."""
+    share = tokens * top_k / experts
+    return max(8, math.ceil((share + 2 * math.sqrt(share)) / 8) * 8)
+
+
+def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
+    """The grouped GEMMs' engine for ``tokens`` when none is asked for: "swapped" where
+    ``tile_rows_for`` would pick 64-row wgmma tiles and ``swapped_rows_for`` is at most
+    ``SWAPPED_ROWS``, else "wgmma" (16-row tiles then run on "mma", ``engine_for``). On the
+    H200 (claimed, CUDA-graph replays) the layer took 418 -> 393 us at 1024 tokens (static;
+    unfused launches 427 -> 382) on 80 x 128 swapped tasks at four CTAs an SM against 64 x
+    256 wgmma tasks at two, and 354 -> 346 at 512 tokens (48 rows)."""
+    pairs = tokens * top_k
+    if 16 * experts < pairs < 128 * experts \
+            and swapped_rows_for(tokens, experts, top_k) <= SWAPPED_ROWS:
+        return "swapped"
+    return "wgmma"
+
+
 def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8,
                   ctas_per_sm: int | None = None, engine: str = "wgmma") -> int:
-    """Rows of a grouped-GEMM tile for ``tokens``: as many as an expert's average share of the
-    pairs fills, of 16, 64 and 128, so that each busy expert's weights are read about once,
+    """Rows of a grouped-GEMM tile for ``tokens``: on the "swapped" ``engine``,
+    ``swapped_rows_for``; else as many as an expert's average share of the pairs fills, of
+    16, 64 and 128, so that each busy expert's weights are read about once,
     not once per 16 of its rows (at 1024 tokens: 64 rows an expert, 4 reads at 16). 128-row
     tiles run on two warpgroups at one CTA an SM (``layer_threads_for``): not where
     ``ctas_per_sm`` asks for more, nor on the "mma" ``engine``. On the H200 the claimed
@@ -514,6 +549,8 @@ def tile_rows_for(tokens: int, experts: int = 128, top_k: int = 8,
     1024 tokens (128 tiles of 128 rows against 187 of 64), hence not below an expert's
     128 rows."""
     pairs = tokens * top_k
+    if engine == "swapped":
+        return swapped_rows_for(tokens, experts, top_k)
     if pairs >= 128 * experts and ctas_per_sm in (None, 1) and engine == "wgmma":
         return 128
     return 16 if pairs <= 16 * experts else 64
@@ -529,10 +566,14 @@ def layer_threads_for(tile_rows: int, engine: str, ctas_per_sm: int | None = Non
     return 2 * wgmma_gemm.WARPGROUP if two else wgmma_gemm.WARPGROUP
 
 
-def ctas_per_sm_for(threads: int) -> int:
+def ctas_per_sm_for(threads: int, engine: str = "wgmma") -> int:
     """Persistent CTAs an SM for tiles of ``threads``: two of 128 threads, whose hand-offs
-    and memory latency overlap the other CTA's task; one of 256."""
-    return 2 if threads <= wgmma_gemm.WARPGROUP else 1
+    and memory latency overlap the other CTA's task, four on the "swapped" ``engine`` (its
+    tasks' rings fit a quarter of the SM; the grouped GEMMs alone at 1024 tokens on the
+    H200: 372 us at two, 353 at three, 341 at four); one of 256."""
+    if threads > wgmma_gemm.WARPGROUP:
+        return 1
+    return 4 if engine == "swapped" else 2
 
 
 def engine_for(tile_rows: int, engine: str) -> str:

@@ -31,8 +31,9 @@ def main() -> None:
                         choices=["chain", "mlp", "mlp-split-k", "moe"])
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 1024],
                         help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
-    parser.add_argument("--moe-engine", choices=moe.ENGINES, default="wgmma",
-                        help="the MoE layer's grouped-GEMM engine where its tiles have 64 rows")
+    parser.add_argument("--moe-engine", choices=moe.ENGINES,
+                        help="the MoE layer's grouped-GEMM engine (default: "
+                        "moe_layer.grouped_engine_for the tokens)")
     parser.add_argument("--moe-tile-rows", type=int, help="the MoE grouped GEMM tiles' rows "
                         "(default: moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--moe-bn", type=int, help="the MoE grouped GEMM tasks' columns "

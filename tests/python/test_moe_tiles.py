@@ -562,8 +562,8 @@ def test_combine_prefetch_takes_whole_16_byte_rows():
 
 
 def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
-    graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, blocked_weights=True,
-                                                   y_dtype="bfloat16"))
+    graph = make_moe_layer(**moe_layer.options_for(512, engine="wgmma", ctas_per_sm=2,
+                                                   blocked_weights=True, y_dtype="bfloat16"))
     names = compile_layer(graph, 512, tmp_path, "dynamic", ctas_per_sm=2)
     assert {"down_768x2048_e128_64x256x32_s5_t128_wgmma_blocked_ybf16",
             "combine_2048_top8_c2048_t128_ybf16"} <= names, names
@@ -780,8 +780,15 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
 
 @pytest.mark.parametrize("tokens, options, want", [
     (1, {}, (16, "mma", 128, 2, 64)),
-    (1024, {}, (64, "wgmma", 128, 2, 256)),
+    (256, {}, (16, "mma", 128, 2, 64)),
+    (257, {}, (32, "swapped", 128, 4, 128)),
+    (512, {}, (48, "swapped", 128, 4, 128)),
+    (1024, {}, (80, "swapped", 128, 4, 128)),
+    (1200, {}, (96, "swapped", 128, 4, 128)),
+    # an expert's pairs past a 96-row swapped tile: 64-row wgmma tiles
+    (1300, {}, (64, "wgmma", 128, 2, 256)),
     (2047, {}, (64, "wgmma", 128, 2, 256)),
+    (1024, {"engine": "wgmma"}, (64, "wgmma", 128, 2, 256)),
     (2048, {}, (128, "wgmma", 256, 1, 256)),
     (4096, {}, (128, "wgmma", 256, 1, 256)),
     # two CTAs an SM leave a thread too few registers for 128 x 256 tasks
@@ -791,14 +798,17 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
     (1024, {"tile_rows": 128}, (128, "wgmma", 256, 1, 256)),
 ])
 def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, want):
-    """128-row wgmma grouped GEMM tiles from an expert's average 128 pairs (2048 tokens), on
-    two warpgroups at one CTA an SM; else 128 threads at two CTAs an SM."""
+    """Swapped tiles of an expert's share of the pairs plus two standard deviations, at four
+    CTAs an SM, from 257 tokens while that is at most 96 rows; 128-row wgmma grouped GEMM
+    tiles from an expert's average 128 pairs (2048 tokens), on two warpgroups at one CTA an
+    SM; else 128 threads at two CTAs an SM."""
     got = moe_layer.options_for(tokens, **options)
     keys = ("tile_rows", "engine", "threads", "ctas_per_sm", "bn")
     assert tuple(got[k] for k in keys) == want
     if "tile_rows" not in options:
+        engine = options.get("engine") or moe_layer.grouped_engine_for(tokens)
         assert moe_layer.tile_rows_for(tokens, ctas_per_sm=options.get("ctas_per_sm"),
-                                       engine=options.get("engine", "wgmma")) == want[0]
+                                       engine=engine) == want[0]
 
 
 @pytest.mark.parametrize("tokens, options, want", [
@@ -1097,7 +1107,7 @@ def test_default_tasks_of_64_row_tiles(options, gate_up, down):
     """64-row wgmma tiles default to 256-column tasks where both widths take them, in
     32-column slices where fewer than 3 stages of 64 fit a CTA's share of the SM; TMA down
     tiles keep whole 64-column slices, in 128-column tasks; the blocked weights follow."""
-    layer = moe_layer.options_for(1024, blocked_weights=True, **options)
+    layer = moe_layer.options_for(1024, blocked_weights=True, **{"engine": "wgmma", **options})
     names = [c.fn.name for c in TaskGraph.build(make_moe_layer(**layer), {"T": 1024}).calls]
     assert any(n.startswith("gate_up_") and f"_{gate_up}_" in n for n in names), names
     assert any(n.startswith("down_") and f"_{down}_" in n for n in names), names
