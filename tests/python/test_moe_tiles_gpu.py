@@ -296,7 +296,7 @@ def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weight
     stages deep), two CTAs an SM, blocked weights (the static kernel claiming), every
     routing."""
     graph = moe_layer.make_moe_layer(**moe_layer.options_for(
-        tokens, bn=bn, bk=32, ctas_per_sm=2, blocked_weights=True))
+        tokens, engine="wgmma", bn=bn, bk=32, ctas_per_sm=2, blocked_weights=True))
     compiled = build(graph, {"T": tokens}, strategy=strategy,
                      options=KernelOptions(ctas_per_sm=2, claim=strategy == "static"))
     blocked = moe_layer.blocked_expert_weights(*expert_weights, 64, bn)
@@ -395,11 +395,12 @@ def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
-    bfloat16 runs it (blocked weights, the tokens' defaults: at 2048 tokens 128 x 256 tasks
-    on two warpgroups, one CTA an SM)."""
+    bfloat16 runs it (blocked weights, the tokens' defaults: at 512 tokens swapped 48-row
+    tiles at four CTAs an SM, at 2048 tokens 128 x 256 tasks on two warpgroups, one CTA an
+    SM)."""
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
-    assert (options["threads"], options["ctas_per_sm"]) == ((256, 1) if tokens >= 2048
-                                                            else (128, 2))
+    want = {100: ("mma", 128, 2), 512: ("swapped", 128, 4), 2048: ("wgmma", 256, 1)}[tokens]
+    assert (options["engine"], options["threads"], options["ctas_per_sm"]) == want
 
 
 def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64) -> dict:
