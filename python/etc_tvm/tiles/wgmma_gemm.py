@@ -37,6 +37,11 @@ Descriptor fields (PTX ISA "matrix descriptor"; offsets in 16-byte units):
   K. ``imm-trans-b`` = 1: bf16 is one of the types wgmma may read transposed (MN-major) from
   shared memory, so B needs no transpose in memory.
 
+Swapped (``WgmmaTile(swapped=True)``: C^T = B^T A^T, for tiles whose rows are few and
+uneven, a grouped GEMM's rows of one expert): the same ring and fields, the roles exchanged.
+Each B panel is an m64 operand, MN-major (its descriptor from the panel on, ``imm-trans-a`` =
+1); all bm rows of A are the N operand, K-major (``imm-trans-b`` = 0), bm any multiple of 8.
+
 Pipeline with ``loads="cp.async"``, ``S`` = ``stages`` >= 3, every thread both loads and
 computes (no warp roles)::
 
