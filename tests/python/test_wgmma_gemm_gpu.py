@@ -17,11 +17,23 @@ from test_wgmma_gemm import CONFIGS, chain_float64, chain_graph, config, gemm_gr
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(128, 64, 256), (256, 512, 512), (512, 1024, 768), (1024, 4096, 1024)]  # M, K, N
-CASES = [(name, s, loads) for name in sorted(CONFIGS) for s in SHAPES
+
+
+def shapes(name):
+    """SHAPES the tile divides; a swapped tile's rows (a multiple of 8) often divide none of
+    them, so it takes 3 and 17 row blocks of its own."""
+    cfg = config(name)
+    fits = [s for s in SHAPES if s[0] % cfg["bm"] == 0 and s[1] % cfg["bk"] == 0
+            and s[2] % cfg["bn"] == 0]
+    if cfg.get("swapped"):
+        fits += [(3 * cfg["bm"], 256, 2 * cfg["bn"]), (17 * cfg["bm"], 2048, 4 * cfg["bn"])]
+    return fits
+
+
+CASES = [(name, s, loads) for name in sorted(CONFIGS) for s in shapes(name)
          for loads in wgmma_gemm.LOADS
-         if s[0] % config(name)["bm"] == 0 and s[1] % config(name)["bk"] == 0
-         and s[2] % config(name)["bn"] == 0
-         and (loads != "tma" or config(name)["bk"] % 64 == 0)]  # TMA: whole 64-column panels
+         # TMA: whole 64-column panels, tiles that are not swapped
+         if loads != "tma" or config(name)["bk"] % 64 == 0 and not config(name).get("swapped")]
 
 
 def inputs(rng, M, K, N):
@@ -56,6 +68,20 @@ def test_static_megakernel(name, loads, M, K, N, P, rng):
     want, bound = chain_float64(A, W1, W2)
     Y = compiled(A, W1, W2)
     assert_within(Y, want, bound)
+
+
+@pytest.mark.parametrize("name", ["96x128x32_f32_t128_swapped", "72x128x32_bf16_t128_swapped"])
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_swapped_chain_megakernel(name, strategy, rng):
+    """Swapped tiles in a megakernel: H = A @ W1 in bf16 tiles of 96 or 72 rows (both
+    stores of the traded fragments), Y = H @ W2 waiting on H's row blocks."""
+    cfg = config(name)
+    M, K, N, P = 9 * cfg["bm"], 512, 2 * cfg["bn"], cfg["bn"]
+    compiled = build(chain_graph(cfg), {"M": M, "K": K, "N": N, "P": P}, strategy=strategy)
+    A, W1 = inputs(rng, M, K, N)
+    W2 = randn(rng, (N, P), "bfloat16")
+    want, bound = chain_float64(A, W1, W2)
+    assert_within(compiled(A, W1, W2), want, bound)
 
 
 def test_dynamic_megakernel_tma_chain(rng):
