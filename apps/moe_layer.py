@@ -529,8 +529,7 @@ def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
     H200 (claimed, CUDA-graph replays) the layer took 418 -> 393 us at 1024 tokens (static;
     unfused launches 427 -> 382) on 80 x 128 swapped tasks at four CTAs an SM against 64 x
     256 wgmma tasks at two, and 354 -> 346 at 512 tokens (48 rows)."""
-    pairs = tokens * top_k
-    if 16 * experts < pairs < 128 * experts \
+    if tile_rows_for(tokens, experts, top_k) == wgmma_gemm.BLOCK_ROWS \
             and swapped_rows_for(tokens, experts, top_k) <= SWAPPED_ROWS:
         return "swapped"
     return "wgmma"

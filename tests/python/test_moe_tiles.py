@@ -1210,7 +1210,7 @@ def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(threads
     options = moe_layer.options_for(1024, engine="swapped", tile_rows=96, bk=bk,
                                     threads=threads, ctas_per_sm=ctas_per_sm,
                                     blocked_weights=True, y_dtype="bfloat16")
-    bn = 128 * threads // 128
+    bn = threads  # 128 columns a warpgroup
     assert (options["bn"], options["down_bn"]) == (bn, bn)
     graph = make_moe_layer(**options)
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
