@@ -110,7 +110,7 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="persistent CTAs per SM of the megakernels (default: "
                         "moe_layer.ctas_per_sm_for the tiles' threads and engine: 2 of 128 "
                         "threads, whose hand-offs and memory latency overlap the other CTA's "
-                        "task, 4 on swapped tiles)")
+                        "task, 1 of 256; on swapped tiles 4 of 128 threads, 2 of 256)")
     parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
@@ -119,7 +119,8 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=moe.ENGINES,
                         help="the grouped GEMMs' MMA (default: moe_layer.grouped_engine_for "
                         "the tokens: swapped wgmma tiles from 257 tokens while an expert's "
-                        "pairs fit 96 rows, else wgmma, mma for 16-row tiles)")
+                        "pairs fit 192 rows (two warpgroups past 96), else wgmma, mma for "
+                        "16-row tiles)")
     parser.add_argument("--bk", type=int,
                         help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
                         "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "

@@ -224,10 +224,11 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
     each with ``stages`` or the deepest ring that fits a CTA's share of the SM.
 
-    K slices (``bk``, ``down_bk`` by default ``bk``): 64 columns, but 32 for cp.async wgmma
-    tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x 256 tasks at two CTAs an
-    SM keep 5 stages of 32 (A in 64-byte swizzled rows) where 2 of 64 fit. TMA loads take
-    whole 64-column slices."""
+    K slices (``bk``, ``down_bk`` by default ``bk``): 64 columns, but 32 for swapped tiles
+    and for cp.async wgmma tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x
+    256 tasks at two CTAs an SM keep 5 stages of 32 (A in 64-byte swizzled rows) where 2 of
+    64 fit; swapped 80 x 128 tasks at 1024 tokens ran the grouped GEMMs in 371 us on 32 and
+    388 on 64 on the H200. TMA loads take whole 64-column slices."""
     wgmma = engine in ("wgmma", "swapped")
     footprint = wgmma_gemm.shared_bytes if wgmma else functools.partial(gemm.shared_bytes,
                                                                          threads=threads)
@@ -237,7 +238,7 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
         return gemm.deepest_stages(tile_rows, columns, bk, footprint=footprint, limit=limit)
 
     def slice_for(columns: int, loads: str = "cp.async") -> int:
-        shallow = wgmma and loads == "cp.async" \
+        shallow = engine == "swapped" or wgmma and loads == "cp.async" \
             and footprint(tile_rows, columns, 64, MIN_DEEP_RING) > limit
         return 32 if shallow else 64
 
@@ -325,11 +326,12 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     layer went from 1504 to 1149 us). With ``bn`` left to it, TMA down tiles take at most 128
     columns: of their 64-column slices, a 64 x 256 ring keeps 2 stages at two CTAs an SM.
     ``engine``: the tiles' (``engine_for`` by default); ``threads``: the tiles'. Swapped
-    tiles take 128 columns a warpgroup (two m64 blocks of weight columns: a tile of 96 rows
-    holds 96 accumulators a thread)."""
+    tiles take 128 columns, two m64 panels of weight columns on one warpgroup or one each on
+    two (``SWAPPED_ROWS``; 256 columns on two warpgroups lost at 1024 tokens on the H200: 415
+    us for the grouped GEMMs against 372 on one)."""
     engine = engine or engine_for(tile_rows, "wgmma")
     if bn is None and engine == "swapped":
-        bn = 128 * (threads // wgmma_gemm.WARPGROUP)
+        bn = 128
     elif bn is None:
         one_block = tile_rows == wgmma_gemm.BLOCK_ROWS * (threads // wgmma_gemm.WARPGROUP)
         wide = engine == "wgmma" and one_block and 2 * intermediate % 256 == 0 \
@@ -508,8 +510,9 @@ def align_tokens_for(tokens: int) -> int:
     return moe.ALIGN_CHUNK_TOKENS if tokens >= ALIGN_FROM_TOKENS else 0
 
 
-# The most rows of a swapped tile the layer picks: 96 x 128 tasks keep their 96 accumulators a
-# thread with nothing spilled at four CTAs an SM (128 registers)
+# Accumulators a thread of a swapped tile the layer picks: 96 x 128 tasks on one warpgroup
+# (both 64-column panels on it) and 192 x 128 on two (one panel each) keep 96 a thread, with
+# nothing spilled at the 128 registers four CTAs an SM of 128 threads, or two of 256, leave
 SWAPPED_ROWS = 96
 
 
@@ -517,20 +520,22 @@ def swapped_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
     """Rows of a swapped grouped-GEMM tile for ``tokens``: an expert's average share s of the
     pairs plus two standard deviations of a random routing's (about ``2 sqrt(s)``), in
     whole n8 blocks, so that most experts' pairs fit one tile (their weights read once) with
-    little padding: 80 rows at 1024 tokens, 48 at 512."""
+    little padding: 48 rows at 512 tokens, 80 at 1024, 152 at 2048."""
     share = tokens * top_k / experts
     return max(8, math.ceil((share + 2 * math.sqrt(share)) / 8) * 8)
 
 
 def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
     """The grouped GEMMs' engine for ``tokens`` when none is asked for: "swapped" where
-    ``tile_rows_for`` would pick 64-row wgmma tiles and ``swapped_rows_for`` is at most
-    ``SWAPPED_ROWS``, else "wgmma" (16-row tiles then run on "mma", ``engine_for``). On the
-    H200 (claimed, CUDA-graph replays) the layer took 418 -> 393 us at 1024 tokens (static;
-    unfused launches 427 -> 382) on 80 x 128 swapped tasks at four CTAs an SM against 64 x
-    256 wgmma tasks at two, and 354 -> 346 at 512 tokens (48 rows)."""
-    if tile_rows_for(tokens, experts, top_k) == wgmma_gemm.BLOCK_ROWS \
-            and swapped_rows_for(tokens, experts, top_k) <= SWAPPED_ROWS:
+    ``tile_rows_for`` would pick wgmma tiles (64 rows and more) and ``swapped_rows_for`` is
+    at most ``2 * SWAPPED_ROWS`` (two warpgroups' worth), else "wgmma" (16-row tiles then run
+    on "mma", ``engine_for``). On the H200 (claimed, CUDA-graph replays) the static layer
+    took 418 -> 393 us at 1024 tokens (unfused launches 427 -> 382) on 80 x 128 swapped tasks
+    at four CTAs an SM against 64 x 256 wgmma tasks at two, 354 -> 346 at 512 tokens (48
+    rows), and 565 -> 530 at 2048 tokens (unfused 558 -> 519) on 152 x 128 swapped tasks on
+    two warpgroups at two CTAs an SM against 128 x 256 wgmma tasks at one."""
+    if tile_rows_for(tokens, experts, top_k) >= wgmma_gemm.BLOCK_ROWS \
+            and swapped_rows_for(tokens, experts, top_k) <= 2 * SWAPPED_ROWS:
         return "swapped"
     return "wgmma"
 
@@ -559,20 +564,22 @@ def layer_threads_for(tile_rows: int, engine: str, ctas_per_sm: int | None = Non
     """Threads of the layer's tiles (and of the kernel's CTAs) for grouped-GEMM tiles of
     ``tile_rows``: one warpgroup an m64 block of wgmma tiles up to two (256 threads for 128
     rows, whose 128 x 256 tasks need more registers than two CTAs an SM leave a thread),
-    at one CTA an SM; else 128."""
+    at one CTA an SM; two warpgroups for swapped tiles of more than ``SWAPPED_ROWS`` rows
+    (each one 64-column panel); else 128."""
     two = engine == "wgmma" and tile_rows == 2 * wgmma_gemm.BLOCK_ROWS \
-        and ctas_per_sm in (None, 1)
+        and ctas_per_sm in (None, 1) or engine == "swapped" and tile_rows > SWAPPED_ROWS
     return 2 * wgmma_gemm.WARPGROUP if two else wgmma_gemm.WARPGROUP
 
 
 def ctas_per_sm_for(threads: int, engine: str = "wgmma") -> int:
     """Persistent CTAs an SM for tiles of ``threads``: two of 128 threads, whose hand-offs
-    and memory latency overlap the other CTA's task, four on the "swapped" ``engine`` (its
-    tasks' rings fit a quarter of the SM; the grouped GEMMs alone at 1024 tokens on the
-    H200: 372 us at two, 353 at three, 341 at four); one of 256."""
-    if threads > wgmma_gemm.WARPGROUP:
-        return 1
-    return 4 if engine == "swapped" else 2
+    and memory latency overlap the other CTA's task, one of 256; on the "swapped" ``engine``
+    512 threads an SM, four CTAs of 128 or two of 256 (a swapped task's ring of 32-column
+    slices fits a quarter of the SM; the grouped GEMMs alone at 1024 tokens on the H200:
+    372 us at two CTAs of 128 threads, 353 at three, 341 at four)."""
+    if engine == "swapped":
+        return 4 * wgmma_gemm.WARPGROUP // threads
+    return 1 if threads > wgmma_gemm.WARPGROUP else 2
 
 
 def engine_for(tile_rows: int, engine: str) -> str:

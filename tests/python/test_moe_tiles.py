@@ -785,12 +785,15 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
     (512, {}, (48, "swapped", 128, 4, 128)),
     (1024, {}, (80, "swapped", 128, 4, 128)),
     (1200, {}, (96, "swapped", 128, 4, 128)),
-    # an expert's pairs past a 96-row swapped tile: 64-row wgmma tiles
-    (1300, {}, (64, "wgmma", 128, 2, 256)),
-    (2047, {}, (64, "wgmma", 128, 2, 256)),
-    (1024, {"engine": "wgmma"}, (64, "wgmma", 128, 2, 256)),
-    (2048, {}, (128, "wgmma", 256, 1, 256)),
+    # an expert's pairs past a 96-row swapped tile: two warpgroups, one panel each
+    (1300, {}, (104, "swapped", 256, 2, 128)),
+    (2048, {}, (152, "swapped", 256, 2, 128)),
+    (2600, {}, (192, "swapped", 256, 2, 128)),
+    # past 192 rows: 128-row wgmma tiles on two warpgroups
+    (2700, {}, (128, "wgmma", 256, 1, 256)),
     (4096, {}, (128, "wgmma", 256, 1, 256)),
+    (1024, {"engine": "wgmma"}, (64, "wgmma", 128, 2, 256)),
+    (2047, {"engine": "wgmma"}, (64, "wgmma", 128, 2, 256)),
     # two CTAs an SM leave a thread too few registers for 128 x 256 tasks
     (4096, {"ctas_per_sm": 2}, (64, "wgmma", 128, 2, 256)),
     (1024, {"tile_rows": 128, "ctas_per_sm": 2}, (128, "wgmma", 128, 2, 128)),
@@ -798,10 +801,10 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
     (1024, {"tile_rows": 128}, (128, "wgmma", 256, 1, 256)),
 ])
 def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, want):
-    """Swapped tiles of an expert's share of the pairs plus two standard deviations, at four
-    CTAs an SM, from 257 tokens while that is at most 96 rows; 128-row wgmma grouped GEMM
-    tiles from an expert's average 128 pairs (2048 tokens), on two warpgroups at one CTA an
-    SM; else 128 threads at two CTAs an SM."""
+    """Swapped tiles of an expert's share of the pairs plus two standard deviations from 257
+    tokens: of up to 96 rows on one warpgroup at four CTAs an SM, of up to 192 on two at two;
+    past that 128-row wgmma grouped GEMM tiles (from an expert's average 128 pairs), on two
+    warpgroups at one CTA an SM; else 128 threads at two CTAs an SM."""
     got = moe_layer.options_for(tokens, **options)
     keys = ("tile_rows", "engine", "threads", "ctas_per_sm", "bn")
     assert tuple(got[k] for k in keys) == want
@@ -1193,32 +1196,32 @@ def test_swapped_layer_matches_float64(tokens, rng):
     """Tiles of 24 rows (no multiple of 16 or 64) on swapped wgmma tiles."""
     graph = make_moe_layer(H, E, K, F, tile_rows=24, combine_cols=128, engine="swapped")
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
-    assert {"gate_up_128x64_e16_24x128x64_s8_t128_swapped",
-            "down_64x128_e16_24x128x64_s8_t128_swapped"} <= names, names
+    assert {"gate_up_128x64_e16_24x128x32_s8_t128_swapped",
+            "down_64x128_e16_24x128x32_s8_t128_swapped"} <= names, names
     inputs = make_inputs(rng, tokens, H, E, F)
     want, bound = moe_layer_reference(*inputs, K)
     assert_within(execute(graph, *inputs, order=RandomOrder(2)), want, bound)
 
 
-@pytest.mark.parametrize("threads, bk", [(128, 32), (256, 64)])
-def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(threads, bk,
-                                                                          tmp_path):
-    """96-row swapped tiles at 1024 tokens (m64n96k16: the weights' panels on the m64 side,
-    read MN-major), the static kernel claiming: no wgmma serialised, no register spilled;
-    the SiLU epilogue pairs a thread's gate and up halves of a panel."""
-    ctas_per_sm = moe_layer.ctas_per_sm_for(threads)
-    options = moe_layer.options_for(1024, engine="swapped", tile_rows=96, bk=bk,
+@pytest.mark.parametrize("tokens, rows, threads", [(1024, 96, 128), (2048, 152, 256)])
+def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(tokens, rows,
+                                                                          threads, tmp_path):
+    """Swapped tiles of 96 rows on one warpgroup and 152 on two (m64n<rows>k16: the weights'
+    panels on the m64 side, read MN-major), 128 x 32 slices, the static kernel claiming: no
+    wgmma serialised, no register spilled; the SiLU epilogue pairs a thread's gate and up
+    halves of a panel."""
+    ctas_per_sm = moe_layer.ctas_per_sm_for(threads, "swapped")
+    options = moe_layer.options_for(tokens, engine="swapped", tile_rows=rows,
                                     threads=threads, ctas_per_sm=ctas_per_sm,
                                     blocked_weights=True, y_dtype="bfloat16")
-    bn = threads  # 128 columns a warpgroup
-    assert (options["bn"], options["down_bn"]) == (bn, bn)
+    assert (options["bn"], options["down_bn"], ctas_per_sm) == (128, 128, 512 // threads)
     graph = make_moe_layer(**options)
-    names = {c.fn.name for c in TaskGraph.build(graph, {"T": 1024}).calls}
-    assert any(n.startswith(f"gate_up_2048x768_e128_96x{bn}x{bk}_") and
+    names = {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
+    assert any(n.startswith(f"gate_up_2048x768_e128_{rows}x128x32_") and
                n.endswith(f"_t{threads}_swapped_blocked") for n in names), names
-    source = build(graph, {"T": 1024}, strategy="static", num_sms=132,
+    source = build(graph, {"T": tokens}, strategy="static", num_sms=132,
                    options=KernelOptions(ctas_per_sm=ctas_per_sm, claim=True)).cuda_source()
-    assert "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16" in source
+    assert f"wgmma.mma_async.sync.aligned.m64n{rows}k16.f32.bf16.bf16" in source
     cubin, report = build_cubin(source, tmp_path)
     assert "serializ" not in report, report[-4000:]
     assert "tnspA" in sass(cubin)

@@ -396,10 +396,10 @@ def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
     bfloat16 runs it (blocked weights, the tokens' defaults: at 512 tokens swapped 48-row
-    tiles at four CTAs an SM, at 2048 tokens 128 x 256 tasks on two warpgroups, one CTA an
-    SM)."""
+    tiles at four CTAs an SM, at 2048 tokens swapped 152-row tiles on two warpgroups, two
+    CTAs an SM)."""
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
-    want = {100: ("mma", 128, 2), 512: ("swapped", 128, 4), 2048: ("wgmma", 256, 1)}[tokens]
+    want = {100: ("mma", 128, 2), 512: ("swapped", 128, 4), 2048: ("swapped", 256, 2)}[tokens]
     assert (options["engine"], options["threads"], options["ctas_per_sm"]) == want
 
 
