@@ -398,7 +398,7 @@ def options_for(tokens: int, **options) -> dict:
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
-    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden)
+    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden, ctas_per_sm)
     early_weights = options["early_weights"] if options.get("early_weights") is not None \
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
@@ -406,13 +406,14 @@ def options_for(tokens: int, **options) -> dict:
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": combine_cols,
             "combine_tokens": options.get("combine_tokens")
-            or combine_tokens_for(tokens, hidden, combine_cols),
+            or combine_tokens_for(tokens, hidden, combine_cols, ctas_per_sm),
             "router_engine": router_engine, "block_tokens": block_tokens,
             "router_tokens": router_tokens,
             "align_tokens": align_tokens, "fused_route": fused_route,
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
-            or router_splits_for(tokens, router_tokens, experts_per_task, experts)}
+            or router_splits_for(tokens, router_tokens, experts_per_task, experts,
+                                 ctas_per_sm)}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
@@ -422,7 +423,8 @@ ROUTER_BLOCKS = {"fma": (8, 16), "mma": (16, 32)}
 # rows and router columns for twice the products of a 16 x 32 task (on the H200 the router
 # took 13.0 -> 7.5 us at 1024 tokens, 44.2 -> 21.6 at 4096), while top-k keeps 16-token tasks.
 WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK = 1024, (32, 64)
-ROUTER_TASKS = 128  # about one router task an SM
+# Router tasks for each CTA an SM: about one every two persistent CTAs (128 at two CTAs an SM)
+ROUTER_TASKS = 64
 
 
 def router_engine_for(tokens: int) -> str:
@@ -440,49 +442,56 @@ def router_block_for(tokens: int, engine: str) -> tuple[int, int]:
 
 
 def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int = 16,
-                      experts: int = 128) -> int:
+                      experts: int = 128, ctas_per_sm: int = 2) -> int:
     """Splits of the hidden rows over router tasks for ``tokens``: the fewest of 1, 2, 4, 8
-    that make ``ROUTER_TASKS`` tasks, as blocks of tokens alone leave SMs idle (one token on
-    CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the router's 512 KB instead of 8; 128
-    tokens on tensor cores: 32 tasks, so 4 splits, 400.6 -> 388.5 us on the H200), and more
+    that make ``ROUTER_TASKS`` tasks for each of ``ctas_per_sm``, as blocks of tokens alone
+    leave SMs idle (one token on CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the
+    router's 512 KB instead of 8; 128 tokens on tensor cores: 32 tasks, so 4 splits, 400.6
+    -> 388.5 us on the H200; 1024 tokens at four CTAs an SM: 128 tasks, so 4 splits, with
+    combine tasks of 2 tokens 394.4 -> 385.5 us static, 411.8 -> 395.9 dynamic), and more
     splits than that only add partial logits to write and sum."""
     tasks = ceil_div(tokens, router_tokens) * (experts // experts_per_task)
     splits = 1
-    while splits < 8 and tasks * splits < ROUTER_TASKS:
+    while splits < 8 and tasks * splits < ROUTER_TASKS * ctas_per_sm:
         splits *= 2
     return splits
 
 
-COMBINE_TASKS = 256  # about one combine task a CTA slot, at two CTAs an SM
+# Combine tasks for each CTA an SM: about one a persistent CTA (256 at two CTAs an SM)
+COMBINE_TASKS = 128
 
 
-def combine_cols_for(tokens: int, hidden: int = 2048) -> int:
+def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2) -> int:
     """Output columns a combine task writes for ``tokens``: the widest of the whole row and
     1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
-    tasks, else 512 (``make_moe_layer``'s default). Combine tasks take 1-2 us, so under the
-    dynamic schedule thousands of them queue on one head counter: at 1024 tokens on the
-    H200, 4096 tasks of 512 columns took 80 us, 1024 whole rows 36 (dynamic + graph 533.8
-    -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
+    tasks for each of ``ctas_per_sm``, else 512 (``make_moe_layer``'s default). Combine
+    tasks take 1-2 us, so under the dynamic schedule thousands of them queue on one head
+    counter: at 1024 tokens on the H200, 4096 tasks of 512 columns took 80 us, 1024 whole
+    rows 36 (dynamic + graph 533.8 -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
     widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
-    return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS), 512)
+    return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS * ctas_per_sm),
+                512)
 
 
 # Tokens a combine task may sum, most first. On the H200 blocks of 8 were as fast as blocks of
-# 4 at 2048 and 4096 tokens, and blocks of 2 at 512 tokens no faster than single tokens.
-COMBINE_BLOCKS = (4,)
+# 4 at 2048 and 4096 tokens, and blocks of 2 at 512 tokens no faster than single tokens; at
+# 1024 tokens and four CTAs an SM blocks of 2 (512 tasks) against 4: static + graph 394.4 ->
+# 387.3 us, dynamic 411.8 -> 400.4.
+COMBINE_BLOCKS = (4, 2)
 
 
-def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None) -> int:
+def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None,
+                       ctas_per_sm: int = 2) -> int:
     """Tokens a combine task sums for ``tokens`` (``make_moe_layer``'s ``combine_tokens``):
-    the most of ``COMBINE_BLOCKS`` that still make ``COMBINE_TASKS`` tasks of ``cols``
-    columns (``combine_cols_for`` by default), else 1. The combine runs after the last down
-    tiles, where a task's gather of 8 rows waits a round trip or two; blocks of tokens keep
-    more of y in flight a task (on the H200, blocks of 4: 4096 tokens static + graph 967.2
-    -> 932.7 us, dynamic 988.5 -> 938.7; 1024 tokens dynamic 444.2 -> 428.3, static and
-    barrier within 1 us)."""
-    cols = cols or combine_cols_for(tokens, hidden)
-    tasks = hidden // cols
-    return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= COMBINE_TASKS), 1)
+    the most of ``COMBINE_BLOCKS`` that still make ``COMBINE_TASKS`` tasks for each of
+    ``ctas_per_sm`` of ``cols`` columns (``combine_cols_for`` by default), else 1. The
+    combine runs after the last down tiles, where a task's gather of 8 rows waits a round
+    trip or two; blocks of tokens keep more of y in flight a task (on the H200, blocks of 4:
+    4096 tokens static + graph 967.2 -> 932.7 us, dynamic 988.5 -> 938.7; 1024 tokens
+    dynamic 444.2 -> 428.3, static and barrier within 1 us)."""
+    cols = cols or combine_cols_for(tokens, hidden, ctas_per_sm)
+    tasks, least = hidden // cols, COMBINE_TASKS * ctas_per_sm
+    return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= least), 1)
 
 
 ALIGN_FROM_TOKENS = 512  # tokens from which align runs over several CTAs

@@ -566,7 +566,7 @@ def test_bf16_y_layer_compiles_for_sm90a(tmp_path):
                                                    blocked_weights=True, y_dtype="bfloat16"))
     names = compile_layer(graph, 512, tmp_path, "dynamic", ctas_per_sm=2)
     assert {"down_768x2048_e128_64x256x32_s5_t128_wgmma_blocked_ybf16",
-            "combine_2048_top8_c2048_t128_ybf16"} <= names, names
+            "combine_2048_top8_c2048_t128_b2_ybf16"} <= names, names
 
 
 @pytest.mark.parametrize("tokens", (1, 1024))
@@ -832,8 +832,8 @@ def test_layer_options_pick_the_router_engine_by_tokens():
     one, some, many = (moe_layer.options_for(t) for t in (1, 512, 1024))
     key = ("router_engine", "block_tokens", "router_tokens", "experts_per_task", "router_splits")
     assert tuple(one[k] for k in key) == ("fma", 8, 8, 16, 8)
-    assert tuple(some[k] for k in key) == ("mma", 16, 16, 32, 1)
-    assert tuple(many[k] for k in key) == ("mma", 16, 32, 64, 2)
+    assert tuple(some[k] for k in key) == ("mma", 16, 16, 32, 2)
+    assert tuple(many[k] for k in key) == ("mma", 16, 32, 64, 4)
     assert moe_layer.options_for(1024, router_engine="fma")["block_tokens"] == 8
     # router tasks take whole top-k blocks
     assert moe_layer.options_for(1024, block_tokens=24)["router_tokens"] == 48
@@ -845,34 +845,40 @@ def test_layer_options_pick_the_router_engine_by_tokens():
                                                   (1024, 1536, 1536), (1024, 4096, 4096),
                                                   (64, 4096, 1024)])
 def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
-    assert moe_layer.combine_cols_for(tokens, hidden) == cols
-    assert moe_layer.options_for(tokens, hidden=hidden)["combine_cols"] == cols
+    options = moe_layer.options_for(tokens, hidden=hidden)
+    assert moe_layer.combine_cols_for(tokens, hidden, options["ctas_per_sm"]) == cols
+    assert options["combine_cols"] == cols
 
 
 @pytest.mark.parametrize("tokens, hidden, block", [(1, 2048, 1), (128, 2048, 1), (256, 2048, 1),
                                                    (512, 2048, 1), (1020, 2048, 1),
-                                                   (1024, 2048, 4), (1101, 2048, 4),
-                                                   (4096, 2048, 4), (1024, 4096, 4)])
+                                                   (1024, 2048, 2), (1101, 2048, 2),
+                                                   (2048, 2048, 4), (4096, 2048, 4),
+                                                   (1024, 4096, 2)])
 def test_combine_tasks_sum_more_tokens_while_they_stay_many(tokens, hidden, block):
-    assert moe_layer.combine_tokens_for(tokens, hidden) == block
+    """Blocks of 4 or 2 tokens while they make a combine task for about every persistent CTA
+    (four CTAs an SM at 512 - 1250 tokens, two at 2048, one at 4096)."""
     options = moe_layer.options_for(tokens, hidden=hidden)
+    ctas_per_sm = options["ctas_per_sm"]
+    assert moe_layer.combine_tokens_for(tokens, hidden, ctas_per_sm=ctas_per_sm) == block
     assert options["combine_tokens"] == block
     tasks = moe.ceil_div(tokens, block) * (hidden // options["combine_cols"])
-    assert tasks >= moe_layer.COMBINE_TASKS or block == 1
+    assert tasks >= moe_layer.COMBINE_TASKS * ctas_per_sm or block == 1
     assert moe_layer.options_for(tokens, hidden=hidden, combine_tokens=3)["combine_tokens"] == 3
 
 
 @pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),
                                                     (16, "mma", 8), (128, "mma", 4),
-                                                    (512, "mma", 1), (1024, "mma", 2),
+                                                    (512, "mma", 2), (1024, "mma", 4),
                                                     (4096, "mma", 1), (1024, "fma", 1)])
-def test_router_splits_make_a_task_for_about_every_sm(tokens, engine, splits):
+def test_router_splits_make_a_task_for_about_every_two_ctas(tokens, engine, splits):
     options = moe_layer.options_for(tokens, router_engine=engine)
     assert options["router_splits"] == splits
     blocks = -(-tokens // options["router_tokens"])
     tasks = blocks * (128 // options["experts_per_task"]) * splits
-    assert tasks >= moe_layer.ROUTER_TASKS or splits == 8
-    assert splits == 1 or tasks // 2 < moe_layer.ROUTER_TASKS
+    least = moe_layer.ROUTER_TASKS * options["ctas_per_sm"]
+    assert tasks >= least or splits == 8
+    assert splits == 1 or tasks // 2 < least
 
 
 def test_mma_router_layer_compiles_for_sm90a(tmp_path):
@@ -1074,7 +1080,8 @@ def test_combine_loads_every_step_before_it_stores(tmp_path):
     of y before its first store of out: in the megakernel nothing says out and y (a view of
     the workspace) do not overlap, and with a store after each step the compiler kept the next
     step's loads behind it, one round trip a step."""
-    graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, y_dtype="bfloat16"))
+    graph = make_moe_layer(**moe_layer.options_for(512, ctas_per_sm=2, combine_tokens=1,
+                                                   y_dtype="bfloat16"))
     cubin, _ = build_cubin(build(graph, {"T": 512}, strategy="barrier", num_sms=132,
                                  options=KernelOptions(ctas_per_sm=2)).cuda_source(),
                            tmp_path, allow_spills=True)
@@ -1124,10 +1131,11 @@ def test_default_tasks_of_64_row_tiles(options, gate_up, down):
 
 def test_two_warpgroup_tiles_keep_their_wgmmas_asynchronous_in_a_claimed_kernel(tmp_path):
     """128 x 256 tasks on two warpgroups (256 threads, one m64 block each, one CTA an SM; the
-    layer's default at 2048 tokens): each warpgroup issues its block's wgmmas whether or not
-    the block holds rows, as one straight run; a branch around them made ptxas serialise the
-    claimed kernel's wgmmas."""
-    options = moe_layer.options_for(2048, blocked_weights=True, y_dtype="bfloat16")
+    layer's default from about 2700 tokens): each warpgroup issues its block's wgmmas whether
+    or not the block holds rows, as one straight run; a branch around them made ptxas
+    serialise the claimed kernel's wgmmas."""
+    options = moe_layer.options_for(2048, engine="wgmma", blocked_weights=True,
+                                    y_dtype="bfloat16")
     graph = make_moe_layer(**options)
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": 2048}).calls}
     assert {"gate_up_2048x768_e128_128x256x64_s4_t256_wgmma_blocked",
@@ -1209,11 +1217,14 @@ def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(tokens,
     """Swapped tiles of 96 rows on one warpgroup and 152 on two (m64n<rows>k16: the weights'
     panels on the m64 side, read MN-major), 128 x 32 slices, the static kernel claiming: no
     wgmma serialised, no register spilled; the SiLU epilogue pairs a thread's gate and up
-    halves of a panel."""
+    halves of a panel. (With the 96-row layer's combine tasks of 2 tokens ptxas keeps one
+    word of the gate_up task in local memory across its K loop, one store and one load a
+    task: the combine tasks here sum 4.)"""
     ctas_per_sm = moe_layer.ctas_per_sm_for(threads, "swapped")
     options = moe_layer.options_for(tokens, engine="swapped", tile_rows=rows,
                                     threads=threads, ctas_per_sm=ctas_per_sm,
-                                    blocked_weights=True, y_dtype="bfloat16")
+                                    combine_tokens=4, blocked_weights=True,
+                                    y_dtype="bfloat16")
     assert (options["bn"], options["down_bn"], ctas_per_sm) == (128, 128, 512 // threads)
     graph = make_moe_layer(**options)
     names = {c.fn.name for c in TaskGraph.build(graph, {"T": tokens}).calls}
