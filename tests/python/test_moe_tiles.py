@@ -588,7 +588,8 @@ def test_early_weights_layer_compiles_for_sm90a(tokens, tmp_path):
 
 
 @pytest.mark.parametrize("order", ["random0", "static5", "dynamic3"])
-@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 7), ("wgmma", 64, 20)])
+@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 7), ("wgmma", 64, 20),
+                                                      ("swapped", 24, 20)])
 def test_layer_with_early_weights_matches_float64(engine, tile_rows, tokens, order):
     """The down tasks' prelude runs on the reference executor too (as the whole task, once
     its waits are done): the same layer."""
