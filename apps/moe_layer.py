@@ -238,8 +238,9 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
         return gemm.deepest_stages(tile_rows, columns, bk, footprint=footprint, limit=limit)
 
     def slice_for(columns: int, loads: str = "cp.async") -> int:
-        shallow = engine == "swapped" or wgmma and loads == "cp.async" \
-            and footprint(tile_rows, columns, 64, MIN_DEEP_RING) > limit
+        shallow = engine == "swapped" or (
+            wgmma and loads == "cp.async"
+            and footprint(tile_rows, columns, 64, MIN_DEEP_RING) > limit)
         return 32 if shallow else 64
 
     H, E, F = hidden, experts, intermediate
@@ -575,8 +576,8 @@ def layer_threads_for(tile_rows: int, engine: str, ctas_per_sm: int | None = Non
     rows, whose 128 x 256 tasks need more registers than two CTAs an SM leave a thread),
     at one CTA an SM; two warpgroups for swapped tiles of more than ``SWAPPED_ROWS`` rows
     (each one 64-column panel); else 128."""
-    two = engine == "wgmma" and tile_rows == 2 * wgmma_gemm.BLOCK_ROWS \
-        and ctas_per_sm in (None, 1) or engine == "swapped" and tile_rows > SWAPPED_ROWS
+    two = (engine == "wgmma" and tile_rows == 2 * wgmma_gemm.BLOCK_ROWS
+           and ctas_per_sm in (None, 1)) or (engine == "swapped" and tile_rows > SWAPPED_ROWS)
     return 2 * wgmma_gemm.WARPGROUP if two else wgmma_gemm.WARPGROUP
 
 
