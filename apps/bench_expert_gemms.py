@@ -10,7 +10,10 @@ bench_moe's defaults: two CTAs an SM, blocked weights, y in bf16; ``--configs`` 
 several side by side, with bench_moe's layer options). Each variant's y rows of
 every (token, k) pair are checked against float64 before and after its timing; the
 variants then take turns, replayed from CUDA graphs (``timing.time_interleaved``, queued).
-Prints us per call and each megakernel over the unfused launches.
+Prints us per call and each megakernel over the unfused launches; with ``--kernels``, each
+unfused grid's device time and the rate at which it reads its expert weights.
+``--intermediate`` changes the experts' intermediate size F (down's K, gate_up's columns
+over two), so that tasks of more or fewer K steps stream the same bytes a step.
 """
 import argparse
 
@@ -24,7 +27,7 @@ from bench_moe import (E, F, H, K, RTOL, layer_options, layer_parser, on_gpu, pa
 from etc_tvm import build
 from etc_tvm.tiles import moe
 from etc_tvm.tir_sched.persistent import KernelOptions
-from timing import time_interleaved
+from timing import kernel_times, time_interleaved
 
 VARIANTS = ("static", "barrier", "unfused")
 
@@ -58,10 +61,11 @@ def checked_replay(label: str, compiled, inputs, pair_row, want):
     return run
 
 
-def measure(tokens: int, weights, rng, reps: int, configs: dict) -> dict:
+def measure(tokens: int, weights, rng, reps: int, configs: dict, kernels: bool = False) -> dict:
     """us per call of each of ``VARIANTS`` under each of ``configs`` (name -> bench_moe
-    ``layer_parser`` options) at ``tokens``, all from one timing loop; and each
-    configuration's tiles in use and allotted."""
+    ``layer_parser`` options) at ``tokens``, all from one timing loop; each configuration's
+    tiles in use and allotted; with ``kernels``, its unfused grids' device times."""
+    F = weights[1].shape[1]
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
     topk, _ = moe.route(x, w_router, K)
     want = float64_pairs(x, topk, *weights)
@@ -87,8 +91,11 @@ def measure(tokens: int, weights, rng, reps: int, configs: dict) -> dict:
             runs[name, variant] = checked_replay(f"{name or 'default'}: {variant}", compiled,
                                                  inputs, pair_row, want)
         tiles[name] = (int(indptr[E]), dims["tiles"])
-    return {"tokens": tokens, "tiles": tiles,
-            "us": time_interleaved(runs, reps=reps, queued=True)}
+    row = {"tokens": tokens, "tiles": tiles,
+           "us": time_interleaved(runs, reps=reps, queued=True)}
+    if kernels:
+        row["kernels"] = {name: kernel_times(runs[name, "unfused"]) for name in configs}
+    return row
 
 
 def main() -> None:
@@ -100,15 +107,20 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", metavar="NAME=FLAGS",
                         help="tile configurations measured side by side, each NAME=FLAGS with "
                         "bench_moe's layer options over the command line's")
+    parser.add_argument("--intermediate", type=int, default=F,
+                        help=f"the experts' intermediate size (default: {F}, Qwen3-30B-A3B's)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also each unfused grid's device time and weight read rate")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
-    weights = moe_layer.make_expert_weights(rng, H, E, F)
+    weights = moe_layer.make_expert_weights(rng, H, E, args.intermediate)
+    weight_bytes = {"h": weights[0].nbytes, "y": weights[1].nbytes}
     print(f"{'tokens':>6} {'config':>10} {'tiles':>9} "
           + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
           + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
     for tokens in args.tokens:
-        row = measure(tokens, weights, rng, args.reps, configs)
+        row = measure(tokens, weights, rng, args.reps, configs, args.kernels)
         for name in configs:
             us = {v: row["us"][name, v] for v in VARIANTS}
             used, allotted = row["tiles"][name]
@@ -116,6 +128,10 @@ def main() -> None:
                   + " ".join(f"{us[v]:14.1f}" for v in VARIANTS)
                   + f" {us['static'] / us['unfused']:15.3f}"
                   f" {us['barrier'] / us['unfused']:16.3f}", flush=True)
+            for kernel, kernel_us in row.get("kernels", {}).get(name, ()):
+                rate = weight_bytes.get(kernel.split("_")[0], 0) / kernel_us / 1e6
+                print(f"{'':>17} {kernel[:24]} {kernel_us:.1f} us"
+                      + (f", weights at {rate:.2f} TB/s" if rate else ""), flush=True)
 
 
 if __name__ == "__main__":
