@@ -115,7 +115,7 @@ def main() -> None:
     configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
     weights = moe_layer.make_expert_weights(rng, H, E, args.intermediate)
-    weight_bytes = {"h": weights[0].nbytes, "y": weights[1].nbytes}
+    weight_bytes = {"h": weights[0].nbytes, "y": weights[1].nbytes}  # grids named by output
     print(f"{'tokens':>6} {'config':>10} {'tiles':>9} "
           + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
           + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
