@@ -226,6 +226,11 @@ def test_unfused_kernel_runs_on_hgmma(name, tmp_path):
     # staged: the tile leaves in 16-byte stores, a thread's share of whole rows
     staged = cfg["bm"] * cfg["bn"] // 8 // cfg["threads"]
     assert count(code, "STG.E.128") == (staged if cfg.get("stores") == "staged" else 0), code
+    if swapped:
+        # the swapped store trades one element a fragment pair with the lane four over: one
+        # butterfly shuffle each, all lanes together (a diverged trade shows as WARPSYNC)
+        trades = cfg["bn"] // 64 // (cfg["threads"] // 128) * cfg["bm"] // 8 * 2
+        assert count(code, "SHFL.BFLY") == trades and count(code, "WARPSYNC") == 0, code
 
 
 @pytest.mark.parametrize("name", ["128x256x64_f32", "128x128x64_f32_t128", "256x128x64_f32"])

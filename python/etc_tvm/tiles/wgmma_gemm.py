@@ -508,17 +508,21 @@ class WgmmaTile:
         # lane four over holds the next column. The pair trade one element, so that each
         # holds two adjacent columns of one row, which leave in one store (and the bf16
         # conversion reads the traded registers: converting accumulator pairs straight from
-        # the wgmma's registers, ptxas serialised every wgmma of the kernel, C7514).
+        # the wgmma's registers, ptxas serialised every wgmma of the kernel, C7514). The
+        # trade's operands live in registers of their own: as one expression, the simplifier
+        # moved the shuffle into the arms of the Select, and each lane shuffled under its own
+        # branch, diverged.
         odd = T.meta_var(self.lane // 4 % 2)
         for m in T.unroll(self.mi):
             for n in T.unroll(self.ni):
                 for h in T.unroll(2):
                     mine = T.meta_var((self.frag(m, n, 2 * h), self.frag(m, n, 2 * h + 1)))
-                    got = T.meta_var(T.tvm_warp_shuffle_xor(
-                        T.uint32(0xFFFFFFFF), T.Select(odd == 1, mine[0], mine[1]), 4, 32, 32))
+                    trade = T.alloc_local((2,), "float32")  # sent, received
+                    trade[0] = T.Select(odd == 1, mine[0], mine[1])
+                    trade[1] = T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), trade[0], 4, 32, 32)
                     pair = T.alloc_local((2,), "float32")
-                    pair[0] = T.Select(odd == 1, got, mine[0])
-                    pair[1] = T.Select(odd == 1, mine[1], got)
+                    pair[0] = T.Select(odd == 1, trade[1], mine[0])
+                    pair[1] = T.Select(odd == 1, mine[1], trade[1])
                     for v in T.vectorized(2):
                         C[row0 + self.row(n, odd), col0 + self.col(m, h) - odd + v] = \
                             T.Cast(C.dtype, pair[v])
