@@ -172,6 +172,10 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="down tasks issue their first weight slices before they wait "
                         "for their rows of h, a task prelude (default: below "
                         f"{moe_layer.EARLY_WEIGHTS_BELOW} tokens)")
+    parser.add_argument("--place-offsets", action=argparse.BooleanOptionalAction,
+                        default=False, help="align's place tasks sum the chunks' counts "
+                        "themselves, with no offsets task (where align runs over several "
+                        "CTAs; moe.make_align_rows_tile)")
     return parser
 
 
@@ -203,7 +207,7 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
         fused_route=options.fused_route, down_loads=options.down_loads,
-        early_weights=options.early_weights)
+        early_weights=options.early_weights, place_offsets=options.place_offsets)
 
 
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,

@@ -24,7 +24,10 @@ With ``align_tokens`` (CT), align runs over several CTAs instead, in three calls
         align_offsets (1)  --offset "i->0"-->  align_place (ceil(T/CT))  --aligned "c->0"-->
 
 with the same outputs: at 1024 tokens one align task walks 8192 pairs on one SM (20 us on
-the H200), where each of 8 count and 8 place tasks walks 1024.
+the H200), where each of 8 count and 8 place tasks walks 1024. With ``place_offsets`` the
+place tasks sum the counts themselves, in two calls::
+
+    align_count (ceil(T/CT))  --counted "c->0"-->  align_rows (ceil(T/CT))  --aligned "c->0"-->
 
 Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
 """
@@ -53,7 +56,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
                    down_loads: str = "cp.async", combine_tokens: int = 1,
-                   combine_prefetch: bool = False, early_weights: bool = False):
+                   combine_prefetch: bool = False, early_weights: bool = False,
+                   place_offsets: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -91,7 +95,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     ``combine_prefetch``: whether it first asks for its rows of y in L2
     (``moe.make_combine_tile``'s ``tokens`` and ``prefetch``). ``early_weights``: the down
     tasks issue their first weight slices before they wait for their rows of h
-    (``moe.make_down_tile``'s)."""
+    (``moe.make_down_tile``'s). ``place_offsets`` (with ``align_tokens``): each place task
+    sums the chunks' counts itself (``moe.make_align_rows_tile``), so that align is two
+    calls, not three: one hop and one one-CTA task fewer before the experts."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -113,6 +119,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     if align_tokens % block_tokens:
         raise ValueError(f"align_tokens {align_tokens} must be a multiple of block_tokens "
                          f"{block_tokens}")
+    if place_offsets and not align_tokens:
+        raise ValueError("place_offsets folds align's offsets into its place tasks: it takes "
+                         "align over several CTAs (align_tokens)")
     if fused_route and align_tokens:
         raise ValueError(f"fused_route aligns in one task: it takes align_tokens 0, got "
                          f"{align_tokens}")
@@ -122,8 +131,11 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
     if align_tokens:
         align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
-        align_offsets = moe.make_align_offsets_tile(E, BT, threads)
-        align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
+        if place_offsets:
+            align_rows = moe.make_align_rows_tile(E, K, BT, align_tokens, threads)
+        else:
+            align_offsets = moe.make_align_offsets_tile(E, BT, threads)
+            align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
     elif not fused_route:
         align = moe.make_align_tile(E, K, BT, threads)
     gate_up_shape = moe.grouped_weight_shape(E, H, 2 * F, bn, blocked_weights)
@@ -171,10 +183,18 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                 out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
                            else "b->0"})
             if align_tokens:
-                counted, offset = ETensor((1,), name="counted"), ETensor((1,), name="offset")
+                counted = ETensor((1,), name="counted")
                 chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
                                            out=Tensor((chunks, E), "int32", name="chunk_counts"),
                                            in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
+            if align_tokens and place_offsets:
+                pair_row, pair_tile, sorted_token, exp_indptr, tile_expert = call_device(
+                    align_rows, tile_num=(chunks,), args=[topk, chunk_counts],
+                    out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr"),
+                         Tensor((tiles,), "int32", name="tile_expert")],
+                    in_edges={counted: "c->0"}, out_edges={aligned: "c->0"})
+            elif align_tokens:
+                offset = ETensor((1,), name="offset")
                 counts, indptr, chunk_row, tile_expert = call_device(
                     align_offsets, tile_num=(1,), args=[chunk_counts],
                     out=[Tensor((E,), "int32", name="counts"),
@@ -364,7 +384,8 @@ def options_for(tokens: int, **options) -> dict:
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
-    load their first weights in their prelude (``early_weights_for``), align's tokens a task
+    load their first weights in their prelude (``early_weights_for``), ``place_offsets``
+    where align runs over several CTAs (else off), align's tokens a task
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
@@ -404,6 +425,7 @@ def options_for(tokens: int, **options) -> dict:
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
             "early_weights": early_weights,
+            "place_offsets": bool(options.get("place_offsets")) and align_tokens > 0,
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": combine_cols,
             "combine_tokens": options.get("combine_tokens")

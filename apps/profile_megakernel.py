@@ -57,6 +57,9 @@ def main() -> None:
                         help="MoE down tasks issue their first weight slices before they wait "
                         "for h (as bench_moe's --early-weights; default: "
                         "moe_layer.early_weights_for the tokens)")
+    parser.add_argument("--moe-place-offsets", action=argparse.BooleanOptionalAction,
+                        default=False, help="MoE place tasks sum align's counts themselves "
+                        "(as bench_moe's --place-offsets)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
                         "default: 1 for the chain and the MLPs, moe_layer.options_for's for "
@@ -95,7 +98,8 @@ def main() -> None:
                 bn=args.moe_bn, down_bn=args.moe_down_bn,
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
                 blocked_weights=blocked, y_dtype=args.moe_y_dtype,
-                align_tokens=args.moe_align_tokens, early_weights=args.moe_early_weights)
+                align_tokens=args.moe_align_tokens, early_weights=args.moe_early_weights,
+                place_offsets=args.moe_place_offsets)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \

@@ -17,6 +17,7 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
     count = moe.make_align_count_tile(Ex, Kk, chunk_tokens)
     offsets = moe.make_align_offsets_tile(Ex, BT)
     place = moe.make_align_place_tile(Ex, Kk, BT, chunk_tokens)
+    rows = moe.make_align_rows_tile(Ex, Kk, BT, chunk_tokens)
     gate_up = moe.make_gate_up_tile(Hd, Fi, Ex, stages=grouped_stages)
     down = moe.make_down_tile(Fi, Hd, Ex, stages=grouped_stages)
     combine = moe.make_combine_tile(Hd, Kk, min(512, Hd))
@@ -82,6 +83,22 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
         return counts, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
 
     @graph_func
+    def align_rows(topk: Tensor(("T", Kk), "int32")):
+        """Align over several CTAs in two calls: count, then place tasks that sum the counts
+        themselves; align_only's outputs but the counts."""
+        n = topk.shape[0]
+        tiles, chunks = moe.max_tiles(n, Ex, Kk, BT), moe.ceil_div(n, chunk_tokens)
+        counted = ETensor((1,), name="counted")
+        chunk_counts = call_device(count, tile_num=(chunks,), args=[topk],
+                                   out=Tensor((chunks, Ex), "int32"),
+                                   out_edges={counted: "c->0"})
+        return call_device(rows, tile_num=(chunks,), args=[topk, chunk_counts],
+                           out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
+                                Tensor((tiles * BT,), "int32"), Tensor((Ex + 1,), "int32"),
+                                Tensor((tiles,), "int32")],
+                           in_edges={counted: "c->0"})
+
+    @graph_func
     def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
                      sorted_token: Tensor(("R",), "int32"), tile_expert: Tensor(("G",), "int32"),
                      exp_indptr: Tensor((Ex + 1,), "int32")):
@@ -119,15 +136,16 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
 
     return {"router": routing_only("fma", 8, 16), "router_mma": routing_only("mma", 16, 32),
             "topk": topk_only, "align": align_only, "align_chunked": align_chunked,
-            "gate_up": gate_up_only, "down": down_only, "combine": combine_only,
-            "qk_norm_rope": qk_norm_rope_only}
+            "align_rows": align_rows, "gate_up": gate_up_only, "down": down_only,
+            "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
 
 
 def one_call_dims(name, tokens, experts=128, top_k=8):
     """The sizes the graph ``name`` of ``one_call_graphs`` takes for ``tokens`` tokens."""
     tiles = moe.max_tiles(tokens, experts, top_k, BT)
     return {"router": {"T": tokens}, "router_mma": {"T": tokens}, "topk": {"T": tokens},
-            "align": {"T": tokens}, "align_chunked": {"T": tokens}, "qk_norm_rope": {"T": tokens},
+            "align": {"T": tokens}, "align_chunked": {"T": tokens},
+            "align_rows": {"T": tokens}, "qk_norm_rope": {"T": tokens},
             "gate_up": {"T": tokens, "R": tiles * BT, "G": tiles},
             "down": {"R": tiles * BT, "G": tiles},
             "combine": {"T": tokens, "R": tiles * BT}}[name]

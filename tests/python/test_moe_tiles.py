@@ -207,6 +207,33 @@ def test_align_over_chunks_writes_what_one_align_task_writes(tokens, chunk_token
         np.testing.assert_array_equal(got, want)
 
 
+def aligned_by_row_tasks(topk, tiles, chunk_tokens):
+    """(exp_indptr, pair_row, pair_tile, sorted_token, tile_expert) of align in two calls
+    (count, then place tasks that sum the counts themselves), through their references."""
+    chunks = -(-len(topk) // chunk_tokens)
+    chunk_counts = np.full((chunks, E), -7, np.int32)
+    exp_indptr, tile_expert = np.full(E + 1, -7, np.int32), np.full(tiles, -7, np.int32)
+    pair_row, pair_tile = np.full(topk.shape, -7, np.int32), np.full(topk.shape, -7, np.int32)
+    sorted_token = np.full(tiles * BT, -7, np.int32)
+    run_tasks(moe.make_align_count_tile(E, K, chunk_tokens), (chunks,), topk, chunk_counts)
+    run_tasks(moe.make_align_rows_tile(E, K, BT, chunk_tokens), (chunks,), topk, chunk_counts,
+              pair_row, pair_tile, sorted_token, exp_indptr, tile_expert)
+    return exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens, chunk_tokens", [(1, 8), (7, 8), (40, 8), (300, 16),
+                                                  (300, 128), (17, 1)])
+def test_place_tasks_with_their_own_offsets_write_what_one_align_task_writes(
+        tokens, chunk_tokens, routing, rng):
+    """Every output but the counts, each tile's expert included (a share a task)."""
+    topk = routed(rng, tokens, routing)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, *want = aligned(topk, tiles)
+    for got, expected in zip(aligned_by_row_tasks(topk, tiles, chunk_tokens), want):
+        np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("tile, bad", [("align", -1), ("align", E), ("align_count", E + 3)])
 def test_align_names_an_expert_id_outside_the_experts(tile, bad, rng):
     """In the references an id outside 0..E-1 in topk is an error that says which tile found
@@ -452,6 +479,29 @@ def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order):
     assert_within(out, want, bound)
 
 
+@pytest.mark.parametrize("order", ["random0", "mixed3", "dynamic3"])
+@pytest.mark.parametrize("tokens, chunk", [(7, 8), (20, 8), (20, 16)])
+def test_layer_with_place_offsets_matches_float64(tokens, chunk, order):
+    """Align in two calls (``place_offsets``) under several orders."""
+    rng = np.random.default_rng(tokens)
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk, place_offsets=True)
+    tasks = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": tokens}).calls
+             if c.fn.name.startswith("align")}
+    assert tasks == {f"align_count_16_top4_c{chunk}_t128": -(-tokens // chunk),
+                     f"align_rows_16_top4_bt16_c{chunk}_t128": -(-tokens // chunk)}
+    inputs = make_inputs(rng, tokens, H, E, F)
+    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(out, want, bound)
+
+
+def test_place_offsets_take_align_over_several_ctas():
+    with pytest.raises(ValueError, match="place_offsets folds align's offsets"):
+        make_moe_layer(H, E, K, F, place_offsets=True)
+    assert not moe_layer.options_for(16, place_offsets=True)["place_offsets"]
+    assert moe_layer.options_for(1024, place_offsets=True)["place_offsets"]
+
+
 def test_routing_triggers_arm_with_the_last_align_call():
     """Every ETensor armed at run time (the gate_up and down triggers read exp_indptr, the
     combine's waits pair_tile) is armed by the place call's completion, the routing's last:
@@ -690,8 +740,8 @@ def test_layer_graph_is_valid_for_qwen3_sizes():
 
 
 # ------------------------------------------------------------------ CUDA for sm_90a
-@pytest.mark.parametrize("name", ["router", "router_mma", "align", "gate_up", "down",
-                                  "combine", "qk_norm_rope"])
+@pytest.mark.parametrize("name", ["router", "router_mma", "align", "align_rows", "gate_up",
+                                  "down", "combine", "qk_norm_rope"])
 def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     graph = one_call_graphs(2048, 128, 8, 768)[name]
     source = build(graph, one_call_dims(name, 16), strategy="unfused").cuda_source()

@@ -114,6 +114,19 @@ def test_align_over_chunks(tokens, routing, rng):
         np.testing.assert_array_equal(got, exact)
 
 
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS + (3, 100, 4096))
+def test_align_over_chunks_with_place_offsets(tokens, routing, rng):
+    """Count, then place tasks that sum the counts themselves: one align task's outputs."""
+    topk = routed(rng, tokens, routing, E, K)
+    want = moe.align_reference(topk, E, BT, moe.max_tiles(tokens, E, K, BT))
+    exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = \
+        compiled("align_rows", tokens)(topk)
+    for got, exact in zip((exp_indptr, pair_row, pair_tile, sorted_token, tile_expert),
+                          (*want[1:3], want[2] // BT, *want[3:])):
+        np.testing.assert_array_equal(got, exact)
+
+
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 @pytest.mark.parametrize("name, bad", [("align", E), ("align_chunked", -2)])
 def test_align_stops_at_an_expert_id_outside_the_experts(name, bad, strategy, rng):
@@ -442,6 +455,16 @@ def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weig
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
                     expert_weights, expert_weights_f64, "bfloat16")
+
+
+@pytest.mark.parametrize("tokens", (600, 1024, 2048))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_place_offsets_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                        expert_weights_f64):
+    """Align in two calls (place tasks that sum the counts themselves), the tokens' defaults
+    otherwise (600: a partial last chunk)."""
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              place_offsets=True)
 
 
 @pytest.mark.parametrize("tokens", (1101,))  # a partial last combine block

@@ -563,7 +563,8 @@ class PairWalk:
 class ExpertTiles:
     """The CSR of expert tiles from per-expert pair counts, in one CTA: ``tiles`` scans
     ``count`` (shared, filled by the caller) into ``indptr`` (a Hillis-Steele scan of each
-    thread's experts' tiles), ``tile_experts`` gives each tile its expert."""
+    thread's experts' tiles), ``tile_experts`` gives each tile, or each of a share of them,
+    its expert."""
 
     def __init__(self, experts, tile_rows, threads, tx):
         self.E, self.BT, self.threads, self.tx = experts, tile_rows, threads, tx
@@ -575,8 +576,9 @@ class ExpertTiles:
         self.scan = T.alloc_shared((2, threads), "int32")
 
     @T.inline
-    def tiles(self, exp_indptr):
-        # indptr (shared) and exp_indptr (global) from count; the caller synced count
+    def tiles(self, exp_indptr=None):
+        # indptr (shared) and exp_indptr (global, if given) from count; the caller synced
+        # count
         E, BT, seg, tx = T.meta_var((self.E, self.BT, self.seg, self.tx))
         mysum = T.local_scalar("int32")
         mysum = 0
@@ -596,21 +598,27 @@ class ExpertTiles:
         for s in T.unroll(seg):
             if tx * seg + s < E:
                 self.indptr[tx * seg + s] = start
-                exp_indptr[tx * seg + s] = start
+                if exp_indptr is not None:
+                    exp_indptr[tx * seg + s] = start
                 start = start + (self.count[tx * seg + s] + BT - 1) // BT
         if tx == self.threads - 1:
             self.indptr[E] = self.scan[self.steps % 2, tx]
-            exp_indptr[E] = self.scan[self.steps % 2, tx]
+            if exp_indptr is not None:
+                exp_indptr[E] = self.scan[self.steps % 2, tx]
         T.cuda.cta_sync()
 
     @T.inline
-    def tile_experts(self, tile_expert):
-        # each tile's expert: the last e with indptr[e] <= g (binary search), E past the end
+    def tile_experts(self, tile_expert, part=0, parts=1):
+        # each tile's expert: the last e with indptr[e] <= g (binary search), E past the end;
+        # of the tiles, the part-th of parts contiguous shares
         E, tx, threads = T.meta_var((self.E, self.tx, self.threads))
         tiles = T.meta_var(tile_expert.shape[0])
-        for q in T.serial((tiles + threads - 1) // threads):
-            g = T.meta_var(q * threads + tx)
-            if g < tiles:
+        share = T.meta_var((tiles + parts - 1) // parts if parts != 1 else tiles)
+        for q in T.serial((share + threads - 1) // threads):
+            g = T.meta_var(part * share + q * threads + tx if parts != 1 else q * threads + tx)
+            inside = T.meta_var(tirx.And(q * threads + tx < share, g < tiles) if parts != 1
+                                else g < tiles)
+            if inside:
                 lo_e = T.local_scalar("int32")
                 hi_e = T.local_scalar("int32")
                 lo_e = 0
@@ -869,6 +877,33 @@ def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) ->
     return tile
 
 
+@T.inline
+def _place_chunk(walk, c, chunks, tx, threads, first_row, indptr, counts, tile_rows, pair_row,
+                 pair_tile, sorted_token):
+    # chunk c's pairs their rows from first_row(e) on (PairWalk.place), and -1 on the chunk's
+    # share of the padding rows of the CSR indptr of pair counts (E+1 and E int32, global or
+    # shared): no real row is among these, so no order against the other tasks' rows
+    E, BT = T.meta_var((counts.shape[0], tile_rows))
+    rows = T.meta_var(sorted_token.shape[0])
+    walk.count()
+    T.cuda.cta_sync()
+    walk.scan_warps(tx, threads)
+    T.cuda.cta_sync()
+    walk.place(first_row, BT, pair_row, pair_tile, sorted_token)
+    for q in T.serial(ceil_div(E, threads)):
+        e = T.meta_var(q * threads + tx)
+        if e < E and e % chunks == c:
+            for r in T.serial(indptr[e] * BT + counts[e], indptr[e + 1] * BT):
+                sorted_token[r] = -1
+    used = T.local_scalar("int32")
+    used = indptr[E] * BT
+    share = T.meta_var((rows - used + chunks - 1) // chunks)
+    for q in T.serial((share + threads - 1) // threads):
+        r = T.meta_var(used + c * share + q * threads + tx)
+        if q * threads + tx < share and r < rows:
+            sorted_token[r] = -1
+
+
 @functools.cache
 def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
                           chunk_tokens: int = ALIGN_CHUNK_TOKENS,
@@ -902,7 +937,6 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         lane = T.lane_id([WARP])
         walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
         first = T.alloc_shared((E,), "int32")  # chunk_row[c, :]
-        used = T.local_scalar("int32")
 
         for q in T.serial(ceil_div(E, threads)):
             if q * threads + tx < E:
@@ -911,23 +945,8 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
             for q in T.serial(ceil_div(E + 1, threads)):
                 if q * threads + tx <= E:
                     exp_indptr[q * threads + tx] = indptr[q * threads + tx]
-        walk.count()
-        T.cuda.cta_sync()
-        walk.scan_warps(tx, threads)
-        T.cuda.cta_sync()
-        walk.place(lambda e: first[e], BT, pair_row, pair_tile, sorted_token)
-        # padding: no real row is among these, so no order against the other tasks' rows
-        for q in T.serial(ceil_div(E, threads)):
-            e = T.meta_var(q * threads + tx)
-            if e < E and e % chunks == c:
-                for r in T.serial(indptr[e] * BT + counts[e], indptr[e + 1] * BT):
-                    sorted_token[r] = -1
-        used = indptr[E] * BT
-        share = T.meta_var((rows - used + chunks - 1) // chunks)
-        for q in T.serial((share + threads - 1) // threads):
-            r = T.meta_var(used + c * share + q * threads + tx)
-            if q * threads + tx < share and r < rows:
-                sorted_token[r] = -1
+        _place_chunk(walk, c, chunks, tx, threads, lambda e: first[e], indptr, counts, BT,
+                     pair_row, pair_tile, sorted_token)
 
     name = f"align_place_{E}_top{K}_bt{BT}_c{CT}_t{threads}"
     tile = device_func(align_place.with_attr("global_symbol", name), cost=CT * K // threads + 4,
@@ -937,15 +956,112 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
     def _(c, topk, counts, indptr, chunk_row, pair_row, pair_tile, sorted_token, exp_indptr):
         if c == 0:
             exp_indptr[:] = indptr
-        tokens = range(c * CT, min((c + 1) * CT, len(topk)))
-        _place_pairs(topk, tokens, chunk_row[c], pair_row, sorted_token)
-        pair_tile[tokens.start:tokens.stop] = pair_row[tokens.start:tokens.stop] // BT
-        chunks_ = len(chunk_row)
-        for e in range(c, E, chunks_):
-            sorted_token[indptr[e] * BT + counts[e]:indptr[e + 1] * BT] = -1
-        used = indptr[E] * BT
-        share = -(-(len(sorted_token) - used) // chunks_)
-        sorted_token[used + c * share:used + (c + 1) * share] = -1
+        _place_chunk_reference(topk, c, CT, BT, chunk_row[c], indptr, counts, pair_row,
+                               pair_tile, sorted_token, len(chunk_row))
+
+    return tile
+
+
+def _place_chunk_reference(topk, c: int, chunk_tokens: int, tile_rows: int, first_row, indptr,
+                           counts, pair_row, pair_tile, sorted_token, chunks: int) -> None:
+    """Reference of ``_place_chunk``: chunk c's pairs from ``first_row`` on, and its share of
+    the padding rows."""
+    BT = tile_rows
+    tokens = range(c * chunk_tokens, min((c + 1) * chunk_tokens, len(topk)))
+    _place_pairs(topk, tokens, first_row, pair_row, sorted_token)
+    pair_tile[tokens.start:tokens.stop] = pair_row[tokens.start:tokens.stop] // BT
+    for e in range(c, len(counts), chunks):
+        sorted_token[indptr[e] * BT + counts[e]:indptr[e + 1] * BT] = -1
+    used = indptr[-1] * BT
+    share = -(-(len(sorted_token) - used) // chunks)
+    sorted_token[used + c * share:used + (c + 1) * share] = -1
+
+
+@functools.cache
+def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
+                         chunk_tokens: int = ALIGN_CHUNK_TOKENS,
+                         threads: int = 128) -> DeviceFunc:
+    """The tile ``align_rows_<E>_top<K>_bt<BT>_c<CT>``: align's offsets and place phases in
+    each task, so that one hop of the routing chain and its one-CTA task go. Task c sums
+    chunk_counts (``align_count``'s, chunks x E) over all chunks and over those before c,
+    scans the experts' tiles into the CSR in shared memory, then places chunk c's pairs as
+    ``make_align_place_tile``'s task c does. Each task also writes its contiguous share of
+    tile_expert, and task 0 exp_indptr: together the tasks write what ``make_align_tile``
+    writes but its counts. The sums cost each task one read of chunks x E counts (8 KB at
+    1024 tokens in chunks of 64), where the offsets task cost a task and a hop."""
+    E, K, BT, CT = experts, top_k, tile_rows, chunk_tokens
+    _check_align(E, BT, threads, "align_rows")
+    _check_chunk(CT, "align_rows")
+    warps = threads // WARP
+    ntok, rows, chunks, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "chunks", "tiles"))
+    ahead = STEPS_AHEAD  # chunks whose counts a thread loads together
+
+    @T.prim_func
+    def align_rows(c: T.int32, topk: T.Buffer((ntok, K), "int32"),
+                   chunk_counts: T.Buffer((chunks, E), "int32"),
+                   pair_row: T.Buffer((ntok, K), "int32"),
+                   pair_tile: T.Buffer((ntok, K), "int32"),
+                   sorted_token: T.Buffer((rows,), "int32"),
+                   exp_indptr: T.Buffer((E + 1,), "int32"),
+                   tile_expert: T.Buffer((tiles,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([warps])
+        lane = T.lane_id([WARP])
+        walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
+        csr = ExpertTiles(E, BT, threads, tx)
+        first = T.alloc_shared((E,), "int32")  # the first row of chunk c's pairs of e
+        part = T.alloc_local((ahead,), "int32")
+        run = T.local_scalar("int32")
+        before = T.local_scalar("int32")
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E:
+                run = 0
+                before = 0
+                for batch in T.serial((chunks + ahead - 1) // ahead):
+                    for u in T.unroll(ahead):
+                        part[u] = 0
+                        if batch * ahead + u < chunks:
+                            part[u] = chunk_counts[batch * ahead + u, e]
+                    for u in T.unroll(ahead):
+                        if batch * ahead + u < c:
+                            before = before + part[u]
+                        run = run + part[u]
+                csr.count[e] = run
+                first[e] = before
+        T.cuda.cta_sync()
+        csr.tiles()
+        for q in T.serial(ceil_div(E, threads)):
+            if q * threads + tx < E:
+                first[q * threads + tx] = first[q * threads + tx] \
+                    + csr.indptr[q * threads + tx] * BT
+        if c == 0:
+            for q in T.serial(ceil_div(E + 1, threads)):
+                if q * threads + tx <= E:
+                    exp_indptr[q * threads + tx] = csr.indptr[q * threads + tx]
+        csr.tile_experts(tile_expert, c, chunks)
+        _place_chunk(walk, c, chunks, tx, threads, lambda e: first[e], csr.indptr, csr.count,
+                     BT, pair_row, pair_tile, sorted_token)
+
+    name = f"align_rows_{E}_top{K}_bt{BT}_c{CT}_t{threads}"
+    tile = device_func(align_rows.with_attr("global_symbol", name),
+                       cost=CT * K // threads + 6, checks=expert_id_checks(E))
+
+    @tile.set_reference
+    def _(c, topk, chunk_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert):
+        counts = chunk_counts.sum(axis=0)
+        indptr = np.zeros(E + 1, np.int32)
+        indptr[1:] = np.cumsum(ceil_div(counts, BT))
+        if c == 0:
+            exp_indptr[:] = indptr
+        share = ceil_div(len(tile_expert), len(chunk_counts))
+        every = np.empty_like(tile_expert)
+        _fill_tile_experts(indptr, every)
+        tile_expert[c * share:(c + 1) * share] = every[c * share:(c + 1) * share]
+        chunk_row = indptr[:-1] * BT + np.cumsum(chunk_counts, axis=0) - chunk_counts
+        _place_chunk_reference(topk, c, CT, BT, chunk_row[c], indptr, counts, pair_row,
+                               pair_tile, sorted_token, len(chunk_counts))
 
     return tile
 
