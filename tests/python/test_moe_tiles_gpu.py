@@ -120,7 +120,7 @@ def test_align_over_chunks_with_place_offsets(tokens, routing, rng):
     """Count, then place tasks that sum the counts themselves: one align task's outputs."""
     topk = routed(rng, tokens, routing, E, K)
     want = moe.align_reference(topk, E, BT, moe.max_tiles(tokens, E, K, BT))
-    exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = \
+    pair_row, pair_tile, sorted_token, exp_indptr, tile_expert = \
         compiled("align_rows", tokens)(topk)
     for got, exact in zip((exp_indptr, pair_row, pair_tile, sorted_token, tile_expert),
                           (*want[1:3], want[2] // BT, *want[3:])):
