@@ -496,10 +496,12 @@ def test_layer_with_place_offsets_matches_float64(tokens, chunk, order):
 
 
 def test_place_offsets_take_align_over_several_ctas():
+    """The default wherever align runs over several CTAs, and only there."""
     with pytest.raises(ValueError, match="place_offsets folds align's offsets"):
         make_moe_layer(H, E, K, F, place_offsets=True)
     assert not moe_layer.options_for(16, place_offsets=True)["place_offsets"]
-    assert moe_layer.options_for(1024, place_offsets=True)["place_offsets"]
+    assert moe_layer.options_for(1024)["place_offsets"]
+    assert not moe_layer.options_for(1024, place_offsets=False)["place_offsets"]
 
 
 def test_routing_triggers_arm_with_the_last_align_call():
@@ -507,11 +509,12 @@ def test_routing_triggers_arm_with_the_last_align_call():
     combine's waits pair_tile) is armed by the place call's completion, the routing's last:
     were one armed by the offsets call's, that task's CTA would arm thousands of tasks while
     holding a place task it claimed ahead."""
-    graph = make_moe_layer(**moe_layer.options_for(1024))
-    task_graph = TaskGraph.build(graph, {"T": 1024})
-    place = next(c.index for c in task_graph.calls if c.fn.name.startswith("align_place"))
-    gates = task_graph.gates()
-    assert gates and all(calls == {place} for calls in gates.values()), gates
+    for place_offsets, name in ((False, "align_place"), (True, "align_rows")):
+        graph = make_moe_layer(**moe_layer.options_for(1024, place_offsets=place_offsets))
+        task_graph = TaskGraph.build(graph, {"T": 1024})
+        place = next(c.index for c in task_graph.calls if c.fn.name.startswith(name))
+        gates = task_graph.gates()
+        assert gates and all(calls == {place} for calls in gates.values()), gates
 
 
 def test_align_tokens_must_be_whole_top_k_blocks():
