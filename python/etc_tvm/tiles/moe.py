@@ -615,11 +615,12 @@ class ExpertTiles:
         # of the tiles, the part-th of parts contiguous shares
         E, tx, threads = T.meta_var((self.E, self.tx, self.threads))
         tiles = T.meta_var(tile_expert.shape[0])
-        share = T.meta_var((tiles + parts - 1) // parts if parts != 1 else tiles)
+        whole = T.meta_var(isinstance(parts, int) and parts == 1)  # parts: Python or TIR int
+        share = T.meta_var(tiles if whole else (tiles + parts - 1) // parts)
         for q in T.serial((share + threads - 1) // threads):
-            g = T.meta_var(part * share + q * threads + tx if parts != 1 else q * threads + tx)
-            inside = T.meta_var(tirx.And(q * threads + tx < share, g < tiles) if parts != 1
-                                else g < tiles)
+            g = T.meta_var(q * threads + tx if whole else part * share + q * threads + tx)
+            inside = T.meta_var(g < tiles if whole
+                                else tirx.And(q * threads + tx < share, g < tiles))
             if inside:
                 lo_e = T.local_scalar("int32")
                 hi_e = T.local_scalar("int32")
