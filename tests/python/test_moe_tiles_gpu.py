@@ -25,15 +25,6 @@ STRATEGIES = ("static", "dynamic", "mixed", "unfused")
 _compiled = {}
 
 
-def expect_dynamic_600_launch_error(request, strategy, tokens):
-    """The dynamic layer at 600 tokens (56-row swapped tiles, four CTAs an SM) does not
-    launch: CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE, not yet explained (performance.md,
-    "Place tasks that sum align's counts themselves")."""
-    if (strategy, tokens) == ("dynamic", 600):
-        request.applymarker(pytest.mark.xfail(
-            raises=tvm.error.InternalError, strict=True,
-            reason="the dynamic kernel at 600 tokens: CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"))
-
 
 def compiled(name, tokens):
     key = (name, tokens)
@@ -470,10 +461,9 @@ def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weig
 @pytest.mark.parametrize("tokens", (600, 1024, 2048))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_place_offsets_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                        expert_weights_f64, request):
+                                        expert_weights_f64):
     """Align in two calls (place tasks that sum the counts themselves), the tokens' defaults
     otherwise (600: a partial last chunk)."""
-    expect_dynamic_600_launch_error(request, strategy, tokens)
     check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
                               place_offsets=True)
 
@@ -509,10 +499,9 @@ def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
 @pytest.mark.parametrize("tokens", (600,))  # 10 chunks of 64 tokens, the last of 24
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                            expert_weights_f64, request):
+                                            expert_weights_f64):
     """The layer with align over several CTAs (the default from 512 tokens), as bench_moe
     runs it."""
-    expect_dynamic_600_launch_error(request, strategy, tokens)
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
     assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS
 

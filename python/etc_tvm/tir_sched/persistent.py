@@ -54,6 +54,10 @@ REMEMBERED_SLOTS = 8  # elements a CTA keeps of the tensors trigger maps read (`
 # TVM 0.27's simplifier folds ``x == -2147483648`` on int32 to False.
 UNREAD = -(2**31 - 1)
 SM_THREADS = 2048
+# A CTA may hold more shared memory than this only where its kernel opts in; TVM's runtime
+# opts in only for an arena larger than it, so an arena just below it, with the scheduler's
+# static words on top, would leave the kernel no CTA an SM (a cooperative launch "too large")
+OPT_IN_SHARED_BYTES = 48 * 1024
 READY, SKIPPED = 1, 2  # what ``PersistentKernel.peek`` saw of a task's waits (0: unknown)
 
 
@@ -218,6 +222,8 @@ class PersistentKernel:
         # thread 0's entry time, kept until the prologue has cleared the timeline
         self.entered = tirx.decl_buffer((1,), "int64", "entered", scope="local")
         arena_bytes = max(shared_bytes(c.fn) for c in self.calls)
+        if OPT_IN_SHARED_BYTES - CTA_SHARED_OVERHEAD < arena_bytes <= OPT_IN_SHARED_BYTES:
+            arena_bytes = OPT_IN_SHARED_BYTES + 16  # so that the runtime opts in
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
         if arena_bytes > arena_limit(per_sm) or per_sm * threads > SM_THREADS:
             raise EtcError(f"{graph.name}: {per_sm} persistent CTAs per SM of {threads} threads "
