@@ -25,7 +25,6 @@ STRATEGIES = ("static", "dynamic", "mixed", "unfused")
 _compiled = {}
 
 
-
 def compiled(name, tokens):
     key = (name, tokens)
     if key not in _compiled:
