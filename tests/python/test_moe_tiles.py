@@ -461,34 +461,24 @@ def test_layer_with_bf16_y_matches_float64(tokens, routing, rng):
     assert (bound > moe_layer_reference(*inputs, K)[1]).all()
 
 
+@pytest.mark.parametrize("place_offsets", [False, True])
 @pytest.mark.parametrize("order", ["random0", "mixed3", "dynamic3"])
 @pytest.mark.parametrize("tokens, chunk", [(7, 8), (20, 8), (20, 16)])
-def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order):
-    """Align over several CTAs under several orders: chunks of one top-k block (1 and 3
-    chunks), and of two (20 tokens: the last chunk waits on one block)."""
+def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order, place_offsets):
+    """Align over several CTAs, in three calls or in two (``place_offsets``), under several
+    orders: chunks of one top-k block (1 and 3 chunks), and of two (20 tokens: the last chunk
+    waits on one block)."""
     rng = np.random.default_rng(tokens)
-    graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk)
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk,
+                           place_offsets=place_offsets)
     tasks = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": tokens}).calls
              if c.fn.name.startswith("align")}
-    assert tasks == {f"align_count_16_top4_c{chunk}_t128": -(-tokens // chunk),
-                     "align_offsets_16_bt16_t128": 1,
-                     f"align_place_16_top4_bt16_c{chunk}_t128": -(-tokens // chunk)}
-    inputs = make_inputs(rng, tokens, H, E, F)
-    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
-    want, bound = moe_layer_reference(*inputs, K)
-    assert_within(out, want, bound)
-
-
-@pytest.mark.parametrize("order", ["random0", "mixed3", "dynamic3"])
-@pytest.mark.parametrize("tokens, chunk", [(7, 8), (20, 8), (20, 16)])
-def test_layer_with_place_offsets_matches_float64(tokens, chunk, order):
-    """Align in two calls (``place_offsets``) under several orders."""
-    rng = np.random.default_rng(tokens)
-    graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk, place_offsets=True)
-    tasks = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": tokens}).calls
-             if c.fn.name.startswith("align")}
-    assert tasks == {f"align_count_16_top4_c{chunk}_t128": -(-tokens // chunk),
-                     f"align_rows_16_top4_bt16_c{chunk}_t128": -(-tokens // chunk)}
+    chunks = -(-tokens // chunk)
+    assert tasks == ({f"align_count_16_top4_c{chunk}_t128": chunks,
+                      f"align_rows_16_top4_bt16_c{chunk}_t128": chunks} if place_offsets else
+                     {f"align_count_16_top4_c{chunk}_t128": chunks,
+                      "align_offsets_16_bt16_t128": 1,
+                      f"align_place_16_top4_bt16_c{chunk}_t128": chunks})
     inputs = make_inputs(rng, tokens, H, E, F)
     out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
     want, bound = moe_layer_reference(*inputs, K)

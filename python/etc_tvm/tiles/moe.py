@@ -814,6 +814,26 @@ def make_align_count_tile(experts: int, top_k: int, chunk_tokens: int = ALIGN_CH
     return tile
 
 
+@T.inline
+def _load_chunk_counts(part, chunk_counts, e, batch):
+    # part[u] = chunk_counts[batch * ahead + u, e] (0 past the chunks), ahead = len(part):
+    # one thread's loads of a batch issued together
+    ahead, chunks = T.meta_var((part.shape[0], chunk_counts.shape[0]))
+    for u in T.unroll(ahead):
+        part[u] = 0
+        if batch * ahead + u < chunks:
+            part[u] = chunk_counts[batch * ahead + u, e]
+
+
+def _chunk_offsets(chunk_counts, tile_rows: int):
+    """Reference: (counts, exp_indptr, chunk_row) of ``align_offsets`` from chunk counts."""
+    counts = chunk_counts.sum(axis=0)
+    indptr = np.zeros(len(counts) + 1, np.int32)
+    indptr[1:] = np.cumsum(ceil_div(counts, tile_rows))
+    chunk_row = indptr[:-1] * tile_rows + np.cumsum(chunk_counts, axis=0) - chunk_counts
+    return counts, indptr, chunk_row
+
+
 @functools.cache
 def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) -> DeviceFunc:
     """The tile ``align_offsets_<E>_bt<BT>``, the middle phase of align over several CTAs: one
@@ -836,19 +856,12 @@ def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) ->
         part = T.alloc_local((ahead,), "int32")
         run = T.local_scalar("int32")
 
-        @T.inline
-        def load(e, batch):
-            for u in T.unroll(ahead):
-                part[u] = 0
-                if batch * ahead + u < chunks:
-                    part[u] = chunk_counts[batch * ahead + u, e]
-
         for q in T.serial(ceil_div(E, threads)):
             e = T.meta_var(q * threads + tx)
             if e < E:
                 run = 0
                 for batch in T.serial((chunks + ahead - 1) // ahead):
-                    load(e, batch)
+                    _load_chunk_counts(part, chunk_counts, e, batch)
                     for u in T.unroll(ahead):
                         run = run + part[u]
                 csr.count[e] = run
@@ -861,7 +874,7 @@ def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) ->
             if e < E:
                 run = csr.indptr[e] * BT
                 for batch in T.serial((chunks + ahead - 1) // ahead):
-                    load(e, batch)
+                    _load_chunk_counts(part, chunk_counts, e, batch)
                     for u in T.unroll(ahead):
                         if batch * ahead + u < chunks:
                             chunk_row[batch * ahead + u, e] = run
@@ -872,9 +885,7 @@ def make_align_offsets_tile(experts: int, tile_rows: int, threads: int = 128) ->
 
     @tile.set_reference
     def _(i, chunk_counts, counts, exp_indptr, chunk_row, tile_expert):
-        counts[:] = chunk_counts.sum(axis=0)
-        exp_indptr[0], exp_indptr[1:] = 0, np.cumsum(ceil_div(counts, BT))
-        chunk_row[:] = exp_indptr[:-1] * BT + np.cumsum(chunk_counts, axis=0) - chunk_counts
+        counts[:], exp_indptr[:], chunk_row[:] = _chunk_offsets(chunk_counts, BT)
         _fill_tile_experts(exp_indptr, tile_expert)
 
     return tile
@@ -1023,10 +1034,7 @@ def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
                 run = 0
                 before = 0
                 for batch in T.serial((chunks + ahead - 1) // ahead):
-                    for u in T.unroll(ahead):
-                        part[u] = 0
-                        if batch * ahead + u < chunks:
-                            part[u] = chunk_counts[batch * ahead + u, e]
+                    _load_chunk_counts(part, chunk_counts, e, batch)
                     for u in T.unroll(ahead):
                         if batch * ahead + u < c:
                             before = before + part[u]
@@ -1053,16 +1061,13 @@ def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
 
     @tile.set_reference
     def _(c, topk, chunk_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert):
-        counts = chunk_counts.sum(axis=0)
-        indptr = np.zeros(E + 1, np.int32)
-        indptr[1:] = np.cumsum(ceil_div(counts, BT))
+        counts, indptr, chunk_row = _chunk_offsets(chunk_counts, BT)
         if c == 0:
             exp_indptr[:] = indptr
         share = ceil_div(len(tile_expert), len(chunk_counts))
         every = np.empty_like(tile_expert)
         _fill_tile_experts(indptr, every)
         tile_expert[c * share:(c + 1) * share] = every[c * share:(c + 1) * share]
-        chunk_row = indptr[:-1] * BT + np.cumsum(chunk_counts, axis=0) - chunk_counts
         _place_chunk_reference(topk, c, CT, BT, chunk_row[c], indptr, counts, pair_row,
                                pair_tile, sorted_token, len(chunk_counts))
 
