@@ -173,9 +173,9 @@ def layer_parser() -> argparse.ArgumentParser:
                         "for their rows of h, a task prelude (default: below "
                         f"{moe_layer.EARLY_WEIGHTS_BELOW} tokens)")
     parser.add_argument("--place-offsets", action=argparse.BooleanOptionalAction,
-                        default=False, help="align's place tasks sum the chunks' counts "
-                        "themselves, with no offsets task (where align runs over several "
-                        "CTAs; moe.make_align_rows_tile)")
+                        help="align's place tasks sum the chunks' counts themselves, with no "
+                        "offsets task (moe.make_align_rows_tile; default: wherever align runs "
+                        "over several CTAs)")
     return parser
 
 

@@ -385,10 +385,9 @@ def options_for(tokens: int, **options) -> dict:
     tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
     load their first weights in their prelude (``early_weights_for``), ``place_offsets``
-    where asked for and align runs over several CTAs (not the default yet: at 1024 tokens on
-    the H200 the routing ended 5.4 us sooner and the static kernel ran 6 - 10 us faster, but
-    ptxas then rebuilds two wgmma descriptors a K step of gate_up in vector registers),
-    align's tokens a task
+    wherever align runs over several CTAs unless turned off (at 1024 tokens on the H200 the
+    routing ended 5.4 us sooner and the static kernel ran 6 - 10 us faster), align's tokens
+    a task
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
@@ -428,7 +427,7 @@ def options_for(tokens: int, **options) -> dict:
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
             "early_weights": early_weights,
-            "place_offsets": bool(options.get("place_offsets")) and align_tokens > 0,
+            "place_offsets": options.get("place_offsets") is not False and align_tokens > 0,
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": combine_cols,
             "combine_tokens": options.get("combine_tokens")

@@ -58,8 +58,8 @@ def main() -> None:
                         "for h (as bench_moe's --early-weights; default: "
                         "moe_layer.early_weights_for the tokens)")
     parser.add_argument("--moe-place-offsets", action=argparse.BooleanOptionalAction,
-                        default=False, help="MoE place tasks sum align's counts themselves "
-                        "(as bench_moe's --place-offsets)")
+                        help="MoE place tasks sum align's counts themselves (as bench_moe's "
+                        "--place-offsets; default: wherever align runs over several CTAs)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
                         "default: 1 for the chain and the MLPs, moe_layer.options_for's for "

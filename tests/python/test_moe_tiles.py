@@ -489,8 +489,9 @@ def test_place_offsets_take_align_over_several_ctas():
     with pytest.raises(ValueError, match="place_offsets folds align's offsets"):
         make_moe_layer(H, E, K, F, place_offsets=True)
     assert not moe_layer.options_for(16, place_offsets=True)["place_offsets"]
-    assert moe_layer.options_for(1024, place_offsets=True)["place_offsets"]
-    assert not moe_layer.options_for(1024)["place_offsets"]
+    assert not moe_layer.options_for(16)["place_offsets"]
+    assert moe_layer.options_for(1024)["place_offsets"]
+    assert not moe_layer.options_for(1024, place_offsets=False)["place_offsets"]
 
 
 def test_routing_triggers_arm_with_the_last_align_call():
@@ -665,17 +666,34 @@ def innermost_loops(code: str) -> list[list[str]]:
     return loops
 
 
-@pytest.mark.parametrize("place_offsets", [
-    False, pytest.param(True, marks=pytest.mark.xfail(
-        strict=True, reason="with align in two calls ptxas rebuilds two descriptors a K step "
-        "of gate_up in vector registers (performance.md)"))])
+def vector_built_uniforms(loop: list[str]) -> list[str]:
+    """The ``R2UR`` of SASS ``loop`` whose vector register the loop computed rather than
+    copied from a uniform one: values (wgmma descriptors) rebuilt in the vector datapath
+    every iteration. A copy out of a uniform register and back is ptxas rematerialising a
+    loop-invariant value under uniform-register pressure (two instructions, no arithmetic)."""
+    made, found = {}, []
+    for second, op in [(False, op) for op in loop] + [(True, op) for op in loop]:
+        name, _, rest = re.sub(r"^@!?U?P\w+\s+", "", op).partition(" ")
+        args = [a.strip().split(".")[0] for a in rest.split(",")]
+        if name == "R2UR" and second:
+            source = made.get(args[1], ("", []))
+            if not (source[0] in ("MOV", "IMAD.U32", "IMAD.MOV.U32")
+                    and all(a == "RZ" or a.startswith("UR") for a in source[1])
+                    and any(a.startswith("UR") for a in source[1])):
+                found.append(op)
+        elif args and re.fullmatch(r"R\d+", args[0]):
+            made[args[0]] = (name, args[1:])
+    return found
+
+
+@pytest.mark.parametrize("place_offsets", [False, True])
 def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(place_offsets,
                                                                            tmp_path):
     """The static kernel as bench_moe builds it at 1024 tokens (claimed): its wgmma K loops
-    take their descriptors from uniform registers, as the tiles' own grids do. The flag that
+    build their descriptors in uniform registers, as the tiles' own grids do. The flag that
     guards a task's body after its trigger scan is read as a uniform value (``etc_uniform``);
     read as a plain shared word, it made ptxas take every task body for divergent code and
-    rebuild the descriptors in vector registers (8 - 16 R2UR a K step)."""
+    rebuild the descriptors in vector registers (32 R2UR a K step of vector-built values)."""
     options = moe_layer.options_for(1024, blocked_weights=True, y_dtype="bfloat16",
                                     place_offsets=place_offsets)
     source = build(make_moe_layer(**options), {"T": 1024}, strategy="static", num_sms=132,
@@ -686,7 +704,17 @@ def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(place
              if any("HGMMA." in op for op in loop)]
     assert len(wgmma) == 2, [len(loop) for loop in wgmma]  # gate_up's and down's K loops
     for loop in wgmma:
-        assert not any("R2UR" in op for op in loop), "\n".join(loop)
+        assert not vector_built_uniforms(loop), "\n".join(loop)
+
+
+def test_vector_built_uniforms_tells_copies_from_arithmetic():
+    copied = ["IMAD.U32 R12, RZ, RZ, UR6", "R2UR UR29, R12",
+              "HGMMA.64x80x16.F32.BF16 R24, gdesc[UR8], R24"]
+    rebuilt = ["IADD3 R124, P1, R109, R122, RZ", "R2UR UR12, R124.reuse", "@P0 BRA 0x100"]
+    carried = ["R2UR UR13, R125", "IMAD.X R125, R23, 0x1, R122, P1"]
+    assert vector_built_uniforms(copied) == []
+    assert vector_built_uniforms(rebuilt) == ["R2UR UR12, R124.reuse"]
+    assert vector_built_uniforms(carried) == ["R2UR UR13, R125"]
 
 
 def test_layer_routings_are_what_they_say(rng):
