@@ -24,8 +24,8 @@ With ``align_tokens`` (CT), align runs over several CTAs instead, in three calls
         align_offsets (1)  --offset "i->0"-->  align_place (ceil(T/CT))  --aligned "c->0"-->
 
 with the same outputs: at 1024 tokens one align task walks 8192 pairs on one SM (20 us on
-the H200), where each of 8 count and 8 place tasks walks 1024. With ``place_offsets`` the
-place tasks sum the counts themselves, in two calls::
+the H200), where each of 8 count and 8 place tasks walks 1024. With ``place_offsets``
+(``options_for``'s default) the place tasks sum the counts themselves, in two calls::
 
     align_count (ceil(T/CT))  --counted "c->0"-->  align_rows (ceil(T/CT))  --aligned "c->0"-->
 
