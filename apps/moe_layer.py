@@ -382,7 +382,7 @@ def options_for(tokens: int, **options) -> dict:
     built for (``ctas_per_sm_for``; build the kernel with ``KernelOptions(ctas_per_sm=...)``
     of the same), the task columns (``task_columns``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
-    tokens from ``ROUTER_BLOCKS``), its splits (``router_splits_for``), the combine's columns
+    tokens from ``topk_tokens_for``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
     load their first weights in their prelude (``early_weights_for``), ``place_offsets``
     wherever align runs over several CTAs unless turned off (at 1024 tokens on the H200 the
@@ -405,7 +405,7 @@ def options_for(tokens: int, **options) -> dict:
     threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
     ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads, engine)
     router_engine = options.get("router_engine") or router_engine_for(tokens)
-    block_tokens = options.get("block_tokens") or ROUTER_BLOCKS[router_engine][0]
+    block_tokens = options.get("block_tokens") or topk_tokens_for(tokens, router_engine)
     router_tokens, experts_per_task = router_block_for(tokens, router_engine)
     # whole top-k blocks
     router_tokens = options.get("router_tokens") or ceil_div(router_tokens,
@@ -446,8 +446,9 @@ def options_for(tokens: int, **options) -> dict:
 ROUTER_BLOCKS = {"fma": (8, 16), "mma": (16, 32)}
 # From this many tokens, tensor-core router tasks of 32 tokens x 64 experts: each reads its x
 # rows and router columns for twice the products of a 16 x 32 task (on the H200 the router
-# took 13.0 -> 7.5 us at 1024 tokens, 44.2 -> 21.6 at 4096), while top-k keeps 16-token tasks.
-WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK = 1024, (32, 64)
+# took 13.0 -> 7.5 us at 1024 tokens, 44.2 -> 21.6 at 4096). Top-k tasks then take
+# WIDE_TOPK_TOKENS each: a warp picks for two tokens one after another, not four.
+WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK, WIDE_TOPK_TOKENS = 1024, (32, 64), 8
 # Router tasks for each CTA an SM: about one every two persistent CTAs (128 at two CTAs an SM)
 ROUTER_TASKS = 64
 
@@ -464,6 +465,15 @@ def router_block_for(tokens: int, engine: str) -> tuple[int, int]:
     if engine == "mma" and tokens >= WIDE_ROUTER_TOKENS:
         return WIDE_ROUTER_BLOCK
     return ROUTER_BLOCKS[engine]
+
+
+def topk_tokens_for(tokens: int, engine: str) -> int:
+    """Tokens of a top-k task for ``tokens`` (``make_moe_layer``'s ``block_tokens``): a
+    router block's on ``engine`` (``ROUTER_BLOCKS``), or ``WIDE_TOPK_TOKENS`` beside the wide
+    router tasks (``router_block_for``)."""
+    if engine == "mma" and tokens >= WIDE_ROUTER_TOKENS:
+        return WIDE_TOPK_TOKENS
+    return ROUTER_BLOCKS[engine][0]
 
 
 def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int = 16,

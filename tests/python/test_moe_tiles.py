@@ -910,7 +910,7 @@ def test_layer_options_pick_the_router_engine_by_tokens():
     key = ("router_engine", "block_tokens", "router_tokens", "experts_per_task", "router_splits")
     assert tuple(one[k] for k in key) == ("fma", 8, 8, 16, 8)
     assert tuple(some[k] for k in key) == ("mma", 16, 16, 32, 2)
-    assert tuple(many[k] for k in key) == ("mma", 16, 32, 64, 4)
+    assert tuple(many[k] for k in key) == ("mma", 8, 32, 64, 4)
     assert moe_layer.options_for(1024, router_engine="fma")["block_tokens"] == 8
     # router tasks take whole top-k blocks
     assert moe_layer.options_for(1024, block_tokens=24)["router_tokens"] == 48

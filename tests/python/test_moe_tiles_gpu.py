@@ -490,10 +490,10 @@ def test_combine_prefetch_layer_megakernel(strategy, tokens, rng, expert_weights
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
 def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
                                       expert_weights_f64):
-    """Router tasks of 32 tokens x 64 experts beside top-k tasks of 16 (the default from 1024
+    """Router tasks of 32 tokens x 64 experts beside top-k tasks of 8 (the default from 1024
     tokens), as bench_moe runs the layer."""
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
-    assert (options["router_tokens"], options["block_tokens"]) == (32, 16)
+    assert (options["router_tokens"], options["block_tokens"]) == (32, 8)
 
 
 @pytest.mark.parametrize("tokens", (600,))  # 10 chunks of 64 tokens, the last of 24
