@@ -386,8 +386,8 @@ def options_for(tokens: int, **options) -> dict:
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
     load their first weights in their prelude (``early_weights_for``), ``place_offsets``
     wherever align runs over several CTAs unless turned off (at 1024 tokens on the H200 the
-    routing ended 5.4 us sooner and the static kernel ran 6 - 10 us faster), align's tokens
-    a task
+    routing ended 5.4 us sooner and the static kernel ran 2 - 10 us faster in three runs),
+    align's tokens a task
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
