@@ -459,21 +459,23 @@ def router_engine_for(tokens: int) -> str:
     return "fma" if tokens <= ROUTER_BLOCKS["fma"][0] else "mma"
 
 
+def wide_router(tokens: int, engine: str) -> bool:
+    """Whether the router runs in ``WIDE_ROUTER_BLOCK`` tasks: on tensor cores from
+    ``WIDE_ROUTER_TOKENS``."""
+    return engine == "mma" and tokens >= WIDE_ROUTER_TOKENS
+
+
 def router_block_for(tokens: int, engine: str) -> tuple[int, int]:
     """(tokens, experts) of a router task on ``engine`` for ``tokens`` tokens:
-    ``ROUTER_BLOCKS``, or ``WIDE_ROUTER_BLOCK`` on tensor cores from ``WIDE_ROUTER_TOKENS``."""
-    if engine == "mma" and tokens >= WIDE_ROUTER_TOKENS:
-        return WIDE_ROUTER_BLOCK
-    return ROUTER_BLOCKS[engine]
+    ``ROUTER_BLOCKS``, or ``WIDE_ROUTER_BLOCK`` (``wide_router``)."""
+    return WIDE_ROUTER_BLOCK if wide_router(tokens, engine) else ROUTER_BLOCKS[engine]
 
 
 def topk_tokens_for(tokens: int, engine: str) -> int:
     """Tokens of a top-k task for ``tokens`` (``make_moe_layer``'s ``block_tokens``): a
     router block's on ``engine`` (``ROUTER_BLOCKS``), or ``WIDE_TOPK_TOKENS`` beside the wide
-    router tasks (``router_block_for``)."""
-    if engine == "mma" and tokens >= WIDE_ROUTER_TOKENS:
-        return WIDE_TOPK_TOKENS
-    return ROUTER_BLOCKS[engine][0]
+    router tasks (``wide_router``)."""
+    return WIDE_TOPK_TOKENS if wide_router(tokens, engine) else ROUTER_BLOCKS[engine][0]
 
 
 def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int = 16,
