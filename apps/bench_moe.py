@@ -176,6 +176,10 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="align's place tasks sum the chunks' counts themselves, with no "
                         "offsets task (moe.make_align_rows_tile; default: wherever align runs "
                         "over several CTAs)")
+    parser.add_argument("--topk-counts", action=argparse.BooleanOptionalAction,
+                        help="the top-k tasks count their picks per expert, so that align is "
+                        "one call (moe.make_topk_tile(counts=True); where --place-offsets "
+                        "is on; default: moe_layer.topk_counts_for the tokens)")
     return parser
 
 
@@ -207,7 +211,8 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         blocked_weights=options.weights == "blocked",
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
         fused_route=options.fused_route, down_loads=options.down_loads,
-        early_weights=options.early_weights, place_offsets=options.place_offsets)
+        early_weights=options.early_weights, place_offsets=options.place_offsets,
+        topk_counts=options.topk_counts)
 
 
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,

@@ -29,6 +29,10 @@ the H200), where each of 8 count and 8 place tasks walks 1024. With ``place_offs
 
     align_count (ceil(T/CT))  --counted "c->0"-->  align_rows (ceil(T/CT))  --aligned "c->0"-->
 
+and with ``topk_counts`` in one: the top-k tasks count their picks per expert themselves::
+
+    topk (ceil(T/TB))  --counted "b->0"-->  align_rows (ceil(T/CT))  --aligned "c->0"-->
+
 Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
 """
 import functools
@@ -57,7 +61,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
                    down_loads: str = "cp.async", combine_tokens: int = 1,
                    combine_prefetch: bool = False, early_weights: bool = False,
-                   place_offsets: bool = False):
+                   place_offsets: bool = False, topk_counts: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -97,7 +101,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     tasks issue their first weight slices before they wait for their rows of h
     (``moe.make_down_tile``'s). ``place_offsets`` (with ``align_tokens``): each place task
     sums the chunks' counts itself (``moe.make_align_rows_tile``), so that align is two
-    calls, not three: one hop and one one-CTA task fewer before the experts."""
+    calls, not three: one hop and one one-CTA task fewer before the experts.
+    ``topk_counts`` (with ``place_offsets``): the top-k tasks count their picks per expert
+    (``moe.make_topk_tile(counts=True)``) and the place tasks sum those rows, so that align
+    is one call: the count call and its hop go."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -122,17 +129,23 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     if place_offsets and not align_tokens:
         raise ValueError("place_offsets folds align's offsets into its place tasks: it takes "
                          "align over several CTAs (align_tokens)")
+    if topk_counts and not place_offsets:
+        raise ValueError("topk_counts hands the top-k tasks' counts to place tasks that sum "
+                         "them: it takes place_offsets")
     if fused_route and align_tokens:
         raise ValueError(f"fused_route aligns in one task: it takes align_tokens 0, got "
                          f"{align_tokens}")
     if fused_route:
         route = moe.make_route_tile(E, K, BT, block_tokens, threads, router_splits)
     else:
-        topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits)
+        topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits,
+                                       counts=topk_counts)
     if align_tokens:
         align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
         if place_offsets:
-            align_rows = moe.make_align_rows_tile(E, K, BT, align_tokens, threads)
+            align_rows = moe.make_align_rows_tile(
+                E, K, BT, align_tokens, threads,
+                count_tokens=block_tokens if topk_counts else None)
         else:
             align_offsets = moe.make_align_offsets_tile(E, BT, threads)
             align_place = moe.make_align_place_tile(E, K, BT, align_tokens, threads)
@@ -175,15 +188,22 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                             in_edges={logits_ready: "i->0"}, out_edges={aligned: "i->0"})
         else:
             chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
-            routed = ETensor((chunks,), name="routed")
-            topk, topw = call_device(
-                topk_tile, tile_num=(blocks,), args=[logits], out=picks,
-                in_edges={logits_ready: f"b->b//{per_router_block}" if per_router_block > 1
-                          else "b->b"},
-                out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
-                           else "b->0"})
-            if align_tokens:
-                counted = ETensor((1,), name="counted")
+            counted = ETensor((1,), name="counted")
+            topk_ready = {logits_ready: f"b->b//{per_router_block}" if per_router_block > 1
+                          else "b->b"}
+            if topk_counts:
+                topk, topw, chunk_counts = call_device(
+                    topk_tile, tile_num=(blocks,), args=[logits],
+                    out=[*picks, Tensor((blocks, E), "int32", name="block_counts")],
+                    in_edges=topk_ready, out_edges={counted: "b->0"})
+            else:
+                routed = ETensor((chunks,), name="routed")
+                topk, topw = call_device(
+                    topk_tile, tile_num=(blocks,), args=[logits], out=picks,
+                    in_edges=topk_ready,
+                    out_edges={routed: f"b->b//{align_tokens // block_tokens}" if align_tokens
+                               else "b->0"})
+            if align_tokens and not topk_counts:
                 chunk_counts = call_device(align_count, tile_num=(chunks,), args=[topk],
                                            out=Tensor((chunks, E), "int32", name="chunk_counts"),
                                            in_edges={routed: "c->c"}, out_edges={counted: "c->0"})
@@ -387,6 +407,8 @@ def options_for(tokens: int, **options) -> dict:
     load their first weights in their prelude (``early_weights_for``), ``place_offsets``
     wherever align runs over several CTAs unless turned off (at 1024 tokens on the H200 the
     routing ended 5.4 us sooner and the static kernel ran 2 - 10 us faster in three runs),
+    ``topk_counts`` where ``place_offsets`` is on, unless turned off, while the place
+    tasks sum few rows of counts (``topk_counts_for``),
     align's tokens a task
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
@@ -423,11 +445,15 @@ def options_for(tokens: int, **options) -> dict:
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
     combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden, ctas_per_sm)
+    place_offsets = options.get("place_offsets") is not False and align_tokens > 0
     early_weights = options["early_weights"] if options.get("early_weights") is not None \
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
             "early_weights": early_weights,
-            "place_offsets": options.get("place_offsets") is not False and align_tokens > 0,
+            "place_offsets": place_offsets,
+            "topk_counts": place_offsets and (
+                options["topk_counts"] if options.get("topk_counts") is not None
+                else topk_counts_for(tokens, block_tokens)),
             "ctas_per_sm": ctas_per_sm, "bn": bn, "down_bn": down_bn,
             "combine_cols": combine_cols,
             "combine_tokens": options.get("combine_tokens")
@@ -554,6 +580,19 @@ def align_tokens_for(tokens: int) -> int:
     ``moe.ALIGN_CHUNK_TOKENS`` from ``ALIGN_FROM_TOKENS`` on, else 0 (one align task: below
     that the two extra hand-offs cost more than the shorter walks save)."""
     return moe.ALIGN_CHUNK_TOKENS if tokens >= ALIGN_FROM_TOKENS else 0
+
+
+# The most rows of top-k counts a place task sums where the top-k tasks count (``topk_counts``):
+# on the H200 align in one call was 1.2 - 8.1 us faster than in two at 512 and 1024 tokens
+# (32 and 128 rows, two runs, every schedule) and no faster at 2048 (256 rows, 128 KB a task)
+TOPK_COUNT_ROWS = 128
+
+
+def topk_counts_for(tokens: int, block_tokens: int) -> bool:
+    """Whether the top-k tasks of ``block_tokens`` count their picks for ``tokens`` tokens
+    (``make_moe_layer``'s ``topk_counts``, where place tasks sum the counts): while their rows
+    are at most ``TOPK_COUNT_ROWS``."""
+    return ceil_div(tokens, block_tokens) <= TOPK_COUNT_ROWS
 
 
 # Accumulators a thread of a swapped tile the layer picks: 96 x 128 tasks on one warpgroup

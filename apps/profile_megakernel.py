@@ -60,6 +60,10 @@ def main() -> None:
     parser.add_argument("--moe-place-offsets", action=argparse.BooleanOptionalAction,
                         help="MoE place tasks sum align's counts themselves (as bench_moe's "
                         "--place-offsets; default: wherever align runs over several CTAs)")
+    parser.add_argument("--moe-topk-counts", action=argparse.BooleanOptionalAction,
+                        help="MoE top-k tasks count their picks per expert, align in one call "
+                        "(as bench_moe's --topk-counts; default: moe_layer.topk_counts_for "
+                        "the tokens)")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM (the MoE layer's rings fit their share; "
                         "default: 1 for the chain and the MLPs, moe_layer.options_for's for "
@@ -99,7 +103,7 @@ def main() -> None:
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
                 blocked_weights=blocked, y_dtype=args.moe_y_dtype,
                 align_tokens=args.moe_align_tokens, early_weights=args.moe_early_weights,
-                place_offsets=args.moe_place_offsets)
+                place_offsets=args.moe_place_offsets, topk_counts=args.moe_topk_counts)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \

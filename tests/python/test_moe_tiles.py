@@ -221,6 +221,45 @@ def aligned_by_row_tasks(topk, tiles, chunk_tokens):
     return exp_indptr, pair_row, pair_tile, sorted_token, tile_expert
 
 
+def logits_picking(topk, rng):
+    """(1, T, E) fp32 logits whose top-K, in order, is ``topk``."""
+    logits = rng.uniform(-1, 0, (1, *topk.shape[:1], E)).astype(np.float32)
+    np.put_along_axis(logits[0], topk, np.arange(K, 0, -1, dtype=np.float32), axis=1)
+    return logits
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens, chunk_tokens, block_tokens", [
+    (1, 8, 8), (7, 8, 8), (40, 16, 8), (300, 64, 8), (300, 128, 16), (17, 2, 1)])
+def test_place_tasks_summing_top_k_counts_write_what_one_align_task_writes(
+        tokens, chunk_tokens, block_tokens, routing, rng):
+    """Top-k tasks that count their picks per expert, then place tasks that sum those rows
+    (several a chunk; the last chunk and block partial): every output but the counts."""
+    topk = routed(rng, tokens, routing)
+    tiles, blocks = moe.max_tiles(tokens, E, K, BT), -(-tokens // block_tokens)
+    picks = np.full(topk.shape, -7, np.int32), np.full(topk.shape, np.nan, np.float32)
+    block_counts = np.full((blocks, E), -7, np.int32)
+    run_tasks(moe.make_topk_tile(E, K, block_tokens, counts=True), (blocks,),
+              logits_picking(topk, rng), *picks, block_counts)
+    np.testing.assert_array_equal(picks[0], topk)
+    for b in range(blocks):
+        rows = topk[b * block_tokens:(b + 1) * block_tokens]
+        np.testing.assert_array_equal(block_counts[b], np.bincount(rows.ravel(), minlength=E))
+    out = [np.full(topk.shape, -7, np.int32), np.full(topk.shape, -7, np.int32),
+           np.full(tiles * BT, -7, np.int32), np.full(E + 1, -7, np.int32),
+           np.full(tiles, -7, np.int32)]
+    run_tasks(moe.make_align_rows_tile(E, K, BT, chunk_tokens, count_tokens=block_tokens),
+              (-(-tokens // chunk_tokens),), topk, block_counts, *out)
+    _, indptr, pair_row, pair_tile, sorted_token, tile_expert = aligned(topk, tiles)
+    for got, want in zip(out, (pair_row, pair_tile, sorted_token, indptr, tile_expert)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_count_rows_must_divide_the_chunks():
+    with pytest.raises(EtcError, match="count_tokens 24 must divide chunk_tokens 64"):
+        moe.make_align_rows_tile(E, K, BT, 64, count_tokens=24)
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("tokens, chunk_tokens", [(1, 8), (7, 8), (40, 8), (300, 16),
                                                   (300, 128), (17, 1)])
@@ -461,24 +500,31 @@ def test_layer_with_bf16_y_matches_float64(tokens, routing, rng):
     assert (bound > moe_layer_reference(*inputs, K)[1]).all()
 
 
-@pytest.mark.parametrize("place_offsets", [False, True])
+ALIGN_CALLS = {3: {}, 2: {"place_offsets": True},
+               1: {"place_offsets": True, "topk_counts": True}}
+
+
+@pytest.mark.parametrize("calls", ALIGN_CALLS)
 @pytest.mark.parametrize("order", ["random0", "mixed3", "dynamic3"])
 @pytest.mark.parametrize("tokens, chunk", [(7, 8), (20, 8), (20, 16)])
-def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order, place_offsets):
-    """Align over several CTAs, in three calls or in two (``place_offsets``), under several
-    orders: chunks of one top-k block (1 and 3 chunks), and of two (20 tokens: the last chunk
-    waits on one block)."""
+def test_layer_with_align_over_chunks_matches_float64(tokens, chunk, order, calls):
+    """Align over several CTAs, in three calls, in two (``place_offsets``) or in one
+    (``topk_counts``), under several orders: chunks of one top-k block (1 and 3 chunks), and
+    of two (20 tokens: the last chunk waits on one block)."""
     rng = np.random.default_rng(tokens)
     graph = make_moe_layer(H, E, K, F, combine_cols=64, align_tokens=chunk,
-                           place_offsets=place_offsets)
+                           **ALIGN_CALLS[calls])
     tasks = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": tokens}).calls
-             if c.fn.name.startswith("align")}
-    chunks = -(-tokens // chunk)
-    assert tasks == ({f"align_count_16_top4_c{chunk}_t128": chunks,
-                      f"align_rows_16_top4_bt16_c{chunk}_t128": chunks} if place_offsets else
-                     {f"align_count_16_top4_c{chunk}_t128": chunks,
-                      "align_offsets_16_bt16_t128": 1,
-                      f"align_place_16_top4_bt16_c{chunk}_t128": chunks})
+             if c.fn.name.startswith(("align", "topk"))}
+    chunks, blocks = -(-tokens // chunk), -(-tokens // 8)
+    rows = f"align_rows_16_top4_bt16_c{chunk}" + ("_n8" if chunk != 8 else "") + "_t128"
+    assert tasks == {
+        3: {"topk_16_top4_b8_s1_t128": blocks, f"align_count_16_top4_c{chunk}_t128": chunks,
+            "align_offsets_16_bt16_t128": 1,
+            f"align_place_16_top4_bt16_c{chunk}_t128": chunks},
+        2: {"topk_16_top4_b8_s1_t128": blocks, f"align_count_16_top4_c{chunk}_t128": chunks,
+            f"align_rows_16_top4_bt16_c{chunk}_t128": chunks},
+        1: {"topk_16_top4_b8_s1_t128_counts": blocks, rows: chunks}}[calls]
     inputs = make_inputs(rng, tokens, H, E, F)
     out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
     want, bound = moe_layer_reference(*inputs, K)
@@ -492,6 +538,22 @@ def test_place_offsets_take_align_over_several_ctas():
     assert not moe_layer.options_for(16)["place_offsets"]
     assert moe_layer.options_for(1024)["place_offsets"]
     assert not moe_layer.options_for(1024, place_offsets=False)["place_offsets"]
+
+
+def test_topk_counts_take_place_offsets():
+    with pytest.raises(ValueError, match="topk_counts hands the top-k tasks' counts"):
+        make_moe_layer(H, E, K, F, align_tokens=8, topk_counts=True)
+    assert not moe_layer.options_for(16, topk_counts=True)["topk_counts"]
+    assert not moe_layer.options_for(1024, place_offsets=False, topk_counts=True)["topk_counts"]
+
+
+@pytest.mark.parametrize("tokens, block_tokens, counts", [
+    (16, 16, False), (512, 16, True), (1024, 8, True), (1100, 8, False), (2048, 8, False)])
+def test_top_k_tasks_count_while_few_rows_of_counts_are_summed(tokens, block_tokens, counts):
+    options = moe_layer.options_for(tokens)
+    assert (options["block_tokens"], options["topk_counts"]) == (block_tokens, counts)
+    assert not moe_layer.options_for(tokens, topk_counts=False)["topk_counts"]
+    assert moe_layer.options_for(tokens, topk_counts=True)["topk_counts"] == (tokens >= 512)
 
 
 def test_routing_triggers_arm_with_the_last_align_call():
@@ -686,16 +748,15 @@ def vector_built_uniforms(loop: list[str]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("place_offsets", [False, True])
-def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(place_offsets,
-                                                                           tmp_path):
+@pytest.mark.parametrize("calls", ALIGN_CALLS)
+def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(calls, tmp_path):
     """The static kernel as bench_moe builds it at 1024 tokens (claimed): its wgmma K loops
     build their descriptors in uniform registers, as the tiles' own grids do. The flag that
     guards a task's body after its trigger scan is read as a uniform value (``etc_uniform``);
     read as a plain shared word, it made ptxas take every task body for divergent code and
     rebuild the descriptors in vector registers (32 R2UR a K step of vector-built values)."""
     options = moe_layer.options_for(1024, blocked_weights=True, y_dtype="bfloat16",
-                                    place_offsets=place_offsets)
+                                    **{"place_offsets": False, **ALIGN_CALLS[calls]})
     source = build(make_moe_layer(**options), {"T": 1024}, strategy="static", num_sms=132,
                    options=KernelOptions(ctas_per_sm=options["ctas_per_sm"], claim=True)
                    ).cuda_source()
@@ -766,8 +827,8 @@ def test_layer_graph_is_valid_for_qwen3_sizes():
 
 
 # ------------------------------------------------------------------ CUDA for sm_90a
-@pytest.mark.parametrize("name", ["router", "router_mma", "align", "align_rows", "gate_up",
-                                  "down", "combine", "qk_norm_rope"])
+@pytest.mark.parametrize("name", ["router", "router_mma", "align", "align_rows", "topk_align",
+                                  "gate_up", "down", "combine", "qk_norm_rope"])
 def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     graph = one_call_graphs(2048, 128, 8, 768)[name]
     source = build(graph, one_call_dims(name, 16), strategy="unfused").cuda_source()

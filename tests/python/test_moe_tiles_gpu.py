@@ -127,6 +127,25 @@ def test_align_over_chunks_with_place_offsets(tokens, routing, rng):
         np.testing.assert_array_equal(got, exact)
 
 
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS + (3, 100, 4096))
+def test_topk_counts_then_align_rows(tokens, routing, rng):
+    """Top-k tasks that count their picks per expert, then place tasks that sum those rows:
+    the picks, each block's counts, and one align task's outputs."""
+    topk = routed(rng, tokens, routing, E, K)
+    logits = rng.uniform(-1, 0, (1, tokens, E)).astype(np.float32)
+    np.put_along_axis(logits[0], topk, np.arange(K, 0, -1, dtype=np.float32), axis=1)
+    want = moe.align_reference(topk, E, BT, moe.max_tiles(tokens, E, K, BT))
+    picks, block_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert = \
+        compiled("topk_align", tokens)(logits)
+    np.testing.assert_array_equal(picks, topk)
+    np.testing.assert_array_equal(block_counts, [np.bincount(topk[b:b + 8].ravel(), minlength=E)
+                                                 for b in range(0, tokens, 8)])
+    for got, exact in zip((exp_indptr, pair_row, pair_tile, sorted_token, tile_expert),
+                          (*want[1:3], want[2] // BT, *want[3:])):
+        np.testing.assert_array_equal(got, exact)
+
+
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 @pytest.mark.parametrize("name, bad", [("align", E), ("align_chunked", -2)])
 def test_align_stops_at_an_expert_id_outside_the_experts(name, bad, strategy, rng):
@@ -468,6 +487,24 @@ def test_offsets_task_layer_megakernel(strategy, tokens, rng, expert_weights,
                               place_offsets=False)
 
 
+@pytest.mark.parametrize("tokens", (600, 1024, 2048))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_topk_counts_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+    """Align in one call: the top-k tasks count their picks, the place tasks sum those rows
+    (600: a partial last chunk and top-k block), the tokens' defaults otherwise."""
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              topk_counts=True)
+
+
+@pytest.mark.parametrize("tokens", (600, 1024))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_count_call_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+    """Align in two calls (a count call, then place tasks that sum its rows), where the
+    default's top-k tasks count their picks themselves."""
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              topk_counts=False)
+
+
 @pytest.mark.parametrize("tokens", (1101,))  # a partial last combine block
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_combine_prefetch_layer_megakernel(strategy, tokens, rng, expert_weights,
@@ -500,10 +537,10 @@ def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
                                             expert_weights_f64):
-    """The layer with align over several CTAs in two calls (the default from 512 tokens), as
-    bench_moe runs it."""
+    """The layer with align over several CTAs in one call (the default from 512 to 1024
+    tokens), as bench_moe runs it."""
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
-    assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS and options["place_offsets"]
+    assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS and options["topk_counts"]
 
 
 def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):

@@ -290,7 +290,9 @@ class TopKPicker:
         self.weight = T.alloc_local((top_k,), "float32")
 
     @T.inline
-    def pick(self, b, logits, topk, topw):
+    def pick(self, b, logits, topk, topw, hist=None):
+        # hist, if given: a shared (E,) count that each pick adds one to (an unpickable
+        # token's id E is not counted)
         E, K, TB, S = T.meta_var((self.E, self.K, self.TB, self.S))
         warps, per_lane, lane, vals = T.meta_var((self.warps, self.per_lane, self.lane,
                                                   self.vals))
@@ -341,6 +343,8 @@ class TopKPicker:
                     lsum = lsum + self.weight[k]
                     if lane == 0:
                         topk[b * TB + t, k] = chosen
+                        if hist is not None and chosen < E:
+                            T.evaluate(T.cuda.atomic_add(hist.ptr_to([chosen]), T.int32(1)))
                 if lane == 0:
                     for k in T.unroll(K):
                         topw[b * TB + t, k] = self.weight[k] / lsum
@@ -363,13 +367,17 @@ def _topk_reference(logits, rows: slice, K: int, topk, topw) -> None:
 
 @functools.cache
 def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
-                   threads: int = 128, splits: int = 1) -> DeviceFunc:
+                   threads: int = 128, splits: int = 1, counts: bool = False) -> DeviceFunc:
     """The tile ``topk_<E>_top<K>_b<TB>_s<S>``: task b picks the top-K experts of tokens
     b*TB .. b*TB + TB - 1 (those below T) from the router's S partial logits (S, T, E), summed
     in s order, writing topk (T, K) int32 and their renormalised softmax weights topw (T, K)
-    fp32 (``TopKPicker``)."""
+    fp32 (``TopKPicker``). ``counts``: the task also writes how many of its picks went to
+    each expert into block_counts[b, :] (blocks x E int32), the rows that
+    ``make_align_rows_tile(count_tokens=TB)`` sums, so that align needs no count call."""
     E, K, TB, S = experts, top_k, block_tokens, splits
     _check_topk(E, K, threads, "top-k")
+    if counts:
+        return _counted_topk_tile(E, K, TB, threads, S)
     ntok = tirx.Var("T", "int32")
 
     @T.prim_func
@@ -389,6 +397,44 @@ def make_topk_tile(experts: int, top_k: int, block_tokens: int = 8,
     def _(b, logits, topk, topw):
         _topk_reference(logits, slice(b * TB, min((b + 1) * TB, logits.shape[1])), K, topk,
                         topw)
+
+    return tile
+
+
+def _counted_topk_tile(E: int, K: int, TB: int, threads: int, S: int) -> DeviceFunc:
+    """``make_topk_tile(counts=True)``: the picks also counted per expert, in a shared count
+    of the task's (one shared atomic a pick), then stored as the task's row of block_counts."""
+    ntok, blocks = tirx.Var("T", "int32"), tirx.Var("blocks", "int32")
+
+    @T.prim_func
+    def topk_counted(b: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
+                     topk: T.Buffer((ntok, K), "int32"), topw: T.Buffer((ntok, K), "float32"),
+                     block_counts: T.Buffer((blocks, E), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // WARP])
+        lane = T.lane_id([WARP])
+        hist = T.alloc_shared((E,), "int32")
+        for q in T.serial(ceil_div(E, threads)):
+            if q * threads + tx < E:
+                hist[q * threads + tx] = 0
+        T.cuda.cta_sync()
+        picker = TopKPicker(E, K, TB, S, threads, warp, lane)
+        picker.pick(b, logits, topk, topw, hist)
+        T.cuda.cta_sync()
+        for q in T.serial(ceil_div(E, threads)):
+            if q * threads + tx < E:
+                block_counts[b, q * threads + tx] = hist[q * threads + tx]
+
+    name = f"topk_{E}_top{K}_b{TB}_s{S}_t{threads}_counts"
+    tile = device_func(topk_counted.with_attr("global_symbol", name), cost=1)
+
+    @tile.set_reference
+    def _(b, logits, topk, topw, block_counts):
+        rows = slice(b * TB, min((b + 1) * TB, logits.shape[1]))
+        _topk_reference(logits, rows, K, topk, topw)
+        picks = topk[rows]
+        block_counts[b] = np.bincount(picks[picks < E], minlength=E)
 
     return tile
 
@@ -991,28 +1037,100 @@ def _place_chunk_reference(topk, c: int, chunk_tokens: int, tile_rows: int, firs
     sorted_token[used + c * share:used + (c + 1) * share] = -1
 
 
+COUNT_ROWS_AHEAD = 16  # rows of counts a thread loads together
+
+
+@T.meta_class
+class CountRowSums:
+    """Each expert's sum over the rows of a (rows x E) int32 count, and over the rows before
+    a bound, into shared arrays. Thread (group g, column c) loads experts 4c .. 4c + 3 (E a
+    multiple of 4; else one expert a column) in 16-byte loads from rows g, g + G, g + 2G ...
+    (G = threads / columns groups of rows), ``COUNT_ROWS_AHEAD`` rows together, and the
+    groups' sums meet in shared memory. 128 rows of 128 experts on 128 threads take two
+    batches of loads a thread, where a thread an expert would take eight, one after another."""
+
+    def __init__(self, experts, threads, tx):
+        self.E, self.threads, self.tx = experts, threads, tx
+        self.width = 4 if experts % 4 == 0 else 1  # int32 a load
+        self.columns = experts // self.width
+        self.groups = max(1, threads // self.columns)
+        self.part = T.alloc_local((COUNT_ROWS_AHEAD, self.width), "int32")
+        self.run = T.alloc_local((2, self.width), "int32")  # all rows, rows before the bound
+        self.sums = T.alloc_shared((self.groups, 2, experts), "int32")
+
+    @T.inline
+    def sum(self, counts, bound, total, before):
+        # total[e] = the sum of counts[:, e], before[e] = of counts[:bound, e] (shared, (E,));
+        # the caller syncs the CTA before reading them
+        E, W, cols, G = T.meta_var((self.E, self.width, self.columns, self.groups))
+        tx, threads, part, run = T.meta_var((self.tx, self.threads, self.part, self.run))
+        ahead, rows = T.meta_var((COUNT_ROWS_AHEAD, counts.shape[0]))
+        group = T.meta_var(tx // cols)
+        for q in T.serial(ceil_div(cols, threads)):
+            col = T.meta_var(q * threads + tx % cols)
+            if group < G and col < cols:
+                for j in T.unroll(W):
+                    run[0, j] = 0
+                    run[1, j] = 0
+                for batch in T.serial((rows + G * ahead - 1) // (G * ahead)):
+                    for u in T.unroll(ahead):
+                        for j in T.vectorized(W):
+                            part[u, j] = 0
+                        if (batch * ahead + u) * G + group < rows:
+                            for j in T.vectorized(W):
+                                part[u, j] = counts[(batch * ahead + u) * G + group, col * W + j]
+                    for u in T.unroll(ahead):
+                        for j in T.unroll(W):
+                            run[0, j] = run[0, j] + part[u, j]
+                            if (batch * ahead + u) * G + group < bound:
+                                run[1, j] = run[1, j] + part[u, j]
+                for j in T.unroll(W):
+                    self.sums[group, 0, col * W + j] = run[0, j]
+                    self.sums[group, 1, col * W + j] = run[1, j]
+        T.cuda.cta_sync()
+        for q in T.serial(ceil_div(E, threads)):
+            e = T.meta_var(q * threads + tx)
+            if e < E:
+                whole = T.local_scalar("int32")
+                earlier = T.local_scalar("int32")
+                whole = 0
+                earlier = 0
+                for g in T.unroll(G):
+                    whole = whole + self.sums[g, 0, e]
+                    earlier = earlier + self.sums[g, 1, e]
+                total[e] = whole
+                before[e] = earlier
+
+
 @functools.cache
 def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
                          chunk_tokens: int = ALIGN_CHUNK_TOKENS,
-                         threads: int = 128) -> DeviceFunc:
+                         threads: int = 128, count_tokens: int | None = None) -> DeviceFunc:
     """The tile ``align_rows_<E>_top<K>_bt<BT>_c<CT>``: align's offsets and place phases in
-    each task, so that one hop of the routing chain and its one-CTA task go. Task c sums
-    chunk_counts (``align_count``'s, chunks x E) over all chunks and over those before c,
-    scans the experts' tiles into the CSR in shared memory, then places chunk c's pairs as
-    ``make_align_place_tile``'s task c does. Each task also writes its contiguous share of
-    tile_expert, and task 0 exp_indptr: together the tasks write what ``make_align_tile``
-    writes but its counts. The sums cost each task one read of chunks x E counts (8 KB at
-    1024 tokens in chunks of 64), where the offsets task cost a task and a hop."""
+    each task, so that one hop of the routing chain and its one-CTA task go. Task c sums the
+    counts (rows x E: each row the pairs of each expert among ``count_tokens`` tokens, by
+    default CT, as ``align_count`` gives them; or TB, as a counting top-k task gives them,
+    ``make_topk_tile(counts=True)``) over all rows and over those before chunk c
+    (``CountRowSums``), scans the experts' tiles into the CSR in shared memory, then places
+    chunk c's pairs as ``make_align_place_tile``'s task c does. Each task also writes its
+    contiguous share of tile_expert, and task 0 exp_indptr: together the tasks write what
+    ``make_align_tile`` writes but its counts. The sums cost each task one read of the counts
+    (8 KB at 1024 tokens in chunks of 64; 64 KB in rows of 8 tokens), where the offsets task
+    cost a task and a hop."""
     E, K, BT, CT = experts, top_k, tile_rows, chunk_tokens
+    CN = count_tokens or CT
     _check_align(E, BT, threads, "align_rows")
     _check_chunk(CT, "align_rows")
+    if CN < 1 or CT % CN:
+        raise EtcError(f"align_rows tile: count_tokens {CN} must divide chunk_tokens {CT}")
+    per = CT // CN  # rows of counts a chunk
     warps = threads // WARP
-    ntok, rows, chunks, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "chunks", "tiles"))
-    ahead = STEPS_AHEAD  # chunks whose counts a thread loads together
+    ntok, rows, count_rows, tiles = (tirx.Var(n, "int32")
+                                     for n in ("T", "rows", "count_rows", "tiles"))
 
     @T.prim_func
     def align_rows(c: T.int32, topk: T.Buffer((ntok, K), "int32"),
-                   chunk_counts: T.Buffer((chunks, E), "int32"),
+                   counts: T.Buffer((count_rows, E), "int32"),
                    pair_row: T.Buffer((ntok, K), "int32"),
                    pair_tile: T.Buffer((ntok, K), "int32"),
                    sorted_token: T.Buffer((rows,), "int32"),
@@ -1022,25 +1140,12 @@ def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
         tx = T.thread_id([threads])
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
+        chunks = T.meta_var((count_rows + per - 1) // per)
         walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
         csr = ExpertTiles(E, BT, threads, tx)
         first = T.alloc_shared((E,), "int32")  # the first row of chunk c's pairs of e
-        part = T.alloc_local((ahead,), "int32")
-        run = T.local_scalar("int32")
-        before = T.local_scalar("int32")
-        for q in T.serial(ceil_div(E, threads)):
-            e = T.meta_var(q * threads + tx)
-            if e < E:
-                run = 0
-                before = 0
-                for batch in T.serial((chunks + ahead - 1) // ahead):
-                    _load_chunk_counts(part, chunk_counts, e, batch)
-                    for u in T.unroll(ahead):
-                        if batch * ahead + u < c:
-                            before = before + part[u]
-                        run = run + part[u]
-                csr.count[e] = run
-                first[e] = before
+        sums = CountRowSums(E, threads, tx)
+        sums.sum(counts, c * per, csr.count, first)
         T.cuda.cta_sync()
         csr.tiles()
         for q in T.serial(ceil_div(E, threads)):
@@ -1055,20 +1160,22 @@ def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
         _place_chunk(walk, c, chunks, tx, threads, lambda e: first[e], csr.indptr, csr.count,
                      BT, pair_row, pair_tile, sorted_token)
 
-    name = f"align_rows_{E}_top{K}_bt{BT}_c{CT}_t{threads}"
+    name = f"align_rows_{E}_top{K}_bt{BT}_c{CT}" + (f"_n{CN}" if CN != CT else "") \
+        + f"_t{threads}"
     tile = device_func(align_rows.with_attr("global_symbol", name),
                        cost=CT * K // threads + 6, checks=expert_id_checks(E))
 
     @tile.set_reference
-    def _(c, topk, chunk_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert):
-        counts, indptr, chunk_row = _chunk_offsets(chunk_counts, BT)
+    def _(c, topk, counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert):
+        chunk_counts = np.add.reduceat(counts, np.arange(0, len(counts), per), axis=0)
+        totals, indptr, chunk_row = _chunk_offsets(chunk_counts, BT)
         if c == 0:
             exp_indptr[:] = indptr
         share = ceil_div(len(tile_expert), len(chunk_counts))
         every = np.empty_like(tile_expert)
         _fill_tile_experts(indptr, every)
         tile_expert[c * share:(c + 1) * share] = every[c * share:(c + 1) * share]
-        _place_chunk_reference(topk, c, CT, BT, chunk_row[c], indptr, counts, pair_row,
+        _place_chunk_reference(topk, c, CT, BT, chunk_row[c], indptr, totals, pair_row,
                                pair_tile, sorted_token, len(chunk_counts))
 
     return tile
