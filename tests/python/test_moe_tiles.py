@@ -292,11 +292,11 @@ def test_align_checks_expert_ids_where_a_kernel_can_stop():
     place's 5, after 4 count tasks and 1 offsets task) plus the CTA."""
     graph = one_call_graphs(128, 32, 4, 64)["align_chunked"]
     static = build(graph, {"T": 100}, strategy="static", num_sms=132).cuda_source()
-    calls = set(re.findall(r"etc_input_check\((walk_coming_ptr\w*)\[\d+\], 32, "
+    calls = set(re.findall(r"etc_input_check\((walk_ahead_ptr\w*)\[\d+\], 32, "
                            r"\(&\(status_ptr\[0\]\)\), t, (\d)\) == 0", static))
-    assert calls == {("walk_coming_ptr", "0"), ("walk_coming_ptr_1", "1")}, calls
+    assert calls == {("walk_ahead_ptr", "0"), ("walk_ahead_ptr_1", "1")}, calls
     unfused = build(graph, {"T": 100}, strategy="unfused")
-    calls = set(re.findall(r"etc_input_check\(walk_coming_ptr\[\d+\], 32, "
+    calls = set(re.findall(r"etc_input_check\(walk_ahead_ptr\[\d+\], 32, "
                            r"\(&\(status_ptr\[0\]\)\), (.*?), (\d)\) == 0",
                            unfused.cuda_source()))
     assert calls == {("((int)blockIdx.x)", "0"), ("(((int)blockIdx.x) + 5)", "1")}, calls

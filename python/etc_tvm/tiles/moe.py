@@ -506,7 +506,10 @@ class PairWalk:
     through: the match of each step is opaque to the compiler, and it cannot move a load
     across stores that may alias ``topk`` for all it knows, so one load a step, or a batch
     loaded after the previous batch's stores, would wait an L2 round trip each (55 us at
-    1024 tokens on the H200, before)."""
+    1024 tokens on the H200, before). For the same reason ``count`` keeps the first batch
+    for ``place``, and a tile may issue that batch (``load(0)``) on entry, under its other
+    loads, and tell ``count`` so (``loaded``); the ids are checked as a batch is handed out
+    (``next_batch``), so that nothing waits for a load where it is issued."""
 
     def __init__(self, topk, first, total, experts, warps, warp, lane):
         self.topk, self.first, self.total, self.K = topk, first, total, topk.shape[1]
@@ -518,6 +521,7 @@ class PairWalk:
         self.experts = experts
         self.ahead = T.alloc_local((STEPS_AHEAD,), "int32")  # this batch's experts
         self.coming = T.alloc_local((STEPS_AHEAD,), "int32")  # the next batch's, loading
+        self.kept = T.alloc_local((STEPS_AHEAD,), "int32")  # the first batch's, for place
         self.expert = T.alloc_local((1,), "int32")
         self.same = T.alloc_local((1,), "uint32")
         self.below = (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)  # lane mask
@@ -528,31 +532,37 @@ class PairWalk:
 
     @T.inline
     def load(self, batch):
-        # the experts of batch's steps into coming (-1 past the share)
+        # the experts of batch's steps into coming (-1 past the share), loads only: nothing
+        # waits for them before next_batch
         for j in T.unroll(STEPS_AHEAD):
             p = T.meta_var(self.warp * self.span + self.pair(batch, j))
             self.coming[j] = -1
             if self.pair(batch, j) < self.span and p < self.total:
                 self.coming[j] = self.topk[(self.first + p) // self.K,
                                            (self.first + p) % self.K]
-                # the walking tile's check 0 (expert_id_checks): a bad id is left out
-                if input_check(self.coming[j], self.experts) == 0:
-                    self.coming[j] = -1
 
     @T.inline
     def next_batch(self, batch):
         for j in T.unroll(STEPS_AHEAD):
             self.ahead[j] = self.coming[j]
+            # the walking tile's check 0 (expert_id_checks): a bad id is left out
+            p = T.meta_var(self.warp * self.span + self.pair(batch, j))
+            if self.pair(batch, j) < self.span and p < self.total:
+                if input_check(self.ahead[j], self.experts) == 0:
+                    self.ahead[j] = -1
         self.load(batch + 1)
 
     @T.inline
-    def count(self):
+    def count(self, loaded=False):
         # seen[warp, e] = the warp's pairs of e; the caller syncs the CTA before reading
         for q in T.serial(ceil_div(self.experts, WARP)):
             if q * WARP + self.lane < self.experts:
                 self.seen[self.warp, q * WARP + self.lane] = 0
         T.cuda.warp_sync()
-        self.load(0)
+        if not loaded:
+            self.load(0)
+        for j in T.unroll(STEPS_AHEAD):
+            self.kept[j] = self.coming[j]
         for batch in T.serial(self.batches):
             self.next_batch(batch)
             for j in T.unroll(STEPS_AHEAD):
@@ -580,8 +590,10 @@ class PairWalk:
     @T.inline
     def place(self, first_row, tile_rows, pair_row, pair_tile, sorted_token):
         # each pair's row: first_row(e) + its rank among the walk's pairs of its expert e,
-        # into pair_row and pair_tile at the pair, and its token into sorted_token at the row
-        self.load(0)
+        # into pair_row and pair_tile at the pair, and its token into sorted_token at the row;
+        # after count, whose first batch it walks again without loading it
+        for j in T.unroll(STEPS_AHEAD):
+            self.coming[j] = self.kept[j]
         for batch in T.serial(self.batches):
             self.next_batch(batch)
             for j in T.unroll(STEPS_AHEAD):
@@ -942,10 +954,11 @@ def _place_chunk(walk, c, chunks, tx, threads, first_row, indptr, counts, tile_r
                  pair_tile, sorted_token):
     # chunk c's pairs their rows from first_row(e) on (PairWalk.place), and -1 on the chunk's
     # share of the padding rows of the CSR indptr of pair counts (E+1 and E int32, global or
-    # shared): no real row is among these, so no order against the other tasks' rows
+    # shared): no real row is among these, so no order against the other tasks' rows. The
+    # caller issued the walk's first loads (walk.load(0)) on entry, under its other loads.
     E, BT = T.meta_var((counts.shape[0], tile_rows))
     rows = T.meta_var(sorted_token.shape[0])
-    walk.count()
+    walk.count(loaded=True)
     T.cuda.cta_sync()
     walk.scan_warps(tx, threads)
     T.cuda.cta_sync()
@@ -996,6 +1009,7 @@ def make_align_place_tile(experts: int, top_k: int, tile_rows: int,
         warp = T.warp_id([warps])
         lane = T.lane_id([WARP])
         walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
+        walk.load(0)
         first = T.alloc_shared((E,), "int32")  # chunk_row[c, :]
 
         for q in T.serial(ceil_div(E, threads)):
@@ -1142,6 +1156,7 @@ def make_align_rows_tile(experts: int, top_k: int, tile_rows: int,
         lane = T.lane_id([WARP])
         chunks = T.meta_var((count_rows + per - 1) // per)
         walk = chunk_walk(topk, c, CT, E, warps, warp, lane)
+        walk.load(0)
         csr = ExpertTiles(E, BT, threads, tx)
         first = T.alloc_shared((E,), "int32")  # the first row of chunk c's pairs of e
         sums = CountRowSums(E, threads, tx)
