@@ -98,28 +98,6 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
                                 Tensor((tiles,), "int32")],
                            in_edges={counted: "c->0"})
 
-    counted_topk = moe.make_topk_tile(Ex, Kk, topk_block, counts=True)
-    rows_of_blocks = moe.make_align_rows_tile(Ex, Kk, BT, chunk_tokens, count_tokens=topk_block)
-
-    @graph_func
-    def topk_align(logits: Tensor((1, "T", Ex), "float32")):
-        """Align in one call: top-k tasks of 8 tokens that count their picks per expert, then
-        place tasks that sum those rows; topk, the counts, and align_rows' outputs."""
-        n = logits.shape[1]
-        tiles, chunks = moe.max_tiles(n, Ex, Kk, BT), moe.ceil_div(n, chunk_tokens)
-        blocks = moe.ceil_div(n, topk_block)
-        counted = ETensor((1,), name="counted")
-        topk, _, block_counts = call_device(
-            counted_topk, tile_num=(blocks,), args=[logits],
-            out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "float32"),
-                 Tensor((blocks, Ex), "int32")], out_edges={counted: "b->0"})
-        return (topk, block_counts, *call_device(
-            rows_of_blocks, tile_num=(chunks,), args=[topk, block_counts],
-            out=[Tensor((n, Kk), "int32"), Tensor((n, Kk), "int32"),
-                 Tensor((tiles * BT,), "int32"), Tensor((Ex + 1,), "int32"),
-                 Tensor((tiles,), "int32")],
-            in_edges={counted: "c->0"}))
-
     @graph_func
     def gate_up_only(x: Tensor(("T", Hd), "bfloat16"), w: Tensor((Ex, Hd, 2 * Fi), "bfloat16"),
                      sorted_token: Tensor(("R",), "int32"), tile_expert: Tensor(("G",), "int32"),
@@ -158,8 +136,37 @@ def one_call_graphs(hidden, experts, top_k, intermediate, qwen_heads=(32, 4),
 
     return {"router": routing_only("fma", 8, 16), "router_mma": routing_only("mma", 16, 32),
             "topk": topk_only, "align": align_only, "align_chunked": align_chunked,
-            "align_rows": align_rows, "topk_align": topk_align, "gate_up": gate_up_only,
+            "align_rows": align_rows,
+            "topk_align": counted_align_graph(Ex, Kk, chunk_tokens, topk_block),
+            "gate_up": gate_up_only,
             "down": down_only, "combine": combine_only, "qk_norm_rope": qk_norm_rope_only}
+
+
+def counted_align_graph(experts, top_k, chunk_tokens=CHUNK_TOKENS, block_tokens=8):
+    """Align in one call: top-k tasks of ``block_tokens`` that count their picks per expert,
+    then place tasks of ``chunk_tokens`` that sum those rows; returns topk, the counts, and
+    align_rows' outputs."""
+    counted_topk = moe.make_topk_tile(experts, top_k, block_tokens, counts=True)
+    rows = moe.make_align_rows_tile(experts, top_k, BT, chunk_tokens, count_tokens=block_tokens)
+
+    @graph_func
+    def topk_align(logits: Tensor((1, "T", experts), "float32")):
+        n = logits.shape[1]
+        tiles, chunks = moe.max_tiles(n, experts, top_k, BT), moe.ceil_div(n, chunk_tokens)
+        blocks = moe.ceil_div(n, block_tokens)
+        counted = ETensor((1,), name="counted")
+        topk, _, block_counts = call_device(
+            counted_topk, tile_num=(blocks,), args=[logits],
+            out=[Tensor((n, top_k), "int32"), Tensor((n, top_k), "float32"),
+                 Tensor((blocks, experts), "int32")], out_edges={counted: "b->0"})
+        return (topk, block_counts, *call_device(
+            rows, tile_num=(chunks,), args=[topk, block_counts],
+            out=[Tensor((n, top_k), "int32"), Tensor((n, top_k), "int32"),
+                 Tensor((tiles * BT,), "int32"), Tensor((experts + 1,), "int32"),
+                 Tensor((tiles,), "int32")],
+            in_edges={counted: "c->0"}))
+
+    return topk_align
 
 
 def one_call_dims(name, tokens, experts=128, top_k=8):

@@ -27,7 +27,7 @@ from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin, sass
-from moe_tile_graphs import one_call_dims, one_call_graphs
+from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
 from test_tiles import assert_within, poisoned
 
 
@@ -835,6 +835,16 @@ def test_each_tile_alone_compiles_for_sm90a(name, tmp_path):
     if name in ("router_mma", "gate_up", "down"):
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     build_cubin(source, tmp_path, allow_spills=True)
+
+
+@pytest.mark.parametrize("experts, wide_loads", [(30, False), (600, True)])
+def test_count_sums_compile_for_any_expert_count(experts, wide_loads, tmp_path):
+    """The counting top-k and place pair where the count rows' experts are no quads (one
+    expert a load) and where their quads outnumber the threads (two columns a thread)."""
+    source = build(counted_align_graph(experts, 8), {"T": 1000}, strategy="unfused"
+                   ).cuda_source()
+    cubin, _ = build_cubin(source, tmp_path)
+    assert ("LDG.E.128" in sass(cubin)) == wide_loads
 
 
 def test_topk_rounds_reduce_the_warp_with_redux(tmp_path):

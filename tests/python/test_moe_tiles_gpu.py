@@ -11,7 +11,7 @@ from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
 
-from moe_tile_graphs import one_call_dims, one_call_graphs
+from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
 from test_moe_tiles import BF16, _load_app, routed
 from test_tiles import assert_within
 
@@ -132,15 +132,28 @@ def test_align_over_chunks_with_place_offsets(tokens, routing, rng):
 def test_topk_counts_then_align_rows(tokens, routing, rng):
     """Top-k tasks that count their picks per expert, then place tasks that sum those rows:
     the picks, each block's counts, and one align task's outputs."""
-    topk = routed(rng, tokens, routing, E, K)
-    logits = rng.uniform(-1, 0, (1, tokens, E)).astype(np.float32)
+    check_counted_align(compiled("topk_align", tokens), tokens, routing, E, rng)
+
+
+@pytest.mark.parametrize("experts", (30, 600))  # one expert a load; more columns than threads
+@pytest.mark.parametrize("tokens", (100, 1000))
+def test_topk_counts_then_align_rows_for_other_expert_counts(experts, tokens, rng):
+    run = build(counted_align_graph(experts, K), {"T": tokens}, strategy="unfused")
+    for routing in moe_layer.ROUTINGS:
+        check_counted_align(run, tokens, routing, experts, rng)
+
+
+def check_counted_align(run, tokens, routing, experts, rng, block_tokens=8):
+    topk = routed(rng, tokens, routing, experts, K)
+    logits = rng.uniform(-1, 0, (1, tokens, experts)).astype(np.float32)
     np.put_along_axis(logits[0], topk, np.arange(K, 0, -1, dtype=np.float32), axis=1)
-    want = moe.align_reference(topk, E, BT, moe.max_tiles(tokens, E, K, BT))
+    want = moe.align_reference(topk, experts, BT, moe.max_tiles(tokens, experts, K, BT))
     picks, block_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert = \
-        compiled("topk_align", tokens)(logits)
+        run(logits)
     np.testing.assert_array_equal(picks, topk)
-    np.testing.assert_array_equal(block_counts, [np.bincount(topk[b:b + 8].ravel(), minlength=E)
-                                                 for b in range(0, tokens, 8)])
+    np.testing.assert_array_equal(block_counts, [
+        np.bincount(topk[b:b + block_tokens].ravel(), minlength=experts)
+        for b in range(0, tokens, block_tokens)])
     for got, exact in zip((exp_indptr, pair_row, pair_tile, sorted_token, tile_expert),
                           (*want[1:3], want[2] // BT, *want[3:])):
         np.testing.assert_array_equal(got, exact)
