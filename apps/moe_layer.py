@@ -188,7 +188,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                             in_edges={logits_ready: "i->0"}, out_edges={aligned: "i->0"})
         else:
             chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
-            counted = ETensor((1,), name="counted")
+            if align_tokens:
+                counted = ETensor((1,), name="counted")
             topk_ready = {logits_ready: f"b->b//{per_router_block}" if per_router_block > 1
                           else "b->b"}
             if topk_counts:
