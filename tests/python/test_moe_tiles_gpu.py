@@ -12,7 +12,7 @@ from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
-from test_moe_tiles import BF16, _load_app, routed
+from test_moe_tiles import BF16, _load_app, logits_picking, routed
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
@@ -145,8 +145,7 @@ def test_topk_counts_then_align_rows_for_other_expert_counts(experts, tokens, rn
 
 def check_counted_align(run, tokens, routing, experts, rng, block_tokens=8):
     topk = routed(rng, tokens, routing, experts, K)
-    logits = rng.uniform(-1, 0, (1, tokens, experts)).astype(np.float32)
-    np.put_along_axis(logits[0], topk, np.arange(K, 0, -1, dtype=np.float32), axis=1)
+    logits = logits_picking(topk, experts, rng)
     want = moe.align_reference(topk, experts, BT, moe.max_tiles(tokens, experts, K, BT))
     picks, block_counts, pair_row, pair_tile, sorted_token, exp_indptr, tile_expert = \
         run(logits)
