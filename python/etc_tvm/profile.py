@@ -27,6 +27,7 @@ from .runtime import GraphMeta
 WORDS = 6  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, PLACE = range(WORDS)  # PLACE: CTA << 32 | SM
 ENTERED_NS, READY_NS, LEFT_NS = range(3)  # a CTA's row, after the task rows; PLACE as a task's
+FULL_SHARE = 0.9  # of the most bodies a call ran at once: the bar of its "full to" time
 
 
 @dataclass(frozen=True)
@@ -115,17 +116,35 @@ class Timeline:
             last[s.cta] = s
         return before
 
+    def bodies_running(self, call: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(times, running): how many task bodies (of ``call``'s tasks, or of every task) run
+        from each time in us until the next; none after the last."""
+        edges = sorted((t, step) for s in self.spans if call in (None, s.call)
+                       for t, step in ((s.start_us + s.wait_us, 1), (s.end_us, -1)))
+        return (np.asarray([t for t, _ in edges], np.float64),
+                np.cumsum([step for _, step in edges], dtype=np.int64))
+
+    def full_until_us(self, call: str | None = None) -> float:
+        """The end of the last stretch in which at least ``FULL_SHARE`` of the most bodies
+        ``call`` (or the kernel) ever ran at once still ran: from there to its last end its
+        last wave drains, the CTAs it held freeing up one by one."""
+        times, running = self.bodies_running(call)
+        if not times.size:
+            return 0.0
+        return float(times[np.flatnonzero(running >= FULL_SHARE * running.max())[-1] + 1])
+
     def summary(self) -> str:
         """A table per call (tasks, median wait and body, median hand-off before its tasks,
-        total busy time, and the window from its first task's start to its last task's end),
-        then the makespan, the SMs used and the median hand-off, and the kernel's time
-        around its tasks."""
+        total busy time, the window from its first task's start to its last task's end, and
+        where its bodies stopped filling the CTAs they held: ``full_until_us``), then the
+        makespan, the SMs used and the median hand-off, and the kernel's time around its
+        tasks."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
         before = self._handoffs_before()
         lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'taken us':>9} "
-                 f"{'busy us':>9} {'from us':>9} {'to us':>9}"]
+                 f"{'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11}"]
         for name, spans in calls.items():
             taken = [before[s.task] for s in spans if s.task in before]
             lines.append(f"{name:>16} {len(spans):>6} "
@@ -134,7 +153,8 @@ class Timeline:
                          f"{np.median(taken) if taken else 0.0:>9.2f} "
                          f"{sum(s.end_us - s.start_us for s in spans):>9.1f} "
                          f"{min(s.start_us for s in spans):>9.1f} "
-                         f"{max(s.end_us for s in spans):>9.1f}")
+                         f"{max(s.end_us for s in spans):>9.1f} "
+                         f"{self.full_until_us(name):>11.1f}")
         gaps = self.handoffs_us()
         lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
                      f"SMs ({len({s.cta for s in self.spans})} CTAs); median hand-off "

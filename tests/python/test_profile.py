@@ -89,11 +89,28 @@ def test_timeline_spans_waits_and_handoffs():
     summary = timeline.summary()
     assert "makespan 4.0 us on 2 SMs (2 CTAs); median hand-off 0.40 us" in summary
     # call, tasks, median wait, body, hand-off before (none before a CTA's first task), busy,
-    # from, to
+    # from, to, full to (a's two bodies run together from 1.0 to 1.5 us)
     assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "0.00", "3.0", "0.0",
-                                               "2.0"]
+                                               "2.0", "1.5"]
     assert summary.splitlines()[2].split() == ["b", "1", "0.40", "1.20", "0.40", "1.6", "2.4",
-                                               "4.0"]
+                                               "4.0", "4.0"]
+
+
+def test_a_calls_last_wave_drains_from_where_its_bodies_stop_filling_the_ctas():
+    """Four bodies start together and end at 4, 6, 10 and 10 us: all four run to 4 us, then
+    the call drains; a second call's body keeps the kernel's CTAs busy in part."""
+    meta = GraphMeta("g", ["a(0)", "a(1)", "a(2)", "a(3)", "b(0)"], [], 4.0, profiled=True)
+    timeline = Timeline(meta, rows_of((1_000, 11_000, 0.0, 0), (1_000, 11_000, 0.0, 1),
+                                      (1_000, 7_000, 0.0, 2), (1_000, 5_000, 0.0, 3),
+                                      (5_000, 10_000, 0.2, 3)))
+    times, running = timeline.bodies_running("a")
+    np.testing.assert_allclose(times, [0, 0, 0, 0, 4, 6, 10, 10])
+    np.testing.assert_array_equal(running, [1, 2, 3, 4, 3, 2, 1, 0])
+    assert timeline.full_until_us("a") == pytest.approx(4.0)
+    assert timeline.full_until_us("b") == pytest.approx(9.0)
+    # every call: b's body (5 to 9 us) keeps four running until a's second end
+    assert timeline.full_until_us() == pytest.approx(6.0)
+    assert timeline.summary().splitlines()[1].split()[-1] == "4.0"
 
 
 def test_two_ctas_on_one_sm_hand_off_each_on_its_own():
