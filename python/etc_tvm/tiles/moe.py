@@ -533,24 +533,28 @@ class PairWalk:
         """The pair of this lane at step j of ``batch``, within the warp's share."""
         return (batch * STEPS_AHEAD + j) * WARP + self.lane
 
+    def inside(self, batch, j):
+        """Whether this lane has a pair at step j of ``batch``: within the warp's share and
+        the walk."""
+        return tirx.And(self.pair(batch, j) < self.span,
+                        self.warp * self.span + self.pair(batch, j) < self.total)
+
     @T.inline
     def load(self, batch):
         # the experts of batch's steps into coming (-1 past the share), loads only: nothing
         # waits for them before next_batch
         for j in T.unroll(STEPS_AHEAD):
-            p = T.meta_var(self.warp * self.span + self.pair(batch, j))
+            p = T.meta_var(self.first + self.warp * self.span + self.pair(batch, j))
             self.coming[j] = -1
-            if self.pair(batch, j) < self.span and p < self.total:
-                self.coming[j] = self.topk[(self.first + p) // self.K,
-                                           (self.first + p) % self.K]
+            if self.inside(batch, j):
+                self.coming[j] = self.topk[p // self.K, p % self.K]
 
     @T.inline
     def next_batch(self, batch):
         for j in T.unroll(STEPS_AHEAD):
             self.ahead[j] = self.coming[j]
             # the walking tile's check 0 (expert_id_checks): a bad id is left out
-            p = T.meta_var(self.warp * self.span + self.pair(batch, j))
-            if self.pair(batch, j) < self.span and p < self.total:
+            if self.inside(batch, j):
                 if input_check(self.ahead[j], self.experts) == 0:
                     self.ahead[j] = -1
         self.load(batch + 1)
