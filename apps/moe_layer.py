@@ -141,7 +141,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
         topk_tile = moe.make_topk_tile(E, K, block_tokens, threads, router_splits,
                                        counts=topk_counts)
     if align_tokens:
-        align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
+        if not topk_counts:
+            align_count = moe.make_align_count_tile(E, K, align_tokens, threads)
         if place_offsets:
             align_rows = moe.make_align_rows_tile(
                 E, K, BT, align_tokens, threads,
