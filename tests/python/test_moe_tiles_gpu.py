@@ -188,8 +188,6 @@ def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
     for e in np.unique(experts):
         mine = experts == e
         assert_within(h[rows[mine]], *moe.gate_up_reference(x[tok[mine]], w_gate[e], w_up[e]))
-    padding = np.flatnonzero(sorted_token[:indptr[E] * BT] < 0)  # read nothing: zero rows
-    assert (h[padding].astype(np.float32) == 0).all()
     y = compiled("down", tokens)(h, w_down, sorted_token, tile_expert, indptr)
     hr, wd = h[rows].astype(np.float64), w_down[experts].astype(np.float64)
     assert_within(y[rows], np.einsum("pf,pfh->ph", hr, wd),

@@ -86,16 +86,24 @@ def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None,
     return fits[-1]
 
 
+def row_stored(rows, row):
+    """Whether a store writes tile row ``row``: ``row < rows``, or True (a Python bool, so
+    that the store is unconditional code) where ``rows`` is None."""
+    return True if rows is None else row < rows
+
+
 @T.inline
-def store_fragments(tile, C, row0, col0):
+def store_fragments(tile, C, row0, col0, rows=None):
     # C[row0 + tile row, col0 + tile col] = the accumulators of ``tile`` (an MmaTile or a
-    # WgmmaTile: the same fragment interface), cast to C's dtype: pairs of adjacent columns.
+    # WgmmaTile: the same fragment interface), cast to C's dtype: pairs of adjacent columns;
+    # with ``rows``, only the tile rows below it.
     for m in T.unroll(tile.mi):
         for n in T.unroll(tile.ni):
             for h in T.unroll(2):
-                for v in T.vectorized(2):
-                    C[row0 + tile.row(m, h), col0 + tile.col(n, v)] = \
-                        T.Cast(C.dtype, tile.frag(m, n, h * 2 + v))
+                if row_stored(rows, tile.row(m, h)):
+                    for v in T.vectorized(2):
+                        C[row0 + tile.row(m, h), col0 + tile.col(n, v)] = \
+                            T.Cast(C.dtype, tile.frag(m, n, h * 2 + v))
 
 
 @T.inline
@@ -301,8 +309,8 @@ class MmaTile:
                             j, me, (m * self.ni + n) * 4 + e]
 
     @T.inline
-    def store(self, C, row0, col0):
-        store_fragments(self, C, row0, col0)
+    def store(self, C, row0, col0, rows=None):
+        store_fragments(self, C, row0, col0, rows)
 
 
 def check_geometry(bm: int, bn: int, bk: int, threads: int, stages: int) -> None:

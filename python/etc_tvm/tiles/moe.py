@@ -1388,6 +1388,30 @@ def _run_rows(mma, a, a_rows, b_src, num_k, sorted_token, row0, blocks, tma=None
         mma.run_tma(tma[0][0].var, row0, tma[0][1].var, tma[2], num_k, tma[1])
 
 
+# The CTA's count of threads whose p is set, read back through a warp reduction so that
+# ptxas keeps it in a uniform register (a vector one, live across a task's K loop, cost
+# 128-register tiles spills)
+CTA_COUNT = """
+__device__ __forceinline__ int etc_cta_count(int p) {
+  return __reduce_max_sync(0xffffffffu, __syncthreads_count(p));
+}
+"""
+
+
+@T.inline
+def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx):
+    # held = the rows of the tile from sorted_token row ``row0`` that hold pairs, counted
+    # over the CTA (a barrier each ``threads`` rows): align fills a tile's first rows, the
+    # padding (-1) follows them, so the grouped GEMMs store rows below it only
+    held = 0
+    for s in T.unroll(ceil_div(tile_rows, threads)):
+        row = T.meta_var(T.min(s * threads + tx, tile_rows - 1))
+        held = held + T.cuda.func_call(
+            "etc_cta_count", T.Cast("int32", T.And(s * threads + tx < tile_rows,
+                                                   sorted_token[row0 + row] >= 0)),
+            source_code=CTA_COUNT, return_type="int32")
+
+
 @functools.cache
 def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
                       bn: int = 64, bk: int = 64, threads: int = 128,
@@ -1397,7 +1421,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     interleaved (E, H, 2F) weights (``blocked``: as ``block_columns`` lays them out);
     ``exp_indptr`` is read by the in-edge's trigger only. ``engine``: "mma" or "wgmma"
     (``_engine``; on "wgmma" a tile of several m64 blocks issues the products of those that
-    hold rows only, ``_run_rows``)."""
+    hold rows only, ``_run_rows``). Padding rows (sorted_token -1), which follow a tile's
+    pairs as align lays them out, read nothing and are not stored: no task reads them."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     live_blocks = _live_blocks(engine, BT)
@@ -1420,8 +1445,10 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
         e = tile_expert[g]
         if e < E:  # CTA-uniform
             mma = new_tile(tx, warp, lane)
-            # padding rows (token -1) read nothing: their A rows land as zeros, so their h
-            # rows are zero (and never read); at few tokens they are most rows of a tile
+            # padding rows (token -1) read nothing and store nothing: at few tokens they are
+            # most rows of a tile, and from 1024 tokens on a fifth of its bytes of h
+            held = T.local_scalar("int32")
+            count_pair_rows(held, sorted_token, g * BT, BT, threads, tx)
             _run_rows(mma, x, lambda r: sorted_token[g * BT + r],
                       _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
                       g * BT, live_blocks)
@@ -1430,21 +1457,24 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                     for q in T.unroll(mma.ni):
                         for v in T.unroll(2):
                             col = T.meta_var(mma.col(m, 0))  # a gate column of the tile
-                            h[g * BT + mma.row(q, v),
-                              n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
-                              + col % INTERLEAVE] = T.Cast(
-                                  "bfloat16", _silu(mma.frag(m, q, v)) * mma.frag(m, q, 2 + v))
+                            if mma.row(q, v) < held:
+                                h[g * BT + mma.row(q, v),
+                                  n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                                  + col % INTERLEAVE] = T.Cast(
+                                      "bfloat16",
+                                      _silu(mma.frag(m, q, v)) * mma.frag(m, q, 2 + v))
             else:
                 for m in T.unroll(mma.mi):
                     for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
                         for hh in T.unroll(2):
-                            for v in T.unroll(2):
-                                col = T.meta_var(mma.col(2 * q, v))  # a gate column
-                                h[g * BT + mma.row(m, hh),
-                                  n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
-                                  + col % INTERLEAVE] = T.Cast(
-                                      "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
-                                      * mma.frag(m, 2 * q + 1, 2 * hh + v))
+                            if mma.row(m, hh) < held:
+                                for v in T.unroll(2):
+                                    col = T.meta_var(mma.col(2 * q, v))  # a gate column
+                                    h[g * BT + mma.row(m, hh),
+                                      n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                                      + col % INTERLEAVE] = T.Cast(
+                                          "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
+                                          * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_blocked" if blocked else "")
@@ -1455,13 +1485,13 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
         e = int(tile_expert[g])
         if e >= E:
             return
-        rows_ = slice(g * BT, (g + 1) * BT)
-        token = sorted_token[rows_]
-        a = np.where(token[:, None] >= 0, x[np.maximum(token, 0)].astype(np.float32), 0)
-        both = a @ _reference_slab(w_gate_up, e, n, bn, blocked).astype(np.float32)
-        pairs = both.reshape(BT, bn // (2 * INTERLEAVE), 2, INTERLEAVE)
+        rows_ = g * BT + np.flatnonzero(sorted_token[g * BT:(g + 1) * BT] >= 0)
+        both = x[sorted_token[rows_]].astype(np.float32) @ _reference_slab(
+            w_gate_up, e, n, bn, blocked).astype(np.float32)
+        pairs = both.reshape(len(rows_), bn // (2 * INTERLEAVE), 2, INTERLEAVE)
         value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]
-        h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(BT, bn // 2).astype(h.dtype)
+        h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(len(rows_), bn // 2).astype(
+            h.dtype)
 
     return tile
 
@@ -1475,11 +1505,11 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
     ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
-    padding rows (sorted_token -1) read nothing and its m64 blocks without rows issue no
-    products: those rows of y are zero. ``loads``: "cp.async", or "tma" on the wgmma engine
+    padding rows (sorted_token -1) read nothing and are not stored, and its m64 blocks
+    without rows issue no products. ``loads``: "cp.async", or "tma" on the wgmma engine
     (``WgmmaTile.run_tma``: h's rows are the tile's own, not gathered, so whole boxes of
     them and of the weight slab load by TMA, and every slot of the ring but the one read is
-    in flight; padding rows are then read, as the zeros gate_up wrote there).
+    in flight; padding rows are then read, whatever they hold, into rows of y not stored).
     ``early_weights`` (cp.async loads): the task's prelude (``await_inputs``) reads its
     expert and issues the weight slices of its ring's prologue (``preload_b``), so that in a
     persistent kernel they stream while the task waits for its rows of h."""
@@ -1500,10 +1530,12 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
 
     @T.inline
     def product(mma, g, n, e, h, w_down, sorted_token, y, tma_loads):
+        held = T.local_scalar("int32")  # padding rows are not stored
+        count_pair_rows(held, sorted_token, g * BT, BT, threads, mma.tx)
         _run_rows(mma, h, lambda r: T.Select(sorted_token[g * BT + r] >= 0, g * BT + r, -1),
                   _weight_src(w_down, e, n, bn, blocked), F // bk, sorted_token, g * BT,
                   live_blocks, tma_loads, b_preloaded=early_weights)
-        mma.store(y, g * BT, n * bn)
+        mma.store(y, g * BT, n * bn, held)
 
     # with TMA the maps' variables are free: each kernel binds them
     @T.prim_func(check_well_formed=not tma)
@@ -1542,10 +1574,9 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         e = int(tile_expert[g])
         if e >= E:
             return
-        rows_, cols = slice(g * BT, (g + 1) * BT), slice(n * bn, (n + 1) * bn)
-        a = np.where(sorted_token[rows_, None] >= 0, h[rows_].astype(np.float32), 0)
-        y[rows_, cols] = (a @ _reference_slab(w_down, e, n, bn, blocked).astype(
-            np.float32)).astype(y.dtype)
+        rows_ = g * BT + np.flatnonzero(sorted_token[g * BT:(g + 1) * BT] >= 0)
+        y[rows_, n * bn:(n + 1) * bn] = (h[rows_].astype(np.float32) @ _reference_slab(
+            w_down, e, n, bn, blocked).astype(np.float32)).astype(y.dtype)
 
     return tile
 

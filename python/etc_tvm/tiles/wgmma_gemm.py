@@ -93,7 +93,7 @@ from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
 from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gathered_rows,
-                   store_fragments)
+                   row_stored, store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -496,14 +496,15 @@ class WgmmaTile:
                 T.ptx.mbarrier.inval.shared.b64(empty.ptr_to([s]))
 
     @T.inline
-    def store(self, C, row0, col0):
+    def store(self, C, row0, col0, rows=None):
+        # rows: ``store_fragments``'
         if self.swapped:
-            self.store_swapped(C, row0, col0)
+            self.store_swapped(C, row0, col0, rows)
         else:
-            store_fragments(self, C, row0, col0)
+            store_fragments(self, C, row0, col0, rows)
 
     @T.inline
-    def store_swapped(self, C, row0, col0):
+    def store_swapped(self, C, row0, col0, rows=None):
         # A thread's two elements of an instruction lie in one column (rows 2t, 2t + 1); the
         # lane four over holds the next column. The pair trade one element, so that each
         # holds two adjacent columns of one row, which leave in one store (and the bf16
@@ -523,9 +524,10 @@ class WgmmaTile:
                     pair = T.alloc_local((2,), "float32")
                     pair[0] = T.Select(odd == 1, trade[1], mine[0])
                     pair[1] = T.Select(odd == 1, mine[1], trade[1])
-                    for v in T.vectorized(2):
-                        C[row0 + self.row(n, odd), col0 + self.col(m, h) - odd + v] = \
-                            T.Cast(C.dtype, pair[v])
+                    if row_stored(rows, self.row(n, odd)):
+                        for v in T.vectorized(2):
+                            C[row0 + self.row(n, odd), col0 + self.col(m, h) - odd + v] = \
+                                T.Cast(C.dtype, pair[v])
 
     @T.inline
     def store_as(self, stores, C, row0, col0):
