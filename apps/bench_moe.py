@@ -114,13 +114,13 @@ def layer_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "
-                        "layer's choice for the tile rows)")
+                        "layer's choice for the tile rows and tokens)")
     parser.add_argument("--down-bn", type=int, help="the down tasks' columns (default: --bn)")
     parser.add_argument("--engine", choices=moe.ENGINES,
                         help="the grouped GEMMs' MMA (default: moe_layer.grouped_engine_for "
-                        "the tokens: swapped wgmma tiles from 257 tokens while an expert's "
-                        "pairs fit 192 rows (two warpgroups past 96), else wgmma, mma for "
-                        "16-row tiles)")
+                        "the tokens: swapped wgmma tiles from 2 tokens while an expert's "
+                        "pairs fit 192 rows (two warpgroups past 96), else wgmma; mma for "
+                        "the 16-row tiles of one token)")
     parser.add_argument("--bk", type=int,
                         help="the grouped GEMMs' K slice (default: moe_layer.expert_tiles' "
                         "choice; 32 on wgmma tiles keeps A in 64-byte swizzled rows, more "

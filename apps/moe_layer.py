@@ -442,7 +442,8 @@ def options_for(tokens: int, **options) -> dict:
         else align_tokens == 0
     bn, down_bn = task_columns(rows, hidden,
                                options.get("intermediate", QWEN3_30B_A3B["intermediate"]),
-                               engine=engine, bn=options.get("bn"),
+                               engine=engine,
+                               bn=options.get("bn") or swapped_columns_for(tokens, engine),
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
@@ -511,10 +512,10 @@ def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int
     """Splits of the hidden rows over router tasks for ``tokens``: the fewest of 1, 2, 4, 8
     that make ``ROUTER_TASKS`` tasks for each of ``ctas_per_sm``, as blocks of tokens alone
     leave SMs idle (one token on CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the
-    router's 512 KB instead of 8; 128 tokens on tensor cores: 32 tasks, so 4 splits, 400.6
-    -> 388.5 us on the H200; 1024 tokens at four CTAs an SM: 128 tasks, so 4 splits, with
-    combine tasks of 2 tokens 394.4 -> 385.5 us static, 411.8 -> 395.9 dynamic), and more
-    splits than that only add partial logits to write and sum."""
+    router's 512 KB instead of 8; 128 tokens on tensor cores at two CTAs an SM: 32 tasks, so
+    4 splits, 400.6 -> 388.5 us on the H200; 1024 tokens at four CTAs an SM: 128 tasks, so 4
+    splits, with combine tasks of 2 tokens 394.4 -> 385.5 us static, 411.8 -> 395.9
+    dynamic), and more splits than that only add partial logits to write and sum."""
     tasks = ceil_div(tokens, router_tokens) * (experts // experts_per_task)
     splits = 1
     while splits < 8 and tasks * splits < ROUTER_TASKS * ctas_per_sm:
@@ -601,6 +602,19 @@ def topk_counts_for(tokens: int, block_tokens: int) -> bool:
 # (both 64-column panels on it) and 192 x 128 on two (one panel each) keep 96 a thread, with
 # nothing spilled at the 128 registers four CTAs an SM of 128 threads, or two of 256, leave
 SWAPPED_ROWS = 96
+SWAPPED_FROM_TOKENS = 2  # tokens from which the grouped GEMMs default to swapped tiles
+# Tokens below which swapped tasks take 64 columns (``swapped_columns_for``)
+SWAPPED_NARROW_BELOW = 16
+
+
+def swapped_columns_for(tokens: int, engine: str) -> int | None:
+    """A grouped GEMM task's columns for ``tokens`` on ``engine`` where they are not
+    ``task_columns``' own: 64 on swapped tiles below ``SWAPPED_NARROW_BELOW`` tokens, where
+    the few experts used make too few 128-column tasks to share the CTAs evenly (at 8 tokens
+    about 50 experts, 600 gate_up tasks for 528 CTAs). On the H200 (static, claimed,
+    CUDA-graph replays) 57.7 -> 55.3 us at 2 tokens, 87.7 -> 85.0 at 4, 135.0 -> 128.1 at 8;
+    even at 16 (192.3 against 192.7 on 64 columns)."""
+    return 64 if engine == "swapped" and tokens < SWAPPED_NARROW_BELOW else None
 
 
 def swapped_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
@@ -613,15 +627,17 @@ def swapped_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
 
 
 def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
-    """The grouped GEMMs' engine for ``tokens`` when none is asked for: "swapped" where
-    ``tile_rows_for`` would pick wgmma tiles (64 rows and more) and ``swapped_rows_for`` is
-    at most ``2 * SWAPPED_ROWS`` (two warpgroups' worth), else "wgmma" (16-row tiles then run
-    on "mma", ``engine_for``). On the H200 (claimed, CUDA-graph replays) the static layer
-    took 418 -> 393 us at 1024 tokens (unfused launches 427 -> 382) on 80 x 128 swapped tasks
-    at four CTAs an SM against 64 x 256 wgmma tasks at two, 354 -> 346 at 512 tokens (48
-    rows), and 565 -> 530 at 2048 tokens (unfused 558 -> 519) on 152 x 128 swapped tasks on
-    two warpgroups at two CTAs an SM against 128 x 256 wgmma tasks at one."""
-    if tile_rows_for(tokens, experts, top_k) >= wgmma_gemm.BLOCK_ROWS \
+    """The grouped GEMMs' engine for ``tokens`` when none is asked for: "swapped" from
+    ``SWAPPED_FROM_TOKENS`` while ``swapped_rows_for`` is at most ``2 * SWAPPED_ROWS`` (two
+    warpgroups' worth), else "wgmma" (16-row tiles then run on "mma", ``engine_for``). On the
+    H200 (claimed, CUDA-graph replays, static) against 16-row mma tiles at two CTAs an SM:
+    2 tokens 57.2 -> 55.3 us, 8 tokens 140.8 -> 128.1, 16 tokens 218.2 -> 192.3, 128 tokens
+    374.7 -> 330.6, 256 tokens 507.7 -> 370.5 (an expert's weights streamed once by the
+    wgmma's m64 side at four CTAs an SM); against 64 x 256 wgmma tasks at two CTAs an SM
+    418 -> 393 at 1024 tokens (80-row tiles), 354 -> 346 at 512; 565 -> 530 at 2048 tokens
+    on 152 x 128 swapped tasks on two warpgroups against 128 x 256 wgmma tasks at one. At
+    one token the 16-row mma tiles stay (40.0 against 41.2 us)."""
+    if tokens >= SWAPPED_FROM_TOKENS \
             and swapped_rows_for(tokens, experts, top_k) <= 2 * SWAPPED_ROWS:
         return "swapped"
     return "wgmma"

@@ -931,8 +931,15 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
 
 @pytest.mark.parametrize("tokens, options, want", [
     (1, {}, (16, "mma", 128, 2, 64)),
-    (256, {}, (16, "mma", 128, 2, 64)),
+    # from two tokens swapped tiles, of 64 columns below 16 tokens
+    (2, {}, (8, "swapped", 128, 4, 64)),
+    (15, {}, (8, "swapped", 128, 4, 64)),
+    (16, {}, (8, "swapped", 128, 4, 128)),
+    (128, {}, (16, "swapped", 128, 4, 128)),
+    (256, {}, (24, "swapped", 128, 4, 128)),
     (257, {}, (32, "swapped", 128, 4, 128)),
+    (16, {"engine": "mma"}, (16, "mma", 128, 2, 64)),
+    (8, {"bn": 128}, (8, "swapped", 128, 4, 128)),
     (512, {}, (48, "swapped", 128, 4, 128)),
     (1024, {}, (80, "swapped", 128, 4, 128)),
     (1200, {}, (96, "swapped", 128, 4, 128)),
@@ -952,10 +959,11 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
     (1024, {"tile_rows": 128}, (128, "wgmma", 256, 1, 256)),
 ])
 def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, want):
-    """Swapped tiles of an expert's share of the pairs plus two standard deviations from 257
+    """Swapped tiles of an expert's share of the pairs plus two standard deviations from two
     tokens: of up to 96 rows on one warpgroup at four CTAs an SM, of up to 192 on two at two;
     past that 128-row wgmma grouped GEMM tiles (from an expert's average 128 pairs), on two
-    warpgroups at one CTA an SM; else 128 threads at two CTAs an SM."""
+    warpgroups at one CTA an SM; at one token 16-row mma tiles, 128 threads at two CTAs an
+    SM."""
     got = moe_layer.options_for(tokens, **options)
     keys = ("tile_rows", "engine", "threads", "ctas_per_sm", "bn")
     assert tuple(got[k] for k in keys) == want
@@ -990,13 +998,15 @@ def test_layer_options_pick_the_router_engine_by_tokens():
     assert moe_layer.options_for(1024, block_tokens=24)["router_tokens"] == 48
 
 
-@pytest.mark.parametrize("tokens, hidden, cols", [(1, 2048, 512), (64, 2048, 512),
-                                                  (128, 2048, 1024), (200, 2048, 1024),
-                                                  (256, 2048, 2048), (1024, 2048, 2048),
-                                                  (1024, 1536, 1536), (1024, 4096, 4096),
-                                                  (64, 4096, 1024)])
-def test_combine_tasks_widen_with_the_tokens(tokens, hidden, cols):
-    options = moe_layer.options_for(tokens, hidden=hidden)
+@pytest.mark.parametrize("tokens, hidden, ctas_per_sm, cols", [
+    (1, 2048, None, 512), (128, 2048, None, 512), (256, 2048, None, 1024),
+    (512, 2048, None, 2048), (1024, 2048, None, 2048), (1024, 1536, None, 1536),
+    (1024, 4096, None, 4096), (64, 4096, None, 512),
+    # at two CTAs an SM half the tasks do
+    (64, 2048, 2, 512), (128, 2048, 2, 1024), (200, 2048, 2, 1024), (256, 2048, 2, 2048),
+    (64, 4096, 2, 1024)])
+def test_combine_tasks_widen_with_the_tokens(tokens, hidden, ctas_per_sm, cols):
+    options = moe_layer.options_for(tokens, hidden=hidden, ctas_per_sm=ctas_per_sm)
     assert moe_layer.combine_cols_for(tokens, hidden, options["ctas_per_sm"]) == cols
     assert options["combine_cols"] == cols
 
@@ -1019,7 +1029,8 @@ def test_combine_tasks_sum_more_tokens_while_they_stay_many(tokens, hidden, bloc
 
 
 @pytest.mark.parametrize("tokens, engine, splits", [(1, "fma", 8), (16, "fma", 8),
-                                                    (16, "mma", 8), (128, "mma", 4),
+                                                    (16, "mma", 8), (128, "mma", 8),
+                                                    (256, "mma", 4),
                                                     (512, "mma", 2), (1024, "mma", 4),
                                                     (4096, "mma", 1), (1024, "fma", 1)])
 def test_router_splits_make_a_task_for_about_every_two_ctas(tokens, engine, splits):

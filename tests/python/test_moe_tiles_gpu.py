@@ -437,11 +437,12 @@ def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
 def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
-    bfloat16 runs it (blocked weights, the tokens' defaults: at 512 tokens swapped 48-row
-    tiles at four CTAs an SM, at 2048 tokens swapped 152-row tiles on two warpgroups, two
-    CTAs an SM)."""
+    bfloat16 runs it (blocked weights, the tokens' defaults: at 100 tokens swapped 16-row
+    tiles at four CTAs an SM, at 512 tokens swapped 48-row tiles, at 2048 tokens swapped
+    152-row tiles on two warpgroups, two CTAs an SM)."""
     options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
-    want = {100: ("mma", 128, 2), 512: ("swapped", 128, 4), 2048: ("swapped", 256, 2)}[tokens]
+    want = {100: ("swapped", 128, 4), 512: ("swapped", 128, 4),
+            2048: ("swapped", 256, 2)}[tokens]
     assert (options["engine"], options["threads"], options["ctas_per_sm"]) == want
 
 
@@ -484,6 +485,18 @@ def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weig
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
                     expert_weights, expert_weights_f64, "bfloat16")
+
+
+@pytest.mark.parametrize("tokens, rows, bn", [(2, 8, 64), (15, 8, 64), (256, 24, 128)])
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
+def test_few_token_swapped_layer_megakernel(strategy, tokens, rows, bn, rng, expert_weights,
+                                            expert_weights_f64):
+    """Swapped grouped GEMM tiles at few tokens, as bench_moe builds the layer (8-row tiles of
+    64-column tasks below 16 tokens, four CTAs an SM; the static and barrier kernels
+    claiming), every routing: one expert's pairs then fill several tiles of 8 rows."""
+    options = moe_layer.options_for(tokens)
+    assert (options["engine"], options["tile_rows"], options["bn"]) == ("swapped", rows, bn)
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
 
 
 @pytest.mark.parametrize("tokens", (600, 1024, 2048))
