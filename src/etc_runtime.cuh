@@ -77,9 +77,11 @@ __device__ __forceinline__ int etc_load_acquire(const int* p) {
   return v;
 }
 
-// Claim the stop record (first caller only) and describe why the grid stops.
-__device__ __noinline__ void etc_record_stop(int* status, int kind, int task, int where,
-                                             int seen) {
+// Claim the stop record (first caller only) and describe why the grid stops. Inlined where a
+// task body records (an input check): a call there makes ptxas save registers around it on
+// every task, at the price of spills where the body uses all of them.
+__device__ __forceinline__ void etc_record_stop_inline(int* status, int kind, int task,
+                                                       int where, int seen) {
   if (atomicCAS(status, 0, -1) == 0) {
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -89,6 +91,11 @@ __device__ __noinline__ void etc_record_stop(int* status, int kind, int task, in
     status[4] = (int)smid;
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(status), "r"(kind) : "memory");
   }
+}
+
+__device__ __noinline__ void etc_record_stop(int* status, int kind, int task, int where,
+                                             int seen) {
+  etc_record_stop_inline(status, kind, task, where, seen);
 }
 
 // Returns 0 once *counter <= 0 (acquire at scope S), 1 if the grid is stopping (this or
@@ -446,7 +453,7 @@ __device__ __forceinline__ int etc_in_range(int value, int size, int* status, in
 __device__ __forceinline__ int etc_input_check(int value, int size, int* status, int task,
                                                int check) {
   if (value >= 0 && value < size) return 1;
-  etc_record_stop(status, 8, task, value, check);
+  etc_record_stop_inline(status, 8, task, value, check);
   return 0;
 }
 

@@ -304,6 +304,68 @@ def test_align_checks_expert_ids_where_a_kernel_can_stop():
     assert unfused.meta.has_status and len(unfused.meta.checks) == 2
 
 
+def misplaced_routing(rng, tokens, fault):
+    """(sorted_token, tile_expert, exp_indptr, the row at fault) of a real alignment with one
+    fault: "hole", a tile's first pair moved past its padding; "token", one past the
+    tokens."""
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, _, _, sorted_token, tile_expert = aligned(routed(rng, tokens, "random"), tiles)
+    held = (sorted_token.reshape(tiles, BT) >= 0).sum(axis=1)
+    g = int(np.flatnonzero((held > 0) & (held < BT))[0])  # a tile with pairs and padding
+    row = g * BT + int(held[g])
+    if fault == "hole":
+        sorted_token[row], sorted_token[g * BT] = sorted_token[g * BT], -1
+    else:
+        row = g * BT
+        sorted_token[row] = tokens
+    return sorted_token, tile_expert, indptr, row
+
+
+@pytest.mark.parametrize("fault", ["hole", "token"])
+@pytest.mark.parametrize("tile", ["gate_up", "down"])
+def test_grouped_gemms_name_a_pair_after_padding_or_a_token_past_x(tile, fault, rng):
+    """A grouped GEMM tile stores the rows below its count of pairs, so a tile's pairs must
+    come first (align lays them so): a pair after a padding row is an error that names the
+    task and the row, as is a token past x's rows in gate_up, which gathers them (so does a
+    kernel: ``pair_row_checks``); down reads rows of h by position, whatever token they
+    hold."""
+    tokens = 20
+    sorted_token, tile_expert, indptr, row = misplaced_routing(rng, tokens, fault)
+    x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
+    tiles = len(tile_expert)
+    if tile == "gate_up":
+        run = functools.partial(run_tasks, moe.make_gate_up_tile(H, F, E), (tiles, 2 * F // 64),
+                                x, w_gate_up, sorted_token, tile_expert, indptr,
+                                np.zeros((tiles * BT, F), BF16))
+    else:
+        run = functools.partial(run_tasks, moe.make_down_tile(F, H, E), (tiles, H // 64),
+                                np.zeros((tiles * BT, F), BF16), w_down, sorted_token,
+                                tile_expert, indptr, np.zeros((tiles * BT, H), np.float32))
+    if fault == "token" and tile == "down":
+        run()
+        return
+    want = (rf"sorted_token\[{row}\] holds a pair after the padding row \d+ \(-1\) of tile "
+            rf"{row // BT}" if fault == "hole" else
+            rf"sorted_token\[{row}\] holds the token {tokens}, past x's {tokens} rows")
+    with pytest.raises(ExecutionError, match=rf"{tile}\({row // BT}, 0\): {want}"):
+        run()
+
+
+def test_grouped_gemms_check_their_rows_where_a_kernel_can_stop():
+    """Each thread checks its row of the tile after the count (``count_pair_rows``): gate_up
+    with both of ``pair_row_checks`` (a pair after padding; a token past x's rows, which
+    its gather then reads as padding), down with the first."""
+    graphs = one_call_graphs(128, 32, 4, 64)
+    for name, checks, gathers in (("gate_up", {"0", "1"}, 1), ("down", {"0"}, 0)):
+        source = build(graphs[name], one_call_dims(name, 20, 32, 4), strategy="static",
+                       num_sms=132).cuda_source()
+        assert set(re.findall(r"etc_input_check\([^;]*, t, (\d)\)", source)) == checks, name
+        # the gathered row's token, or -1 (nothing read) past the 20 tokens
+        clamps = re.findall(r"\(\(sorted_token_ptr\[([^]]*)\] < 20\) \? "
+                            r"sorted_token_ptr\[([^]]*)\] : -1\)", source)
+        assert len(clamps) == gathers and all(a == b for a, b in clamps), name
+
+
 def test_align_over_chunks_refuses_empty_chunks():
     with pytest.raises(EtcError, match="chunk_tokens must be positive"):
         moe.make_align_count_tile(E, K, 0)

@@ -175,6 +175,44 @@ def test_align_stops_at_an_expert_id_outside_the_experts(name, bad, strategy, rn
         topk, E, BT, moe.max_tiles(100, E, K, BT))[0])
 
 
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+@pytest.mark.parametrize("tile, fault", [("gate_up", "hole"), ("gate_up", "token"),
+                                         ("down", "hole")])
+def test_grouped_gemms_stop_at_a_pair_after_padding_or_a_token_past_x(tile, fault, strategy,
+                                                                      rng, expert_weights):
+    """A pair after a padding row of its tile (which the tile would leave unstored) and, in
+    gate_up, a token past x's rows (which it would gather) are errors that name the task and
+    the row, and the kernel ends (no read outside x, no hang); then a good routing runs on
+    the same library."""
+    tokens = 100
+    x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)
+    w_gate_up, w_down = expert_weights
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(
+        routed(rng, tokens, "random", E, K), E, BT, tiles)
+    held = (sorted_token.reshape(tiles, BT) >= 0).sum(axis=1)
+    g = int(np.flatnonzero((held > 0) & (held < BT))[0])  # a tile with pairs and padding
+    bad = sorted_token.copy()
+    if fault == "hole":  # the tile's first pair moved past its padding
+        row = g * BT + int(held[g])
+        bad[row], bad[g * BT] = bad[g * BT], -1
+        why = rf"sorted_token\[{row}\] holds a pair after a padding row \(-1\) of its tile"
+    else:
+        row = g * BT
+        bad[row] = tokens + 5
+        why = rf"sorted_token holds the token {tokens + 5}, past x's rows"
+    run = build(one_call_graphs(H, E, K, F)[tile], one_call_dims(tile, tokens),
+                strategy=strategy)
+    a, w = (x, w_gate_up) if tile == "gate_up" else (
+        compiled("gate_up", tokens)(x, w_gate_up, sorted_token, tile_expert, indptr), w_down)
+    with pytest.raises(ExecutionError, match=rf"task {tile}\w*\({g},\d+\) on SM \d+: {why}"):
+        run(a, w, bad, tile_expert, indptr)
+    rows = pair_row.ravel()
+    np.testing.assert_array_equal(
+        run(a, w, sorted_token, tile_expert, indptr)[rows],
+        compiled(tile, tokens)(a, w, sorted_token, tile_expert, indptr)[rows])
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_gemms_and_combine(tokens, rng, expert_weights):
     x, _ = moe_layer.make_routing_inputs(rng, tokens, H, E)

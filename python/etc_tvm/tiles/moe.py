@@ -1398,11 +1398,22 @@ __device__ __forceinline__ int etc_cta_count(int p) {
 """
 
 
+def pair_row_checks(gathers: bool) -> tuple[str, ...]:
+    """The input checks of a grouped GEMM tile (``count_pair_rows``): a pair after a padding
+    row of its tile, which the tile would leave unstored, and where it ``gathers`` x's rows
+    by token, a token past them."""
+    return (("sorted_token[{value}] holds a pair after a padding row (-1) of its tile: "
+             "a tile's pairs come first"),) + (
+        ("sorted_token holds the token {value}, past x's rows",) if gathers else ())
+
+
 @T.inline
-def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx):
+def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx, tokens=None):
     # held = the rows of the tile from sorted_token row ``row0`` that hold pairs, counted
     # over the CTA (a barrier each ``threads`` rows): align fills a tile's first rows, the
-    # padding (-1) follows them, so the grouped GEMMs store rows below it only
+    # padding (-1) follows them, so the grouped GEMMs store rows below it only. Each thread
+    # then checks its rows (pair_row_checks): a pair at or past the count follows padding,
+    # and with ``tokens`` a token must be one of them
     held = 0
     for s in T.unroll(ceil_div(tile_rows, threads)):
         row = T.meta_var(T.min(s * threads + tx, tile_rows - 1))
@@ -1410,6 +1421,32 @@ def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx):
             "etc_cta_count", T.Cast("int32", T.And(s * threads + tx < tile_rows,
                                                    sorted_token[row0 + row] >= 0)),
             source_code=CTA_COUNT, return_type="int32")
+    for s in T.unroll(ceil_div(tile_rows, threads)):
+        row = T.meta_var(T.min(s * threads + tx, tile_rows - 1))
+        token = T.meta_var(sorted_token[row0 + row])
+        T.evaluate(input_check(T.Select(token >= 0, row0 + row, row0),
+                               row0 + T.max(held, 1), 0))
+        if tokens is not None:
+            T.evaluate(input_check(T.max(token, 0), tokens, 1))
+
+
+def checked_pair_rows(sorted_token, g: int, tile_rows: int, tile: str,
+                      tokens: int | None = None) -> np.ndarray:
+    """The rows of tile ``g`` that hold pairs, as ``count_pair_rows`` checks them: a pair
+    after a padding row, or a token past ``tokens``, is an error that names the tile's
+    task and the row."""
+    mine = sorted_token[g * tile_rows:(g + 1) * tile_rows]
+    pairs = np.flatnonzero(mine >= 0)
+    if pairs.size and pairs[-1] >= pairs.size:
+        first = g * tile_rows + int(np.flatnonzero(mine < 0)[0])
+        raise ExecutionError(f"{tile}: sorted_token[{g * tile_rows + int(pairs[-1])}] holds a "
+                             f"pair after the padding row {first} (-1) of tile {g}: a tile's "
+                             "pairs come first")
+    if tokens is not None and pairs.size and mine[pairs].max() >= tokens:
+        row = g * tile_rows + int(pairs[np.argmax(mine[pairs] >= tokens)])
+        raise ExecutionError(f"{tile}: sorted_token[{row}] holds the token "
+                             f"{int(sorted_token[row])}, past x's {tokens} rows")
+    return g * tile_rows + pairs
 
 
 @functools.cache
@@ -1422,7 +1459,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     ``exp_indptr`` is read by the in-edge's trigger only. ``engine``: "mma" or "wgmma"
     (``_engine``; on "wgmma" a tile of several m64 blocks issues the products of those that
     hold rows only, ``_run_rows``). Padding rows (sorted_token -1), which follow a tile's
-    pairs as align lays them out, read nothing and are not stored: no task reads them."""
+    pairs as align lays them out, read nothing and are not stored: no task reads them. A pair
+    after a padding row, or a token past x's rows, is an input error (``pair_row_checks``)."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     live_blocks = _live_blocks(engine, BT)
@@ -1448,8 +1486,10 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             # padding rows (token -1) read nothing and store nothing: at few tokens they are
             # most rows of a tile, and from 1024 tokens on a fifth of its bytes of h
             held = T.local_scalar("int32")
-            count_pair_rows(held, sorted_token, g * BT, BT, threads, tx)
-            _run_rows(mma, x, lambda r: sorted_token[g * BT + r],
+            count_pair_rows(held, sorted_token, g * BT, BT, threads, tx, ntok)
+            # a token past x's rows (an input error) reads nothing
+            _run_rows(mma, x, lambda r: T.Select(sorted_token[g * BT + r] < ntok,
+                                                 sorted_token[g * BT + r], -1),
                       _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
                       g * BT, live_blocks)
             if swapped:  # a thread's columns c and c + 8 of a panel: gate and up
@@ -1478,14 +1518,15 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
 
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_blocked" if blocked else "")
-    tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk)
+    tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk,
+                       checks=pair_row_checks(gathers=True))
 
     @tile.set_reference
     def _(g, n, x, w_gate_up, sorted_token, tile_expert, exp_indptr, h):
         e = int(tile_expert[g])
         if e >= E:
             return
-        rows_ = g * BT + np.flatnonzero(sorted_token[g * BT:(g + 1) * BT] >= 0)
+        rows_ = checked_pair_rows(sorted_token, g, BT, f"gate_up({g}, {n})", len(x))
         both = x[sorted_token[rows_]].astype(np.float32) @ _reference_slab(
             w_gate_up, e, n, bn, blocked).astype(np.float32)
         pairs = both.reshape(len(rows_), bn // (2 * INTERLEAVE), 2, INTERLEAVE)
@@ -1505,8 +1546,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     """The tile ``down_<F>x<H>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
     ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
-    padding rows (sorted_token -1) read nothing and are not stored, and its m64 blocks
-    without rows issue no products. ``loads``: "cp.async", or "tma" on the wgmma engine
+    padding rows (sorted_token -1) read nothing and are not stored (a pair after one is an
+    input error), and its m64 blocks without rows issue no products. ``loads``: "cp.async", or "tma" on the wgmma engine
     (``WgmmaTile.run_tma``: h's rows are the tile's own, not gathered, so whole boxes of
     them and of the weight slab load by TMA, and every slot of the ring but the one read is
     in flight; padding rows are then read, whatever they hold, into rows of y not stored).
@@ -1567,14 +1608,15 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     name = f"down_{F}x{H}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_tma" if tma else "") + ("_blocked" if blocked else "") + _Y_SUFFIX[y_dtype] + (
         "_early" if early_weights else "")
-    tile = device_func(down.with_attr("global_symbol", name), cost=F // bk, tensor_maps=maps)
+    tile = device_func(down.with_attr("global_symbol", name), cost=F // bk, tensor_maps=maps,
+                       checks=pair_row_checks(gathers=False))
 
     @tile.set_reference
     def _(g, n, h, w_down, sorted_token, tile_expert, exp_indptr, y):
         e = int(tile_expert[g])
         if e >= E:
             return
-        rows_ = g * BT + np.flatnonzero(sorted_token[g * BT:(g + 1) * BT] >= 0)
+        rows_ = checked_pair_rows(sorted_token, g, BT, f"down({g}, {n})")
         y[rows_, n * bn:(n + 1) * bn] = (h[rows_].astype(np.float32) @ _reference_slab(
             w_down, e, n, bn, blocked).astype(np.float32)).astype(y.dtype)
 
