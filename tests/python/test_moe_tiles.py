@@ -304,21 +304,18 @@ def test_align_checks_expert_ids_where_a_kernel_can_stop():
     assert unfused.meta.has_status and len(unfused.meta.checks) == 2
 
 
-def misplaced_routing(rng, tokens, fault):
-    """(sorted_token, tile_expert, exp_indptr, the row at fault) of a real alignment with one
-    fault: "hole", a tile's first pair moved past its padding; "token", one past the
-    tokens."""
-    tiles = moe.max_tiles(tokens, E, K, BT)
-    _, indptr, _, _, sorted_token, tile_expert = aligned(routed(rng, tokens, "random"), tiles)
-    held = (sorted_token.reshape(tiles, BT) >= 0).sum(axis=1)
-    g = int(np.flatnonzero((held > 0) & (held < BT))[0])  # a tile with pairs and padding
-    row = g * BT + int(held[g])
-    if fault == "hole":
-        sorted_token[row], sorted_token[g * BT] = sorted_token[g * BT], -1
-    else:
-        row = g * BT
-        sorted_token[row] = tokens
-    return sorted_token, tile_expert, indptr, row
+def misplace(sorted_token, tile_rows, fault, tokens) -> int:
+    """Put one fault into an alignment's ``sorted_token``, in a tile with pairs and padding:
+    "hole", its first pair moved past its padding; "token", a token past the ``tokens``. The
+    row at fault."""
+    held = (sorted_token.reshape(-1, tile_rows) >= 0).sum(axis=1)
+    g = int(np.flatnonzero((held > 0) & (held < tile_rows))[0])
+    if fault == "token":
+        sorted_token[g * tile_rows] = tokens + 5
+        return g * tile_rows
+    row = g * tile_rows + int(held[g])
+    sorted_token[row], sorted_token[g * tile_rows] = sorted_token[g * tile_rows], -1
+    return row
 
 
 @pytest.mark.parametrize("fault", ["hole", "token"])
@@ -330,9 +327,10 @@ def test_grouped_gemms_name_a_pair_after_padding_or_a_token_past_x(tile, fault, 
     kernel: ``pair_row_checks``); down reads rows of h by position, whatever token they
     hold."""
     tokens = 20
-    sorted_token, tile_expert, indptr, row = misplaced_routing(rng, tokens, fault)
+    tiles = moe.max_tiles(tokens, E, K, BT)
+    _, indptr, _, _, sorted_token, tile_expert = aligned(routed(rng, tokens, "random"), tiles)
+    row = misplace(sorted_token, BT, fault, tokens)
     x, _, w_gate_up, w_down = make_inputs(rng, tokens, H, E, F)
-    tiles = len(tile_expert)
     if tile == "gate_up":
         run = functools.partial(run_tasks, moe.make_gate_up_tile(H, F, E), (tiles, 2 * F // 64),
                                 x, w_gate_up, sorted_token, tile_expert, indptr,
@@ -346,7 +344,7 @@ def test_grouped_gemms_name_a_pair_after_padding_or_a_token_past_x(tile, fault, 
         return
     want = (rf"sorted_token\[{row}\] holds a pair after the padding row \d+ \(-1\) of tile "
             rf"{row // BT}" if fault == "hole" else
-            rf"sorted_token\[{row}\] holds the token {tokens}, past x's {tokens} rows")
+            rf"sorted_token\[{row}\] holds the token {tokens + 5}, past x's {tokens} rows")
     with pytest.raises(ExecutionError, match=rf"{tile}\({row // BT}, 0\): {want}"):
         run()
 

@@ -12,7 +12,7 @@ from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
-from test_moe_tiles import BF16, _load_app, logits_picking, routed
+from test_moe_tiles import BF16, _load_app, logits_picking, misplace, routed
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
@@ -190,17 +190,11 @@ def test_grouped_gemms_stop_at_a_pair_after_padding_or_a_token_past_x(tile, faul
     tiles = moe.max_tiles(tokens, E, K, BT)
     _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(
         routed(rng, tokens, "random", E, K), E, BT, tiles)
-    held = (sorted_token.reshape(tiles, BT) >= 0).sum(axis=1)
-    g = int(np.flatnonzero((held > 0) & (held < BT))[0])  # a tile with pairs and padding
     bad = sorted_token.copy()
-    if fault == "hole":  # the tile's first pair moved past its padding
-        row = g * BT + int(held[g])
-        bad[row], bad[g * BT] = bad[g * BT], -1
-        why = rf"sorted_token\[{row}\] holds a pair after a padding row \(-1\) of its tile"
-    else:
-        row = g * BT
-        bad[row] = tokens + 5
-        why = rf"sorted_token holds the token {tokens + 5}, past x's rows"
+    row = misplace(bad, BT, fault, tokens)
+    g = row // BT
+    why = (rf"sorted_token\[{row}\] holds a pair after a padding row \(-1\) of its tile"
+           if fault == "hole" else rf"sorted_token holds the token {tokens + 5}, past x's rows")
     run = build(one_call_graphs(H, E, K, F)[tile], one_call_dims(tile, tokens),
                 strategy=strategy)
     a, w = (x, w_gate_up) if tile == "gate_up" else (

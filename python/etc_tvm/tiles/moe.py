@@ -1547,10 +1547,11 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
     y[rows of g, n*bn:(n+1)*bn] = h[rows of g] @ w_down[e], summed in fp32 and stored as
     ``y_dtype`` (``Y_DTYPES``; ``engine`` and ``blocked`` as gate_up's). Like gate_up's, its
     padding rows (sorted_token -1) read nothing and are not stored (a pair after one is an
-    input error), and its m64 blocks without rows issue no products. ``loads``: "cp.async", or "tma" on the wgmma engine
-    (``WgmmaTile.run_tma``: h's rows are the tile's own, not gathered, so whole boxes of
-    them and of the weight slab load by TMA, and every slot of the ring but the one read is
-    in flight; padding rows are then read, whatever they hold, into rows of y not stored).
+    input error), and its m64 blocks without rows issue no products. ``loads``:
+    "cp.async", or "tma" on the wgmma engine (``WgmmaTile.run_tma``: h's rows are the tile's
+    own, not gathered, so whole boxes of them and of the weight slab load by TMA, and every
+    slot of the ring but the one read is in flight; padding rows are then read, whatever they
+    hold, into rows of y not stored).
     ``early_weights`` (cp.async loads): the task's prelude (``await_inputs``) reads its
     expert and issues the weight slices of its ring's prologue (``preload_b``), so that in a
     persistent kernel they stream while the task waits for its rows of h."""
