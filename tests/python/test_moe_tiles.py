@@ -1433,6 +1433,21 @@ def test_swapped_layer_matches_float64(tokens, rng):
     assert_within(execute(graph, *inputs, order=RandomOrder(2)), want, bound)
 
 
+@pytest.mark.parametrize("tokens, rows, bn", [(2, 8, 64), (256, 24, 128)])
+def test_few_token_swapped_layer_compiles_without_spills(tokens, rows, bn, tmp_path):
+    """The layer as bench_moe builds it at few tokens (``options_for``): swapped tiles of
+    ``rows`` (m64n<rows>k16) in tasks of ``bn`` columns at four CTAs an SM, the static
+    kernel claiming, compile with no register spilled and no wgmma serialised."""
+    options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16")
+    assert (options["engine"], options["tile_rows"], options["bn"], options["ctas_per_sm"]) \
+        == ("swapped", rows, bn, 4)
+    source = build(make_moe_layer(**options), {"T": tokens}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=4, claim=True)).cuda_source()
+    assert f"wgmma.mma_async.sync.aligned.m64n{rows}k16.f32.bf16.bf16" in source
+    _, report = build_cubin(source, tmp_path)
+    assert "serializ" not in report, report[-4000:]
+
+
 @pytest.mark.parametrize("tokens, rows, threads", [(1024, 96, 128), (2048, 152, 256)])
 def test_swapped_layer_keeps_its_wgmmas_asynchronous_in_a_claimed_kernel(tokens, rows,
                                                                           threads, tmp_path):
