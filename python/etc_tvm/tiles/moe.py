@@ -1413,7 +1413,8 @@ def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx, tokens=Non
     # over the CTA (a barrier each ``threads`` rows): align fills a tile's first rows, the
     # padding (-1) follows them, so the grouped GEMMs store rows below it only. Each thread
     # then checks its rows (pair_row_checks): a pair at or past the count follows padding,
-    # and with ``tokens`` a token must be one of them
+    # and with ``tokens`` a token must be one of them. The checks load the rows again (an L1
+    # hit): held in registers across the count's barrier, the 1024-token layer spills 8 bytes
     held = 0
     for s in T.unroll(ceil_div(tile_rows, threads)):
         row = T.meta_var(T.min(s * threads + tx, tile_rows - 1))
