@@ -15,8 +15,10 @@ which a layer finds in L2).
 Bandwidth is the bytes the operation must move (weights, activations in, results out) over
 the time; the GEMM's rate is 2MNK over the time. The GEMV picks the smallest split-K that gives
 every SM two tasks; at M = 16 the "mma16" rows run the same product on tensor cores (the gemm
-tile with 16-row blocks, split-K, the same sum tile). The GEMM is the wgmma tile (128 x 256 x
-64, three stages, bf16 out).
+tile with 16-row blocks, split-K, the same sum tile), and at M a multiple of 8 up to 64 the
+"swapped" rows on warpgroup MMA with the weights on its m64 side, all M rows one tile
+(``decode_graphs.tensor_core_gemm``). The GEMM is the wgmma tile (128 x 256 x 64, four
+stages, bf16 out).
 ``--strategy static`` runs our side as a one-call megakernel instead (persistent CTAs taking
 the tasks from static queues): the tile as it runs inside a graph.
 Prints one table and writes JSON (``--json``).
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 import tvm
 
-from etc_tvm import ETensor, Tensor, build, call_device, graph_func
+from etc_tvm import Tensor, build, call_device, graph_func
 from etc_tvm.runtime import cuda_graph
 from etc_tvm.tiles import attention, gemm, gemv, moe, wgmma_gemm
 from moe_layer import QWEN3_30B_A3B
@@ -41,13 +43,15 @@ from timing import time_interleaved
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
 from attention_graph import decode_attention_graph  # noqa: E402
 from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
-                           rmsnorm_only, silu_mul_only, split_gemv_graph)
+                           rmsnorm_only, silu_mul_only, split_gemv_graph, tensor_core_gemm)
 from moe_tile_graphs import BT, one_call_dims, one_call_graphs  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
 SMS = 132
 MMA_BN = 64
+SWAPPED_BN = 128
+SWAPPED_ROWS = 64  # the "swapped" rows: one tile of the activation rows, up to this many
 GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "threads": 256, "out_dtype": "bfloat16"}
 
 
@@ -69,41 +73,17 @@ class Case(NamedTuple):
     copies: int | None = None
 
 
-def mma_graph(split_k: int):
-    """The tensor-core alternative for 16 rows: the gemm tile (16 x 64 x 64 on mma.sync, a
-    4-deep cp.async ring) over K slices, and the GEMV's ordered sum tile."""
-    if split_k == 1:
-        tile = gemm.make_gemm_tile(bm=16, bn=MMA_BN, bk=64, threads=128, stages=4,
-                                   out_dtype="bfloat16")
-
-        @graph_func
-        def mma_only(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
-            M, N = X.shape[0], W.shape[1]
-            return call_device(tile, tile_num=(M // 16, N // MMA_BN), args=[X, W],
-                               out=Tensor((M, N), "bfloat16"))
-
-        return mma_only
-    partial = gemm.make_gemm_tile(bm=16, bn=MMA_BN, bk=64, threads=128, stages=4,
-                                  split_k=split_k)
-    total = gemv.make_gemv_sum_tile(split_k, cols=BN)
-
-    @graph_func
-    def mma_gemv(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
-        M, N = X.shape[0], W.shape[1]
-        done = ETensor((N // BN,), name="slices_done")
-        P = call_device(partial, tile_num=(M // 16, N // MMA_BN, split_k), args=[X, W],
-                        out=Tensor((split_k, M, N)),
-                        out_edges={done: f"ijs->j // {BN // MMA_BN}"})
-        return call_device(total, tile_num=(N // BN,), args=[P], out=Tensor((M, N), "bfloat16"),
-                           in_edges={done: "j->j"})
-
-    return mma_gemv
-
-
 def mma_split_for(K: int, N: int) -> int:
     """The smallest split-K giving every SM two tasks (or 8), with whole 64-row K steps."""
     fits = [s for s in (1, 2, 4, 8) if K % (s * 64) == 0]
     return next((s for s in fits if N // MMA_BN * s >= 2 * SMS), fits[-1])
+
+
+def swapped_split_for(K: int, N: int) -> int:
+    """The smallest split-K giving every SM two swapped tasks of 128 columns (or 16), with
+    whole 32-row K steps."""
+    fits = [s for s in (1, 2, 4, 8, 16) if K % (s * 32) == 0]
+    return next((s for s in fits if N // SWAPPED_BN * s >= 2 * SMS), fits[-1])
 
 
 def split_for(K: int, N: int) -> int:
@@ -133,7 +113,12 @@ def cases(rows, hidden_sizes, vocab):
                            "TB/s")
                 if M == 16:
                     s = mma_split_for(K, N)
-                    yield Case("mma16", f"M={M} {K}x{N} k{s}", mma_graph(s),
+                    yield Case("mma16", f"M={M} {K}x{N} k{s}", tensor_core_gemm("mma", s),
+                               {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
+                               2 * (K * N + M * K + M * N), "TB/s")
+                if M % 8 == 0 and M <= SWAPPED_ROWS:
+                    s = swapped_split_for(K, N)
+                    yield Case("swapped", f"M={M} {K}x{N} k{s}", tensor_core_gemm("swapped", s, M),
                                {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
                                2 * (K * N + M * K + M * N), "TB/s")
             yield Case("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H},
@@ -404,9 +389,10 @@ def main() -> None:
     parser.add_argument("--gemm-stages", type=int, nargs="+", default=[4],
                         help="ring depths of the GEMM rows (s<depth> in the shape column)")
     parser.add_argument("--tiles", nargs="+", metavar="TILE",
-                        help="only the rows of these tiles (gemv, mma16, rmsnorm, silu_mul, "
-                        "residual_add, attention, qk_norm_rope, router, align, align_chunks, "
-                        "gate_up, down, combine, gemm, gemm_tma, gemm_tma_staged)")
+                        help="only the rows of these tiles (gemv, mma16, swapped, rmsnorm, "
+                        "silu_mul, residual_add, attention, qk_norm_rope, router, align, "
+                        "align_chunks, gate_up, down, combine, gemm, gemm_tma, "
+                        "gemm_tma_staged)")
     parser.add_argument("--strategy", choices=("unfused", "static"), default="unfused",
                         help="how our side runs: a grid launch a call, or a one-call "
                         "megakernel")

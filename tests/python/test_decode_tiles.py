@@ -12,11 +12,11 @@ import pytest
 from etc_tvm import ETensor, EtcError, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import RandomOrder, execute
-from etc_tvm.tiles import elementwise, gemv, norm
+from etc_tvm.tiles import elementwise, gemm, gemv, norm
 
 from cubin import build_cubin, sass
 from decode_graphs import (BN, EPS, gemv_graph, residual_add_only, rmsnorm_only, silu_mul_only,
-                           split_gemv_graph)
+                           split_gemv_graph, tensor_core_gemm)
 from test_tiles import BF16, assert_within, poisoned, randn, run_reference
 
 ROWS = (1, 3, 16)
@@ -112,6 +112,28 @@ def test_split_k_deals_uneven_slices_of_whole_double_batches(S, batches, rng):
     assert_within(Y, X.astype(np.float64) @ W.astype(np.float64), gemv.error_bound(X, W))
 
 
+@pytest.mark.parametrize("engine, rows", [("mma", 16), ("swapped", 8), ("swapped", 40)])
+@pytest.mark.parametrize("S", [1, 4])
+def test_tensor_core_gemms_over_k_slices_are_within_the_gemm_bound(engine, rows, S, rng):
+    """Row blocks on tensor cores, whole or over K slices summed in order, on the reference
+    executor (two row blocks, every column block a sum task's share)."""
+    K, N = 1024, 2 * BN
+    X, W = randn(rng, (2 * rows, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    Y = execute(tensor_core_gemm(engine, S, rows), X, W, order=RandomOrder(S))
+    assert Y.dtype == BF16
+    assert_within(Y, X.astype(np.float64) @ W.astype(np.float64),
+                  gemm.error_bound(X, W, "bfloat16"))
+
+
+def test_tensor_core_gemm_rejects_what_it_cannot_run():
+    with pytest.raises(ValueError, match="engine"):
+        tensor_core_gemm("fma", 2)
+    with pytest.raises(ValueError, match="divide"):
+        tensor_core_gemm("swapped", 2, bn=256)
+    with pytest.raises(EtcError, match="split_k"):
+        tensor_core_gemm("swapped", 0)
+
+
 def test_gemv_reference_rejects_what_the_tile_cannot_run(rng):
     W = randn(rng, (512, BN), "bfloat16")
     with pytest.raises(EtcError, match="1..16"):
@@ -194,6 +216,11 @@ def cubin(source: str, tmp_path) -> Path:
 ONE_CALL = {  # name: (graph, dims)
     "gemv": (gemv_graph, {"M": 3, "K": 2048, "N": 1024}),
     "gemv_split_k4": (lambda: split_gemv_graph(4), {"M": 16, "K": 2048, "N": 512}),
+    "mma_split_k4": (lambda: tensor_core_gemm("mma", 4), {"M": 16, "K": 2048, "N": 512}),
+    "swapped_split_k4": (lambda: tensor_core_gemm("swapped", 4), {"M": 16, "K": 2048,
+                                                                 "N": 512}),
+    "swapped_64_rows": (lambda: tensor_core_gemm("swapped", 1, 64), {"M": 64, "K": 2048,
+                                                                    "N": 512}),
     "rmsnorm": (lambda: rmsnorm_only, {"M": 3, "H": 2048}),
     "silu_mul": (lambda: silu_mul_only, {"M": 3, "F2": 2048}),
     "residual_add": (lambda: residual_add_only, {"M": 3, "N": 1024}),

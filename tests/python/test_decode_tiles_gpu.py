@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from etc_tvm.build import build
-from etc_tvm.tiles import elementwise, gemv, norm
+from etc_tvm.tiles import elementwise, gemm, gemv, norm
 
 from test_decode_tiles import BN, EPS, check_decode_mlp, decode_mlp, decode_mlp_inputs, \
-    gemv_graph, residual_add_only, rmsnorm_only, silu_mul_only, split_gemv_graph
+    gemv_graph, residual_add_only, rmsnorm_only, silu_mul_only, split_gemv_graph, \
+    tensor_core_gemm
 from test_tiles import BF16, assert_within, randn
 
 pytestmark = pytest.mark.gpu
@@ -41,6 +42,22 @@ def test_split_k_gemv_and_sum(strategy, M, K, N, S, rng):
     X, W = randn(rng, (M, K), "bfloat16"), weights(rng, K, N)
     assert_within(compiled(X, W), X.astype(np.float64) @ W.astype(np.float64),
                   gemv.error_bound(X, W))
+
+
+@pytest.mark.parametrize("strategy", ["unfused", "static"])
+@pytest.mark.parametrize("engine, rows, K, N, S", [
+    ("mma", 16, 4096, 4096, 8), ("swapped", 16, 4096, 4096, 16), ("swapped", 16, 11008, 4096, 8),
+    ("swapped", 16, 4096, 22016, 2), ("swapped", 8, 2048, 2048, 4), ("swapped", 64, 2048, 4096, 1)])
+def test_tensor_core_gemm(strategy, engine, rows, K, N, S, rng):
+    """Few rows on tensor cores at decode shapes, against float64; launched twice, the same
+    bits (the slices are summed in order)."""
+    compiled = build(tensor_core_gemm(engine, S, rows), {"M": rows, "K": K, "N": N},
+                     strategy=strategy)
+    X, W = randn(rng, (rows, K), "bfloat16"), weights(rng, K, N)
+    Y = compiled(X, W)
+    assert_within(Y, X.astype(np.float64) @ W.astype(np.float64),
+                  gemm.error_bound(X, W, "bfloat16"))
+    np.testing.assert_array_equal(compiled(X, W), Y)
 
 
 def test_gemv_serves_every_m_up_to_16_from_one_kernel(rng):

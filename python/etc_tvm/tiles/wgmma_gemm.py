@@ -585,7 +585,7 @@ def task_cost(K, bm: int, bn: int, bk: int):
 def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int = 4,
                          threads: int = 256, out_dtype: str = "float32",
                          loads: str = "cp.async", stores: str = "fragments",
-                         swapped: bool = False) -> DeviceFunc:
+                         swapped: bool = False, split_k: int = 1) -> DeviceFunc:
     """The tile ``wgmma_gemm_<bm>x<bn>x<bk>_<out>_s<stages>_t<threads>``; one DeviceFunc per
     configuration, however the arguments are spelled (graphs naming one configuration share
     one device function).
@@ -599,13 +599,19 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     and B that the kernels encode; ``run_tma``). ``stores``: ``STORES``, "fragments"
     (``WgmmaTile.store``) or "staged" (``store_staged``; bf16 tiles). ``swapped``
     (cp.async loads): ``WgmmaTile``'s, bm any multiple of 8.
+
+    With ``split_k`` > 1 the task is ``(i, j, s)`` and writes the partial product over the
+    s-th of ``split_k`` equal slices of K into ``P[s]`` of a (split_k, M, N) output (K a
+    multiple of split_k * bk), as ``gemm.make_gemm_tile``'s: at a few rows the weights are
+    the bytes, and a weight panel's K slices on several SMs stream them at once.
     """
-    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads, stores, swapped)
+    return _make_tile(bm, bn, bk, stages, threads, out_dtype, loads, stores, swapped, split_k)
 
 
 @functools.cache
 def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
-               out_dtype: str, loads: str, stores: str, swapped: bool) -> DeviceFunc:
+               out_dtype: str, loads: str, stores: str, swapped: bool,
+               split_k: int) -> DeviceFunc:
     check_geometry(bm, bn, bk, stages, threads, out_dtype, stores, swapped)
     staged = stores == "staged"
     M, N, K = (tirx.Var(d, "int32") for d in "MNK")
@@ -614,33 +620,65 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
     if tma and swapped:
         raise EtcError(f"wgmma gemm tile {bm}x{bn}x{bk}: swapped tiles load by cp.async, "
                        "not TMA")
+    if split_k < 1 or split_k > 1 and tma:
+        raise EtcError(f"wgmma gemm tile {bm}x{bn}x{bk}: split_k must be positive, and 1 "
+                       f"with TMA loads (whole boxes of K), got {split_k} with {loads}")
 
-    # with TMA the maps' variables are free: each kernel binds them
-    @T.prim_func(check_well_formed=not tma)
-    def wgmma_gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
-                   B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
-        T.device_entry()
-        tx = T.thread_id([threads])
-        warp = T.warp_id([threads // 32])
-        lane = T.lane_id([32])
+    @T.inline
+    def product(i, j, k0, num_k, A, B, C, tx, warp, lane, by_tma):
+        # C[tile (i, j)] = A[rows i, k0:k0 + num_k*bk] @ B[k0:k0 + num_k*bk, cols j]
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane, swapped)
-        if tma:
-            tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, K // bk)
+        if by_tma:
+            tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, num_k)
         else:
-            tile.run(lambda r, k: A.ptr_to([i * bm + r, k]),
-                     lambda k, c: B.ptr_to([k, j * bn + c]), K // bk)
+            tile.run(lambda r, k: A.ptr_to([i * bm + r, k0 + k]),
+                     lambda k, c: B.ptr_to([k0 + k, j * bn + c]), num_k)
         tile.store_as(stores, C, i * bm, j * bn)
+
+    if split_k == 1:
+        # with TMA the maps' variables are free: each kernel binds them
+        @T.prim_func(check_well_formed=not tma)
+        def wgmma_gemm(i: T.int32, j: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                       B: T.Buffer((K, N), "bfloat16"), C: T.Buffer((M, N), out_dtype)):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // 32])
+            lane = T.lane_id([32])
+            product(i, j, 0, K // bk, A, B, C, tx, warp, lane, tma)
+    else:
+        @T.prim_func
+        def wgmma_gemm(i: T.int32, j: T.int32, s: T.int32, A: T.Buffer((M, K), "bfloat16"),
+                       B: T.Buffer((K, N), "bfloat16"),
+                       P: T.Buffer((split_k, M, N), out_dtype)):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // 32])
+            lane = T.lane_id([32])
+            Ps = T.decl_buffer((M, N), out_dtype, data=P.data, elem_offset=s * M * N)
+            product(i, j, s * (K // split_k), K // split_k // bk, A, B, Ps, tx, warp, lane,
+                    False)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" \
-        f"{'_staged' if staged else ''}{'_swapped' if swapped else ''}"
+        f"{'_staged' if staged else ''}{'_swapped' if swapped else ''}" \
+        f"{f'_k{split_k}' if split_k > 1 else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
-                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
+                       cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps)
 
-    @tile.set_reference
-    def _(i, j, A, B, C):
+    def reference(i, j, A, B, ks):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
-        C[rows, cols] = (A[rows].astype(np.float32) @ B[:, cols].astype(np.float32)) \
-            .astype(C.dtype)
+        return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
+
+    if split_k == 1:
+        @tile.set_reference
+        def _(i, j, A, B, C):
+            rows, cols, value = reference(i, j, A, B, slice(None))
+            C[rows, cols] = value.astype(C.dtype)
+    else:
+        @tile.set_reference
+        def _(i, j, s, A, B, P):
+            width = A.shape[1] // split_k
+            rows, cols, value = reference(i, j, A, B, slice(s * width, (s + 1) * width))
+            P[s, rows, cols] = value.astype(P.dtype)
 
     return tile
