@@ -50,7 +50,6 @@ BF16 = ml_dtypes.bfloat16
 L2_BYTES = 60 << 20
 SMS = 132
 MMA_BN = 64
-SWAPPED_BN = 128
 SWAPPED_ROWS = 64  # the "swapped" rows: one tile of the activation rows, up to this many
 GEMM_TILE = {"bm": 128, "bn": 256, "bk": 64, "threads": 256, "out_dtype": "bfloat16"}
 
@@ -79,11 +78,17 @@ def mma_split_for(K: int, N: int) -> int:
     return next((s for s in fits if N // MMA_BN * s >= 2 * SMS), fits[-1])
 
 
-def swapped_split_for(K: int, N: int) -> int:
-    """The smallest split-K giving every SM two swapped tasks of 128 columns (or 16), with
-    whole 32-row K steps."""
-    fits = [s for s in (1, 2, 4, 8, 16) if K % (s * 32) == 0]
-    return next((s for s in fits if N // SWAPPED_BN * s >= 2 * SMS), fits[-1])
+def swapped_tiling_for(M: int, K: int, N: int) -> tuple[int, int]:
+    """(columns a task, split-K) of the "swapped" rows: at least 256 tasks (two an SM), with
+    128-column tasks where the split allows, else 64, whole 32-row K steps, and fp32 partials
+    (S x M x N) of at most an eighth of the weights' bytes, which the sum reads back."""
+    most = max(1, K // (16 * M))
+    fits = [s for s in (1, 2, 4, 8, 16) if K % (s * 32) == 0 and s <= most]
+    for bn in (128, 64):
+        s = next((s for s in fits if N // bn * s >= 256), None)
+        if s is not None:
+            return bn, s
+    return 64, fits[-1]
 
 
 def split_for(K: int, N: int) -> int:
@@ -117,8 +122,9 @@ def cases(rows, hidden_sizes, vocab):
                                {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
                                2 * (K * N + M * K + M * N), "TB/s")
                 if M % 8 == 0 and M <= SWAPPED_ROWS:
-                    s = swapped_split_for(K, N)
-                    yield Case("swapped", f"M={M} {K}x{N} k{s}", tensor_core_gemm("swapped", s, M),
+                    bn, s = swapped_tiling_for(M, K, N)
+                    yield Case("swapped", f"M={M} {K}x{N} n{bn} k{s}",
+                               tensor_core_gemm("swapped", s, M, bn),
                                {"M": M, "K": K, "N": N}, gaussian((M, K), (K, N)), torch.matmul,
                                2 * (K * N + M * K + M * N), "TB/s")
             yield Case("rmsnorm", f"M={M} H={H}", rmsnorm_only, {"M": M, "H": H},

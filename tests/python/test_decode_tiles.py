@@ -112,14 +112,15 @@ def test_split_k_deals_uneven_slices_of_whole_double_batches(S, batches, rng):
     assert_within(Y, X.astype(np.float64) @ W.astype(np.float64), gemv.error_bound(X, W))
 
 
-@pytest.mark.parametrize("engine, rows", [("mma", 16), ("swapped", 8), ("swapped", 40)])
+@pytest.mark.parametrize("engine, rows, bn", [("mma", 16, None), ("swapped", 8, None),
+                                              ("swapped", 40, None), ("swapped", 24, 64)])
 @pytest.mark.parametrize("S", [1, 4])
-def test_tensor_core_gemms_over_k_slices_are_within_the_gemm_bound(engine, rows, S, rng):
+def test_tensor_core_gemms_over_k_slices_are_within_the_gemm_bound(engine, rows, bn, S, rng):
     """Row blocks on tensor cores, whole or over K slices summed in order, on the reference
-    executor (two row blocks, every column block a sum task's share)."""
+    executor (two row blocks; a sum task adds the slices of one or two column blocks)."""
     K, N = 1024, 2 * BN
     X, W = randn(rng, (2 * rows, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
-    Y = execute(tensor_core_gemm(engine, S, rows), X, W, order=RandomOrder(S))
+    Y = execute(tensor_core_gemm(engine, S, rows, bn), X, W, order=RandomOrder(S))
     assert Y.dtype == BF16
     assert_within(Y, X.astype(np.float64) @ W.astype(np.float64),
                   gemm.error_bound(X, W, "bfloat16"))
@@ -221,6 +222,8 @@ ONE_CALL = {  # name: (graph, dims)
                                                                  "N": 512}),
     "swapped_64_rows": (lambda: tensor_core_gemm("swapped", 1, 64), {"M": 64, "K": 2048,
                                                                     "N": 512}),
+    "swapped_64_columns_split_k4": (lambda: tensor_core_gemm("swapped", 4, 64, 64),
+                                    {"M": 64, "K": 2048, "N": 512}),
     "rmsnorm": (lambda: rmsnorm_only, {"M": 3, "H": 2048}),
     "silu_mul": (lambda: silu_mul_only, {"M": 3, "F2": 2048}),
     "residual_add": (lambda: residual_add_only, {"M": 3, "N": 1024}),
