@@ -8,6 +8,9 @@ that ask for the same configuration share one device function:
 - ``wgmma_gemm``: ``make_wgmma_gemm_tile(bm, bn, bk, stages, threads, out_dtype)``: the same
   product for large, compute-bound shapes on sm_90a warpgroup MMA (``wgmma``), operands in a
   128-byte-swizzled shared ring; 256 threads by default (128 for tiles up to 128 x 128).
+  ``swapped=True`` puts the weights on the instruction's m64 side, for row blocks of any
+  multiple of 8, and ``split_k`` splits K as ``gemm``'s does: the bandwidth-bound GEMMs of a
+  few rows.
 - ``elementwise``: ``make_activation_tile(activation, out_dtype, rows, cols, threads)``:
   ReLU / GELU / SiLU over a ``rows x cols`` tile, fp32 in, fp32 or bf16 out.
 - ``gemv``: ``make_gemv_tile(bn, split_k, threads)``: decode GEMV, 1..16 bf16 rows (M symbolic)
