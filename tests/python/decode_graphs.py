@@ -41,9 +41,10 @@ def split_gemv_graph(split_k, bn=BN):
 
 def tensor_core_gemm(engine: str, split_k: int, rows: int = 16, bn: int | None = None):
     """``rows``-row blocks of X @ W on tensor cores, for few rows: "mma" (the gemm tile, 64
-    columns a task on ``mma.sync``, a 4-deep ring of 64-deep K slices) or "swapped" (the
-    wgmma tile with the weights on the instruction's m64 side and the rows its N, 128
-    columns a task, a 6-deep ring of 32-deep slices: a quarter of an SM's shared memory).
+    columns a task on ``mma.sync``, a 4-deep ring of 64-deep K slices; M a multiple of
+    ``rows``) or "swapped" (the wgmma tile with the weights on the instruction's m64 side
+    and the rows its N, 128 columns a task, a 6-deep ring of 32-deep slices: a quarter of an
+    SM's shared memory; any M, the last block's rows past it idle).
     With ``split_k`` > 1 the tasks write partial products over K slices, and the GEMV's
     ordered sum adds them, each sum task waiting for the slices of its ``BN`` columns."""
     if engine == "mma":
@@ -56,13 +57,17 @@ def tensor_core_gemm(engine: str, split_k: int, rows: int = 16, bn: int | None =
                                  stages=6, threads=128, swapped=True)
     else:
         raise ValueError(f"engine must be 'mma' or 'swapped', got {engine!r}")
+
+    def blocks(M):
+        return M // rows if engine == "mma" else (M + rows - 1) // rows
+
     if split_k == 1:
         tile = make(out_dtype="bfloat16")
 
         @graph_func
         def gemm_only(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
             M, N = X.shape[0], W.shape[1]
-            return call_device(tile, tile_num=(M // rows, N // bn), args=[X, W],
+            return call_device(tile, tile_num=(blocks(M), N // bn), args=[X, W],
                                out=Tensor((M, N), "bfloat16"))
 
         return gemm_only
@@ -75,7 +80,7 @@ def tensor_core_gemm(engine: str, split_k: int, rows: int = 16, bn: int | None =
     def split_gemm(X: Tensor(("M", "K"), "bfloat16"), W: Tensor(("K", "N"), "bfloat16")):
         M, N = X.shape[0], W.shape[1]
         done = ETensor((N // BN,), name="slices_done")
-        P = call_device(partial, tile_num=(M // rows, N // bn, split_k), args=[X, W],
+        P = call_device(partial, tile_num=(blocks(M), N // bn, split_k), args=[X, W],
                         out=Tensor((split_k, M, N), name="P"),
                         out_edges={done: f"ijs->j // {BN // bn}"})
         return call_device(total, tile_num=(N // BN,), args=[P], out=Tensor((M, N), "bfloat16"),

@@ -126,6 +126,19 @@ def test_tensor_core_gemms_over_k_slices_are_within_the_gemm_bound(engine, rows,
                   gemm.error_bound(X, W, "bfloat16"))
 
 
+@pytest.mark.parametrize("M, rows", [(1, 8), (3, 8), (13, 8), (17, 16)])
+@pytest.mark.parametrize("S", [1, 4])
+def test_swapped_gemm_takes_any_number_of_rows(M, rows, S, rng):
+    """The swapped tile's last row block past M reads nothing and stores nothing: one tile
+    of 8 rows serves M = 1 .. 8."""
+    K, N = 512, 2 * BN
+    X, W = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    Y = execute(tensor_core_gemm("swapped", S, rows), X, W)
+    assert Y.shape == (M, N)
+    assert_within(Y, X.astype(np.float64) @ W.astype(np.float64),
+                  gemm.error_bound(X, W, "bfloat16"))
+
+
 def test_tensor_core_gemm_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="engine"):
         tensor_core_gemm("fma", 2)
@@ -224,6 +237,8 @@ ONE_CALL = {  # name: (graph, dims)
                                                                     "N": 512}),
     "swapped_64_columns_split_k4": (lambda: tensor_core_gemm("swapped", 4, 64, 64),
                                     {"M": 64, "K": 2048, "N": 512}),
+    "swapped_one_row_split_k4": (lambda: tensor_core_gemm("swapped", 4, 8),
+                                 {"M": 1, "K": 2048, "N": 512}),
     "rmsnorm": (lambda: rmsnorm_only, {"M": 3, "H": 2048}),
     "silu_mul": (lambda: silu_mul_only, {"M": 3, "F2": 2048}),
     "residual_add": (lambda: residual_add_only, {"M": 3, "N": 1024}),

@@ -45,17 +45,18 @@ def test_split_k_gemv_and_sum(strategy, M, K, N, S, rng):
 
 
 @pytest.mark.parametrize("strategy", ["unfused", "static"])
-@pytest.mark.parametrize("engine, rows, bn, K, N, S", [
-    ("mma", 16, None, 4096, 4096, 8), ("swapped", 16, None, 4096, 4096, 16),
-    ("swapped", 16, None, 11008, 4096, 8), ("swapped", 16, None, 4096, 22016, 2),
-    ("swapped", 8, None, 2048, 2048, 4), ("swapped", 64, None, 2048, 4096, 1),
-    ("swapped", 64, 64, 4096, 4096, 4)])
-def test_tensor_core_gemm(strategy, engine, rows, bn, K, N, S, rng):
-    """Few rows on tensor cores at decode shapes, against float64; launched twice, the same
-    bits (the slices are summed in order)."""
-    compiled = build(tensor_core_gemm(engine, S, rows, bn), {"M": rows, "K": K, "N": N},
+@pytest.mark.parametrize("engine, rows, bn, M, K, N, S", [
+    ("mma", 16, None, 16, 4096, 4096, 8), ("swapped", 16, None, 16, 4096, 4096, 16),
+    ("swapped", 16, None, 16, 11008, 4096, 8), ("swapped", 16, None, 16, 4096, 22016, 2),
+    ("swapped", 8, None, 8, 2048, 2048, 4), ("swapped", 64, None, 64, 2048, 4096, 1),
+    ("swapped", 64, 64, 64, 4096, 4096, 4), ("swapped", 8, None, 1, 4096, 22016, 2),
+    ("swapped", 8, None, 3, 11008, 4096, 8), ("swapped", 16, None, 13, 2048, 49152, 1)])
+def test_tensor_core_gemm(strategy, engine, rows, bn, M, K, N, S, rng):
+    """Few rows on tensor cores at decode shapes, against float64 (a swapped tile's rows past
+    M idle); launched twice, the same bits (the slices are summed in order)."""
+    compiled = build(tensor_core_gemm(engine, S, rows, bn), {"M": M, "K": K, "N": N},
                      strategy=strategy)
-    X, W = randn(rng, (rows, K), "bfloat16"), weights(rng, K, N)
+    X, W = randn(rng, (M, K), "bfloat16"), weights(rng, K, N)
     Y = compiled(X, W)
     assert_within(Y, X.astype(np.float64) @ W.astype(np.float64),
                   gemm.error_bound(X, W, "bfloat16"))

@@ -5,10 +5,11 @@ Same task convention as ``gemm.make_gemm_tile``: task ``(i, j)`` computes::
     C[i*bm:(i+1)*bm, j*bn:(j+1)*bn] = A[i*bm:(i+1)*bm, :] @ B[:, j*bn:(j+1)*bn]
 
 with ``A`` (M, K) bf16 row-major, ``B`` (K, N) bf16 row-major (weights, not transposed), ``C``
-(M, N) fp32 or bf16; M, N, K symbolic multiples of bm, bn, bk. Where ``mma.sync`` makes every
-warp load its own fragments through ``ldmatrix``, ``wgmma`` reads both operands straight from
-shared memory through 64-bit matrix descriptors, so a warpgroup issues one
-``m64n<bn>k16`` instruction per 64 rows and 16 of K and keeps its accumulators in registers.
+(M, N) fp32 or bf16; M, N, K symbolic multiples of bm, bn, bk (M any size for swapped
+tiles). Where ``mma.sync`` makes every warp load its own fragments through ``ldmatrix``,
+``wgmma`` reads both operands straight from shared memory through 64-bit matrix
+descriptors, so a warpgroup issues one ``m64n<bn>k16`` instruction per 64 rows and 16 of K
+and keeps its accumulators in registers.
 
 Shared-memory layout (128-byte swizzle, the layout the descriptors name)::
 
@@ -598,7 +599,9 @@ def make_wgmma_gemm_tile(bm: int = 128, bn: int = 256, bk: int = 64, stages: int
     a time) or "tma" (one thread, one TMA load a 64-column panel, through tensor maps of A
     and B that the kernels encode; ``run_tma``). ``stores``: ``STORES``, "fragments"
     (``WgmmaTile.store``) or "staged" (``store_staged``; bf16 tiles). ``swapped``
-    (cp.async loads): ``WgmmaTile``'s, bm any multiple of 8.
+    (cp.async loads): ``WgmmaTile``'s, bm any multiple of 8, and M any size: the rows of
+    the last row block past M read nothing and are not stored (the grid takes
+    ``ceil(M / bm)`` row blocks), so that one tile of 8 rows serves M = 1 .. 8.
 
     With ``split_k`` > 1 the task is ``(i, j, s)`` and writes the partial product over the
     s-th of ``split_k`` equal slices of K into ``P[s]`` of a (split_k, M, N) output (K a
@@ -625,15 +628,23 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
                        f"with TMA loads (whole boxes of K), got {split_k} with {loads}")
 
     @T.inline
-    def product(i, j, k0, num_k, A, B, C, tx, warp, lane, by_tma):
-        # C[tile (i, j)] = A[rows i, k0:k0 + num_k*bk] @ B[k0:k0 + num_k*bk, cols j]
+    def product(i, j, k0, num_k, A, B, C, tx, warp, lane, by_tma, ragged):
+        # C[tile (i, j)] = A[rows i, k0:k0 + num_k*bk] @ B[k0:k0 + num_k*bk, cols j]; a
+        # ragged (swapped) tile's rows past M read nothing and are not stored
         tile = WgmmaTile(bm, bn, bk, stages, threads, tx, warp, lane, swapped)
         if by_tma:
             tile.run_tma(maps[0].var, i * bm, maps[1].var, j * bn, num_k)
+        elif ragged:
+            tile.run(lambda r, k: A.ptr_to([T.min(i * bm + r, M - 1), k0 + k]),
+                     lambda k, c: B.ptr_to([k0 + k, j * bn + c]), num_k,
+                     a_valid=lambda r: i * bm + r < M)
         else:
             tile.run(lambda r, k: A.ptr_to([i * bm + r, k0 + k]),
                      lambda k, c: B.ptr_to([k0 + k, j * bn + c]), num_k)
-        tile.store_as(stores, C, i * bm, j * bn)
+        if ragged:
+            tile.store(C, i * bm, j * bn, M - i * bm)
+        else:
+            tile.store_as(stores, C, i * bm, j * bn)
 
     if split_k == 1:
         # with TMA the maps' variables are free: each kernel binds them
@@ -644,7 +655,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
             tx = T.thread_id([threads])
             warp = T.warp_id([threads // 32])
             lane = T.lane_id([32])
-            product(i, j, 0, K // bk, A, B, C, tx, warp, lane, tma)
+            product(i, j, 0, K // bk, A, B, C, tx, warp, lane, tma, swapped)
     else:
         @T.prim_func
         def wgmma_gemm(i: T.int32, j: T.int32, s: T.int32, A: T.Buffer((M, K), "bfloat16"),
@@ -656,7 +667,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
             lane = T.lane_id([32])
             Ps = T.decl_buffer((M, N), out_dtype, data=P.data, elem_offset=s * M * N)
             product(i, j, s * (K // split_k), K // split_k // bk, A, B, Ps, tx, warp, lane,
-                    False)
+                    False, swapped)
 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"wgmma_gemm{'_tma' if tma else ''}_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" \
@@ -666,6 +677,7 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
                        cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps)
 
     def reference(i, j, A, B, ks):
+        # (a swapped tile's last row block may run past M: the slices stop at it)
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
         return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
 
