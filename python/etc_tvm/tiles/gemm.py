@@ -379,7 +379,14 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
         f"_k{split_k}" if split_k > 1 else "")
     # one K step costs about one elementwise pass over the tile
     tile = device_func(gemm.with_attr("global_symbol", name), cost=K // split_k // bk)
+    set_block_reference(tile, bm, bn, split_k)
+    return tile
 
+
+def set_block_reference(tile: DeviceFunc, bm: int, bn: int, split_k: int) -> None:
+    """Register the NumPy reference of a GEMM tile of this module's task convention: task
+    (i, j) writes C's bm x bn block (i, j), task (i, j, s) with ``split_k`` > 1 the partial
+    product over the s-th K slice into P[s]. A row block past M stops at it."""
     def product(i, j, A, B, ks):
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
         return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
@@ -395,8 +402,6 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
             width = A.shape[1] // split_k
             rows, cols, value = product(i, j, A, B, slice(s * width, (s + 1) * width))
             P[s, rows, cols] = value.astype(P.dtype)
-
-    return tile
 
 
 def error_bound(A: np.ndarray, B: np.ndarray, out_dtype: str = "float32") -> np.ndarray:

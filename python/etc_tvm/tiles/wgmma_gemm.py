@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -94,7 +93,7 @@ from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
 from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gathered_rows,
-                   row_stored, store_fragments)
+                   row_stored, set_block_reference, store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -675,22 +674,5 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         f"{f'_k{split_k}' if split_k > 1 else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
                        cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps)
-
-    def reference(i, j, A, B, ks):
-        # (a swapped tile's last row block may run past M: the slices stop at it)
-        rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
-        return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
-
-    if split_k == 1:
-        @tile.set_reference
-        def _(i, j, A, B, C):
-            rows, cols, value = reference(i, j, A, B, slice(None))
-            C[rows, cols] = value.astype(C.dtype)
-    else:
-        @tile.set_reference
-        def _(i, j, s, A, B, P):
-            width = A.shape[1] // split_k
-            rows, cols, value = reference(i, j, A, B, slice(s * width, (s + 1) * width))
-            P[s, rows, cols] = value.astype(P.dtype)
-
+    set_block_reference(tile, bm, bn, split_k)
     return tile
