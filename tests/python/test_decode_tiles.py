@@ -139,6 +139,18 @@ def test_swapped_gemm_takes_any_number_of_rows(M, rows, S, rng):
                   gemm.error_bound(X, W, "bfloat16"))
 
 
+@pytest.mark.parametrize("engine, M, K, N, message", [
+    ("mma", 24, 512, 256, "M = 24 is no multiple of 16"),
+    ("swapped", 3, 500, 256, "K = 500 is no multiple of 128"),
+    ("swapped", 3, 512, 192, "N = 192 is no multiple of 128"),
+])
+def test_tensor_core_gemm_reference_refuses_shapes_the_kernel_would_cut(engine, M, K, N,
+                                                                        message, rng):
+    X, W = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
+    with pytest.raises(EtcError, match=message):
+        execute(tensor_core_gemm(engine, 4), X, W)
+
+
 def test_tensor_core_gemm_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="engine"):
         tensor_core_gemm("fma", 2)

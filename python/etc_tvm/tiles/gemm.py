@@ -379,15 +379,25 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
         f"_k{split_k}" if split_k > 1 else "")
     # one K step costs about one elementwise pass over the tile
     tile = device_func(gemm.with_attr("global_symbol", name), cost=K // split_k // bk)
-    set_block_reference(tile, bm, bn, split_k)
+    set_block_reference(tile, bm, bn, bk, split_k)
     return tile
 
 
-def set_block_reference(tile: DeviceFunc, bm: int, bn: int, split_k: int) -> None:
+def set_block_reference(tile: DeviceFunc, bm: int, bn: int, bk: int, split_k: int,
+                        ragged_rows: bool = False) -> None:
     """Register the NumPy reference of a GEMM tile of this module's task convention: task
     (i, j) writes C's bm x bn block (i, j), task (i, j, s) with ``split_k`` > 1 the partial
-    product over the s-th K slice into P[s]. A row block past M stops at it."""
+    product over the s-th K slice into P[s]. It refuses the shapes the tile cannot run (M a
+    multiple of bm unless ``ragged_rows``, N of bn, K of split_k * bk), where the kernel
+    would leave rows, columns or K steps out."""
     def product(i, j, A, B, ks):
+        (M, K), N = A.shape, B.shape[1]
+        dims = [("N", N, bn), ("K", K, split_k * bk)] + ([] if ragged_rows else [("M", M, bm)])
+        wrong = [f"{d} = {value} is no multiple of {step}" for d, value, step in dims
+                 if value % step]
+        if wrong:
+            raise EtcError(f"{tile.name}: {'; '.join(wrong)}: the kernel would leave rows, "
+                           "columns or K steps out")
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
         return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
 

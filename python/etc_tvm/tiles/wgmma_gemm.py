@@ -674,5 +674,5 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         f"{f'_k{split_k}' if split_k > 1 else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
                        cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps)
-    set_block_reference(tile, bm, bn, split_k)
+    set_block_reference(tile, bm, bn, bk, split_k, ragged_rows=swapped)
     return tile
