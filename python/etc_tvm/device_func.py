@@ -50,7 +50,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .errors import EtcError
+from .errors import EtcError, GraphError
 from .tensor_map import TensorMap
 
 _CTA_THREAD_SCOPE = 7  # ScopeIdDef.scope of T.thread_id: (cta, thread)
@@ -102,10 +102,11 @@ class DeviceFunc:
 
     def __init__(self, prim_func: tirx.PrimFunc, *, name: str, num_threads: int | None = None,
                  cost=1.0, reference: Callable | None = None, updates=(), tensor_maps=(),
-                 checks=()):
+                 checks=(), requires=()):
         self.prim_func = prim_func
         self.name = name
         self.coord_params, self.buffer_params = _split_params(prim_func, name)
+        self.requires = _check_requires(tuple(requires), self.buffer_params, name)
         self.updates = _check_updates(tuple(updates), self.buffer_params, name)
         self.tensor_maps = _check_tensor_maps(tuple(tensor_maps), self, name)
         self.checks = _check_input_checks(tuple(checks), prim_func, name)
@@ -114,16 +115,32 @@ class DeviceFunc:
         self.cost = _check_cost(cost, self.buffer_params, name)
         self._reference = reference
 
-    def task_cost(self, shapes) -> float:
-        """The cost hint of one task, given the concrete shapes of its tensors."""
-        if isinstance(self.cost, float):
-            return self.cost
+    def _bound(self, shapes) -> tvm.sym.Analyzer:
+        """An analyzer with the symbolic dims of the tensor parameters bound to ``shapes``."""
         analyzer = tvm.sym.Analyzer()
         for param, shape in zip(self.buffer_params, shapes):
             for dim, n in zip(param.shape, shape):
                 if isinstance(dim, tirx.Var):
                     analyzer.bind(dim, int(n))
-        value = analyzer.simplify(tirx.Cast("float64", self.cost))
+        return analyzer
+
+    def check_requires(self, shapes, call: str) -> None:
+        """Raise ``GraphError`` naming ``call`` where the concrete ``shapes`` of its tensors
+        break one of the tile's ``requires``."""
+        if not self.requires:
+            return
+        analyzer = self._bound(shapes)
+        for cond, message in self.requires:
+            value = analyzer.simplify(cond)
+            if isinstance(value, tirx.IntImm) and not value.value:
+                raise GraphError(f"{call}: {self.name} takes {message}, got " + ", ".join(
+                    f"{p.name} {tuple(shape)}" for p, shape in zip(self.buffer_params, shapes)))
+
+    def task_cost(self, shapes) -> float:
+        """The cost hint of one task, given the concrete shapes of its tensors."""
+        if isinstance(self.cost, float):
+            return self.cost
+        value = self._bound(shapes).simplify(tirx.Cast("float64", self.cost))
         if not isinstance(value, tirx.FloatImm) or not value.value > 0:
             raise EtcError(f"device function {self.name}: its cost {self.cost} is {value} for "
                            f"tensors of shapes {list(shapes)}; it must be a positive number")
@@ -164,7 +181,8 @@ class DeviceFunc:
 
 
 def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
-                reference: Callable | None = None, updates=(), tensor_maps=(), checks=()):
+                reference: Callable | None = None, updates=(), tensor_maps=(), checks=(),
+                requires=()):
     """Declare a device function: ``@device_func`` or ``@device_func(num_threads=..., cost=...)``.
 
     ``fn`` is a Python function written in TVMScript (parsed here as a TIRx ``prim_func``) or an
@@ -174,7 +192,10 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
     in place although they are inputs (state such as a KV cache). ``tensor_maps``: the
     ``TensorMap`` s its TMA loads read through (``etc_tvm.tensor_map``), which every kernel
     running it encodes on the host. ``checks``: the errors its ``input_check`` s raise, by
-    number.
+    number. ``requires``: ``(condition, what)`` pairs, conditions on the symbolic dims of its
+    tensor parameters that its grid arithmetic assumes (a GEMM tile's ``K % bk == 0``), each
+    checked where a call's dims are known, a task graph's instantiation (``GraphError``:
+    "<tile> takes <what>, got <its tensors' shapes>").
     """
 
     def wrap(f) -> DeviceFunc:
@@ -188,7 +209,7 @@ def device_func(fn=None, *, num_threads: int | None = None, cost: float = 1.0,
             name, prim = f.__name__, T.prim_func(f)
         return DeviceFunc(prim, name=name, num_threads=num_threads, cost=cost,
                           reference=reference, updates=updates, tensor_maps=tensor_maps,
-                          checks=checks)
+                          checks=checks, requires=requires)
 
     return wrap(fn) if fn is not None else _Decorator(wrap)
 
@@ -226,6 +247,28 @@ def _check_cost(cost, buffer_params, name: str):
         raise EtcError(f"device function {name}: its cost {cost} uses {stray}, which are not "
                        "dims of its tensor parameters")
     return cost
+
+
+def _check_requires(requires: tuple, buffer_params, name: str) -> tuple:
+    """(condition, what) pairs whose conditions are boolean expressions of the tensor
+    parameters' dims."""
+    dims = {d for p in buffer_params for d in p.shape if isinstance(d, tirx.Var)}
+    checked = []
+    for item in requires:
+        cond = item[0] if isinstance(item, tuple) and len(item) == 2 else None
+        if hasattr(cond, "asobject"):  # ``a == b`` of two expressions
+            cond = cond.asobject()
+        if not (tvm.ir.is_prim_expr(cond) and str(cond.ty) == "bool"
+                and isinstance(item[1], str)):
+            raise EtcError(f"device function {name}: requires takes (condition, what) pairs, "
+                           f"a boolean expression of its tensors' dims and a string, got "
+                           f"{item!r}")
+        stray = [v for v in tvm.tirx.analysis.undefined_vars(cond) if v not in dims]
+        if stray:
+            raise EtcError(f"device function {name}: its requirement {cond} uses {stray}, "
+                           "which are not dims of its tensor parameters")
+        checked.append((cond, item[1]))
+    return tuple(checked)
 
 
 def _check_updates(updates: tuple, buffer_params, name: str) -> tuple:

@@ -741,6 +741,7 @@ class _Builder:
             return tuple(out)
 
         shapes = [self.tensors[t].shape for t in inputs + outputs]
+        fn.check_requires(shapes, f"{self.graph.name}: call {name}")
         self.calls.append(CallNode(index, name, fn, grid, inputs, outputs,
                                    edges(call.in_events, call.in_edges, "in", inputs_readable),
                                    edges(call.out_events, call.out_edges, "out", readable),

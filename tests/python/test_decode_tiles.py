@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from etc_tvm import ETensor, EtcError, Tensor, call_device, graph_func
+from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import RandomOrder, execute
 from etc_tvm.tiles import elementwise, gemm, gemv, norm
@@ -140,15 +140,21 @@ def test_swapped_gemm_takes_any_number_of_rows(M, rows, S, rng):
 
 
 @pytest.mark.parametrize("engine, M, K, N, message", [
-    ("mma", 24, 512, 256, "M = 24 is no multiple of 16"),
-    ("swapped", 3, 500, 256, "K = 500 is no multiple of 128"),
-    ("swapped", 3, 512, 192, "N = 192 is no multiple of 128"),
+    ("mma", 24, 512, 256, r"gemm_16x64x64_f32_s4_t128_k4 takes M a multiple of 16, got "
+     r"A \(24, 512\), B \(512, 256\), P \(4, 24, 256\)"),
+    ("swapped", 3, 500, 256, r"wgmma_gemm_16x128x32_f32_s6_t128_swapped_k4 takes K a multiple "
+     r"of 128 \(split_k x bk\), got A \(3, 500\)"),
+    ("swapped", 3, 512, 192, r"wgmma_gemm_16x128x32_f32_s6_t128_swapped_k4 takes N a multiple "
+     r"of 128, got A \(3, 512\), B \(512, 192\)"),
 ])
-def test_tensor_core_gemm_reference_refuses_shapes_the_kernel_would_cut(engine, M, K, N,
-                                                                        message, rng):
+def test_tensor_core_gemm_refuses_shapes_the_kernel_would_cut(engine, M, K, N, message, rng):
+    """Rows, columns or K steps past whole blocks would be left out: the call is refused where
+    its dims are known, on the reference executor as in a build."""
     X, W = randn(rng, (M, K), "bfloat16"), randn(rng, (K, N), "bfloat16")
-    with pytest.raises(EtcError, match=message):
+    with pytest.raises(GraphError, match=rf"split_gemm: call \w+: {message}"):
         execute(tensor_core_gemm(engine, 4), X, W)
+    with pytest.raises(GraphError, match=message):
+        build(tensor_core_gemm(engine, 4), {"M": M, "K": K, "N": N}, strategy="unfused")
 
 
 def test_tensor_core_gemm_rejects_what_it_cannot_run():

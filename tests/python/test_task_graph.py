@@ -2,11 +2,13 @@
 import numpy as np
 import pytest
 
-from etc_tvm import ETensor, GraphError, Tensor, call_device, graph_func
+import tvm
+
+from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, device_func, graph_func
 from etc_tvm.task_graph import TaskGraph
 
 from graphs import backward_chain, gemm_reduce_scatter, row_sum, two_ops
-from tiles import COLS, ROWS, TILE, mix_tile, partial_rowsum_tile, scale_tile
+from tiles import COLS, ROWS, TILE, K, matmul_tile, mix_tile, partial_rowsum_tile, scale_tile
 
 
 def test_instantiates_tasks_in_program_order():
@@ -16,6 +18,33 @@ def test_instantiates_tasks_in_program_order():
     assert graph.task_name(0) == "C(0,0)" and graph.task_name(11) == "D(1,2)"
     assert graph.notifies[4] == [("E", (1, 1))] and graph.waits[10] == [("E", (1, 1))]
     assert graph.waits[4] == [] and graph.notifies[10] == []
+
+
+def test_a_tile_requirement_is_checked_where_the_dims_are_known():
+    """A tile's ``requires`` (here K in whole 16-row steps) refuses a call whose concrete dims
+    break it, naming the graph, the call and the tile."""
+    stepped = device_func(matmul_tile.prim_func, requires=[(K % 16 == 0, "K a multiple of 16")])
+
+    def product(k):
+        @graph_func
+        def g(A: Tensor((16, k)), B: Tensor((k, 16))):
+            return call_device(stepped, tile_num=(1, 1), args=[A, B], out=Tensor((16, 16)))
+        return g
+
+    assert TaskGraph.build(product(32), {}).num_tasks == 1
+    with pytest.raises(GraphError, match=r"g: call matmul_tile0: matmul_tile takes K a multiple "
+                                         r"of 16, got A \(16, 40\), B \(40, 16\), C \(16, 16\)"):
+        TaskGraph.build(product(40), {})
+
+
+@pytest.mark.parametrize("requires, match", [
+    ([K % 16 == 0], r"\(condition, what\) pairs"),
+    ([(K + 16, "K")], r"\(condition, what\) pairs"),
+    ([(tvm.tirx.Var("Q", "int32") > 0, "Q")], r"uses \[Q\], which are not dims"),
+])
+def test_a_tile_requirement_is_a_condition_on_its_dims(requires, match):
+    with pytest.raises(EtcError, match=match):
+        device_func(matmul_tile.prim_func, requires=requires)
 
 
 def test_symbolic_dim_must_be_given():

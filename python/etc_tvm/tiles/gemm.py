@@ -378,26 +378,26 @@ def make_gemm_tile(bm: int = 64, bn: int = 64, bk: int = 32, threads: int = 128,
     name = f"gemm_{bm}x{bn}x{bk}_{out}_s{stages}_t{threads}" + (
         f"_k{split_k}" if split_k > 1 else "")
     # one K step costs about one elementwise pass over the tile
-    tile = device_func(gemm.with_attr("global_symbol", name), cost=K // split_k // bk)
-    set_block_reference(tile, bm, bn, bk, split_k)
+    tile = device_func(gemm.with_attr("global_symbol", name), cost=K // split_k // bk,
+                       requires=block_requires(M, N, K, bm, bn, bk, split_k))
+    set_block_reference(tile, bm, bn, split_k)
     return tile
 
 
-def set_block_reference(tile: DeviceFunc, bm: int, bn: int, bk: int, split_k: int,
-                        ragged_rows: bool = False) -> None:
+def block_requires(M, N, K, bm: int, bn: int, bk: int, split_k: int,
+                   ragged_rows: bool = False) -> list:
+    """``device_func``'s ``requires`` of a GEMM tile of this module's task convention: M
+    (unless ``ragged_rows``), N and K whole blocks, which its grid and K loop assume."""
+    return ([] if ragged_rows else [(M % bm == 0, f"M a multiple of {bm}")]) + [
+        (N % bn == 0, f"N a multiple of {bn}"),
+        (K % (split_k * bk) == 0, f"K a multiple of {split_k * bk} (split_k x bk)")]
+
+
+def set_block_reference(tile: DeviceFunc, bm: int, bn: int, split_k: int) -> None:
     """Register the NumPy reference of a GEMM tile of this module's task convention: task
     (i, j) writes C's bm x bn block (i, j), task (i, j, s) with ``split_k`` > 1 the partial
-    product over the s-th K slice into P[s]. It refuses the shapes the tile cannot run (M a
-    multiple of bm unless ``ragged_rows``, N of bn, K of split_k * bk), where the kernel
-    would leave rows, columns or K steps out."""
+    product over the s-th K slice into P[s]. A row block past M stops at it."""
     def product(i, j, A, B, ks):
-        (M, K), N = A.shape, B.shape[1]
-        dims = [("N", N, bn), ("K", K, split_k * bk)] + ([] if ragged_rows else [("M", M, bm)])
-        wrong = [f"{d} = {value} is no multiple of {step}" for d, value, step in dims
-                 if value % step]
-        if wrong:
-            raise EtcError(f"{tile.name}: {'; '.join(wrong)}: the kernel would leave rows, "
-                           "columns or K steps out")
         rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
         return rows, cols, A[rows, ks].astype(np.float32) @ B[ks, cols].astype(np.float32)
 

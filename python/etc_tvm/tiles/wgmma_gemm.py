@@ -92,8 +92,8 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
-from .gemm import (OUT_DTYPES, chunk_source, copy_a_chunk, error_bound, gathered_rows,
-                   row_stored, set_block_reference, store_fragments)
+from .gemm import (OUT_DTYPES, block_requires, chunk_source, copy_a_chunk, error_bound,
+                   gathered_rows, row_stored, set_block_reference, store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -673,6 +673,8 @@ def _make_tile(bm: int, bn: int, bk: int, stages: int, threads: int,
         f"{'_staged' if staged else ''}{'_swapped' if swapped else ''}" \
         f"{f'_k{split_k}' if split_k > 1 else ''}"
     tile = device_func(wgmma_gemm.with_attr("global_symbol", name),
-                       cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps)
-    set_block_reference(tile, bm, bn, bk, split_k, ragged_rows=swapped)
+                       cost=task_cost(K // split_k, bm, bn, bk), tensor_maps=maps,
+                       requires=block_requires(M, N, K, bm, bn, bk, split_k,
+                                               ragged_rows=swapped))
+    set_block_reference(tile, bm, bn, split_k)
     return tile
