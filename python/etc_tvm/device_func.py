@@ -116,25 +116,35 @@ class DeviceFunc:
         self._reference = reference
 
     def _bound(self, shapes) -> tvm.sym.Analyzer:
-        """An analyzer with the symbolic dims of the tensor parameters bound to ``shapes``."""
+        """An analyzer with the symbolic dims of the tensor parameters bound to ``shapes``
+        (sizes, or expressions of a graph function's symbolic dims)."""
         analyzer = tvm.sym.Analyzer()
         for param, shape in zip(self.buffer_params, shapes):
             for dim, n in zip(param.shape, shape):
                 if isinstance(dim, tirx.Var):
-                    analyzer.bind(dim, int(n))
+                    analyzer.bind(dim, n if tvm.ir.is_prim_expr(n) else int(n))
         return analyzer
 
-    def check_requires(self, shapes, call: str) -> None:
-        """Raise ``GraphError`` naming ``call`` where the concrete ``shapes`` of its tensors
-        break one of the tile's ``requires``."""
+    def check_requires(self, shapes, call: str) -> list[tuple]:
+        """Raise ``GraphError`` naming ``call`` where the ``shapes`` of its tensors break one of
+        the tile's ``requires``; return those the shapes leave open (shapes in a graph
+        function's symbolic dims: a kernel on them checks these at launch) as (condition on
+        those dims, error message)."""
         if not self.requires:
-            return
+            return []
         analyzer = self._bound(shapes)
-        for cond, message in self.requires:
+        tensors = ", ".join(f"{p.name} ({', '.join(str(n) for n in shape)}"
+                            f"{',' if len(shape) == 1 else ''})"
+                            for p, shape in zip(self.buffer_params, shapes))
+        open_ = []
+        for cond, what in self.requires:
             value = analyzer.simplify(cond)
-            if isinstance(value, tirx.IntImm) and not value.value:
-                raise GraphError(f"{call}: {self.name} takes {message}, got " + ", ".join(
-                    f"{p.name} {tuple(shape)}" for p, shape in zip(self.buffer_params, shapes)))
+            if not isinstance(value, tirx.IntImm):
+                open_.append((value, f"{call}: {self.name} takes {what}, which the sizes of "
+                                     f"{tensors} break"))
+            elif not value.value:
+                raise GraphError(f"{call}: {self.name} takes {what}, got {tensors}")
+        return open_
 
     def task_cost(self, shapes) -> float:
         """The cost hint of one task, given the concrete shapes of its tensors."""

@@ -46,9 +46,11 @@ class GraphFunc:
                 cost = f.attrs.get("etc.cost", 1.0)
                 maps = [TensorMap.from_attr(a) for a in f.attrs.get("etc.tensor_maps", [])]
                 checks = [str(c) for c in f.attrs.get("etc.checks", [])]
+                requires = [(cond, str(what)) for cond, what in f.attrs.get("etc.requires", [])]
                 funcs[gv.name_hint] = DeviceFunc(f, name=gv.name_hint, cost=cost.value if
                                                  isinstance(cost, tvm.tirx.FloatImm) else cost,
-                                                 tensor_maps=maps, checks=checks)
+                                                 tensor_maps=maps, checks=checks,
+                                                 requires=requires)
         return GraphFunc(name, mod, funcs)
 
     @property

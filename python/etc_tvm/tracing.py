@@ -59,6 +59,8 @@ class Tracer:
                 attrs["etc.tensor_maps"] = [m.as_attr() for m in fn.tensor_maps]
             if fn.checks:
                 attrs["etc.checks"] = list(fn.checks)
+            if fn.requires:
+                attrs["etc.requires"] = [[cond, what] for cond, what in fn.requires]
             prim = fn.prim_func.with_attr(attrs)
             self._gvars[id(fn)] = self.builder.add_func(prim, name)
             self.device_funcs[name] = fn

@@ -74,6 +74,25 @@ def test_gemv_serves_every_m_up_to_16_from_one_kernel(rng):
                       gemv.error_bound(X, W))
 
 
+@pytest.mark.parametrize("engine", ["mma", "swapped"])
+def test_tensor_core_gemm_on_symbolic_sizes_refuses_only_what_its_tile_cuts(engine, rng):
+    """Built once for M up to 64: the mma tile's 16-row blocks refuse M = 40 at launch (rows
+    40 .. 47 would go uncomputed), and the call after it runs; the swapped tile takes it."""
+    K, N = 2048, 2048
+    compiled = build(tensor_core_gemm(engine, 1), samples=[{"M": 64, "K": K, "N": N}],
+                     strategy="static")
+    W = weights(rng, K, N)
+    for M in (48, 40, 32):
+        X = randn(rng, (M, K), "bfloat16")
+        if engine == "mma" and M == 40:
+            with pytest.raises(ValueError, match=r"takes M a multiple of 16, which the sizes "
+                                                 r"of A \(M, K\), B \(K, N\), C \(M, N\)"):
+                compiled(X, W)
+            continue
+        assert_within(compiled(X, W), X.astype(np.float64) @ W.astype(np.float64),
+                      gemm.error_bound(X, W, "bfloat16"))
+
+
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("H", [2048, 4096])
 def test_rmsnorm_tile(M, H, rng):

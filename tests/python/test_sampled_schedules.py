@@ -18,6 +18,7 @@ from etc_tvm.schedule import list_schedule, mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 
 import graphs
+from decode_graphs import tensor_core_gemm
 from moe_graph import make_inputs, moe_graph, moe_reference
 
 
@@ -93,6 +94,26 @@ def test_a_ring_kernel_on_symbolic_shapes_pushes_its_seeds_at_launch():
     assert "1073741824" in kernel[:kernel.index("tvm_builtin_cuda_grid_sync")]
     launch = kernel[kernel.index("tvm_builtin_cuda_grid_sync"):kernel.index("while (1)")]
     assert "etc_push(" in launch and ")), -1);" in launch  # the expected count, one less
+
+
+@pytest.mark.parametrize("engine, asserted", [("mma", "MNK"), ("swapped", "NK")])
+def test_a_kernel_on_symbolic_sizes_asserts_its_tiles_requirements_at_launch(engine, asserted):
+    """Sizes between samples are only known at launch: the host asserts each tile's
+    ``requires`` that they decide (the swapped tile takes any M), with the tile's message."""
+    graph = tensor_core_gemm(engine, 1)
+    mod = StaticScheduleTransform(samples=[{"M": 64, "K": 2048, "N": 2048}], num_sms=132)(
+        graph.mod)
+    kernel = mod["gemm_only_megakernel_0"].script()
+    tile = next(iter(graph.device_funcs))
+    step = {"mma": {"M": 16, "N": 64, "K": 64}, "swapped": {"N": 128, "K": 32}}[engine]
+    what = {"M": "M a multiple of 16", "N": f"N a multiple of {step['N']}",
+            "K": f"K a multiple of {step['K']} (split_k x bk)"}
+    assert [line.strip() for line in kernel.splitlines() if "assert" in line] == [
+        f'assert T.EQ({d} % T.int64({step[d]}), 0), ("ValueError", ["gemm_only: call {tile}0: '
+        f'{tile} takes {what[d]}, which the sizes of A (M, K), B (K, N), C (M, N) break"])'
+        for d in asserted]
+    fixed = StaticScheduleTransform({"M": 64, "K": 2048, "N": 2048}, num_sms=132)(graph.mod)
+    assert "assert" not in fixed["gemm_only_megakernel"].script()
 
 
 def test_sampled_schedules_are_for_persistent_kernels():

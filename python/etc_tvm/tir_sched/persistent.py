@@ -296,6 +296,9 @@ class PersistentKernel:
         Tb.func_attr(attrs)
         for b in params:
             Tb.arg(b.name, b)
+        for cond, message in self.launch_requirements():  # host: before the sizes are used
+            with Tb.Assert(cond, message, "ValueError"):
+                pass
         for stmt in self.map_encodes:  # host: the tensor maps of the tiles' TMA loads
             Tb.add_to_parent(stmt)
         Tb.device_entry()
@@ -316,6 +319,17 @@ class PersistentKernel:
                     Tb.evaluate(self.runtime_call("etc_trace_cta_ready", self._cta_row(bx),
                                                   self.entered[0]))
         return bx
+
+    def launch_requirements(self) -> list:
+        """On symbolic shapes: (condition, message) of each tile requirement (``device_func``'s
+        ``requires``) that only the launch's sizes decide, which the host asserts, so that a
+        size the graph was not instantiated for stops the call with the tile's message rather
+        than running a grid that misses rows. Fixed sizes were checked at instantiation."""
+        if not self.symbolic:
+            return []
+        return [check for call in self.calls for check in call.fn.check_requires(
+            [self.buffers[t].shape for t in call.tensor_args()],
+            f"{self.graph.name}: call {call.name}")]
 
     def end(self, bx) -> None:
         """After the kernel's loop over tasks: thread 0 stamps the CTA's leaving (profiling
