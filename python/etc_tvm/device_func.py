@@ -117,12 +117,15 @@ class DeviceFunc:
 
     def _bound(self, shapes) -> tvm.sym.Analyzer:
         """An analyzer with the symbolic dims of the tensor parameters bound to ``shapes``
-        (sizes, or expressions of a graph function's symbolic dims)."""
+        (sizes, or expressions of a graph function's symbolic dims, taken in each dim's own
+        type: a graph's dims are int64, a tile's usually int32)."""
         analyzer = tvm.sym.Analyzer()
         for param, shape in zip(self.buffer_params, shapes):
             for dim, n in zip(param.shape, shape):
                 if isinstance(dim, tirx.Var):
-                    analyzer.bind(dim, n if tvm.ir.is_prim_expr(n) else int(n))
+                    dtype = str(dim.ty)
+                    n = n if tvm.ir.is_prim_expr(n) else tirx.IntImm(dtype, int(n))
+                    analyzer.bind(dim, n if str(n.ty) == dtype else tirx.Cast(dtype, n))
         return analyzer
 
     def check_requires(self, shapes, call: str) -> list[tuple]:

@@ -109,7 +109,7 @@ def test_a_kernel_on_symbolic_sizes_asserts_its_tiles_requirements_at_launch(eng
     what = {"M": "M a multiple of 16", "N": f"N a multiple of {step['N']}",
             "K": f"K a multiple of {step['K']} (split_k x bk)"}
     assert [line.strip() for line in kernel.splitlines() if "assert" in line] == [
-        f'assert T.EQ({d} % T.int64({step[d]}), 0), ("ValueError", ["gemm_only: call {tile}0: '
+        f'assert T.Cast("int32", {d}) % {step[d]} == 0, ("ValueError", ["gemm_only: call {tile}0: '
         f'{tile} takes {what[d]}, which the sizes of A (M, K), B (K, N), C (M, N) break"])'
         for d in asserted]
     fixed = StaticScheduleTransform({"M": 64, "K": 2048, "N": 2048}, num_sms=132)(graph.mod)

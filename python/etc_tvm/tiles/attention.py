@@ -267,7 +267,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4) -> DeviceFunc:
                 lse[b, h, s, rg] = stats[0, rg] + T.log2(stats[1, rg])
 
     tile = device_func(decode_split.with_attr("global_symbol", f"decode_split_c{chunk}"),
-                       cost=chunk / 64)
+                       cost=chunk / 64, requires=[(L <= S * chunk, f"L at most S x {chunk}")])
 
     @tile.set_reference
     def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):

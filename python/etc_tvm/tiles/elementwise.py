@@ -128,7 +128,9 @@ def make_activation_tile(activation: str = "relu", out_dtype: str = "bfloat16", 
     out = "bf16" if out_dtype == "bfloat16" else "f32"
     name = f"{activation}_{rows}x{cols}_{out}_t{threads}" + (
         f"_sum{split_k}" if split_k > 1 else "")
-    tile = device_func((act if split_k == 1 else split_act).with_attr("global_symbol", name))
+    tile = device_func((act if split_k == 1 else split_act).with_attr("global_symbol", name),
+                       requires=[(M % rows == 0, f"M a multiple of {rows}"),
+                                 (N % cols == 0, f"N a multiple of {cols}")])
 
     @tile.set_reference
     def _(i, j, X, Y):
@@ -210,7 +212,9 @@ def make_silu_mul_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         _combine_vectors(j, M, tx, cols, threads, H, 0, H, F2 // 2, Y, gate, up,
                          lambda g, u: _silu(g) * u)
 
-    tile = device_func(silu_mul.with_attr("global_symbol", f"silu_mul_c{cols}_t{threads}"))
+    tile = device_func(silu_mul.with_attr("global_symbol", f"silu_mul_c{cols}_t{threads}"),
+                       requires=[(F % cols == 0, f"F a multiple of {cols}"),
+                                 (F2 == 2 * F, "H twice as wide as Y")])
 
     @tile.set_reference
     def _(j, H, Y):
@@ -252,7 +256,8 @@ def make_residual_add_tile(cols: int = 128, threads: int = 128) -> DeviceFunc:
         _combine_vectors(j, M, tx, cols, threads, A, 0, B, 0, Y, a, b, lambda p, q: p + q)
 
     tile = device_func(residual_add.with_attr("global_symbol",
-                                              f"residual_add_c{cols}_t{threads}"))
+                                              f"residual_add_c{cols}_t{threads}"),
+                       requires=[(N % cols == 0, f"N a multiple of {cols}")])
 
     @tile.set_reference
     def _(j, A, B, Y):

@@ -201,7 +201,10 @@ def make_gemv_tile(bn: int = 128, split_k: int = 1, threads: int = 128,
     name = f"gemv_n{bn}_{out}_t{threads}" + (f"_k{split_k}" if split_k > 1 else "")
     # cost: the weight rows a task streams, in units of one double batch
     tile = device_func(gemv.with_attr("global_symbol", name),
-                       cost=K // split_k // step)
+                       cost=K // split_k // step, requires=[
+                           (tirx.And(1 <= M, M <= MAX_ROWS), f"M of 1 to {MAX_ROWS}"),
+                           (N % bn == 0, f"N a multiple of {bn}"),
+                           (K % step == 0, f"K a multiple of {step}")])
 
     def product(j, X, W, ks):
         M_, K_ = X.shape
@@ -259,7 +262,9 @@ def make_gemv_sum_tile(split_k: int, cols: int = 1024, threads: int = 128) -> De
                 for e in T.unroll(4):
                     Y[m, n + e] = T.Cast("bfloat16", total[e])
 
-    tile = device_func(gemv_sum.with_attr("global_symbol", f"gemv_sum{split_k}_c{cols}_t{threads}"))
+    name = f"gemv_sum{split_k}_c{cols}_t{threads}"
+    tile = device_func(gemv_sum.with_attr("global_symbol", name),
+                       requires=[(N % cols == 0, f"N a multiple of {cols}")])
 
     @tile.set_reference
     def _(j, P, Y):

@@ -1407,6 +1407,12 @@ def pair_row_checks(gathers: bool) -> tuple[str, ...]:
         ("sorted_token holds the token {value}, past x's rows",) if gathers else ())
 
 
+def _grouped_requires(rows, tiles, tile_rows: int) -> list:
+    """The ``requires`` of a grouped GEMM tile: task g reads and writes rows g*BT .. g*BT +
+    BT - 1 of sorted_token and of its output unguarded, so the rows are the tiles' BT each."""
+    return [(rows == tiles * tile_rows, f"rows = {tile_rows} x tiles")]
+
+
 @T.inline
 def count_pair_rows(held, sorted_token, row0, tile_rows, threads, tx, tokens=None):
     # held = the rows of the tile from sorted_token row ``row0`` that hold pairs, counted
@@ -1520,7 +1526,8 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_blocked" if blocked else "")
     tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk,
-                       checks=pair_row_checks(gathers=True))
+                       checks=pair_row_checks(gathers=True),
+                       requires=_grouped_requires(rows, tiles, BT))
 
     @tile.set_reference
     def _(g, n, x, w_gate_up, sorted_token, tile_expert, exp_indptr, h):
@@ -1611,7 +1618,8 @@ def make_down_tile(intermediate: int, hidden: int, experts: int, tile_rows: int 
         "_tma" if tma else "") + ("_blocked" if blocked else "") + _Y_SUFFIX[y_dtype] + (
         "_early" if early_weights else "")
     tile = device_func(down.with_attr("global_symbol", name), cost=F // bk, tensor_maps=maps,
-                       checks=pair_row_checks(gathers=False))
+                       checks=pair_row_checks(gathers=False),
+                       requires=_grouped_requires(rows, tiles, BT))
 
     @tile.set_reference
     def _(g, n, h, w_down, sorted_token, tile_expert, exp_indptr, y):

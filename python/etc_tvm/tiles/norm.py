@@ -77,7 +77,8 @@ def make_rmsnorm_tile(eps: float = 1e-6, threads: int = 128) -> DeviceFunc:
                     Y[i, (t * threads + tx) * VEC + e] = xv[e]
 
     tag = f"{eps:.3g}".replace("-", "m").replace("+", "").replace(".", "p")  # 1e-06 -> 1em06
-    tile = device_func(rmsnorm.with_attr("global_symbol", f"rmsnorm_eps{tag}_t{threads}"))
+    tile = device_func(rmsnorm.with_attr("global_symbol", f"rmsnorm_eps{tag}_t{threads}"),
+                       requires=[(H % VEC == 0, f"H a multiple of {VEC}")])
 
     @tile.set_reference
     def _(i, X, w, Y):

@@ -61,7 +61,8 @@ def make_row_sum_tile(rows: int = 64, threads: int = 128) -> DeviceFunc:
                 Y[row] = acc[0]
 
     name = f"row_sum_{rows}_t{threads}"
-    tile = device_func(row_sum.with_attr("global_symbol", name))
+    tile = device_func(row_sum.with_attr("global_symbol", name),
+                       requires=[(M % rows == 0, f"M a multiple of {rows}")])
 
     @tile.set_reference
     def _(i, X, Y):
@@ -98,7 +99,10 @@ def make_partial_row_sum_tile(rows: int = 64, cols: int = 64, threads: int = 128
                 P[row, j] = acc[0]
 
     name = f"partial_row_sum_{rows}x{cols}_t{threads}"
-    tile = device_func(partial_row_sum.with_attr("global_symbol", name))
+    tile = device_func(partial_row_sum.with_attr("global_symbol", name),
+                       requires=[(M % rows == 0, f"M a multiple of {rows}"),
+                                 (N % cols == 0, f"N a multiple of {cols}"),
+                                 (NP * cols == N, f"P of N / {cols} columns")])
 
     @tile.set_reference
     def _(i, j, X, P):

@@ -39,6 +39,12 @@ def _wgmma_config(bm, bn, bk, stages, threads, loads, stores):
             f"{'_staged' if stores == 'staged' else ''}")
 
 
+def _block_requires(N, K, bn: int, bk: int) -> list:
+    """The ``requires`` of a GEMM tile's columns and K loop: whole column blocks and K
+    steps."""
+    return [(N % bn == 0, f"N a multiple of {bn}"), (K % bk == 0, f"K a multiple of {bk}")]
+
+
 @functools.cache
 def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int = 4,
                            threads: int = 128, loads: str = "cp.async",
@@ -71,7 +77,10 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
         tile.store_as(stores, mine, i * bm - i * bm // Q * Q, j * bn)
 
     tile = device_func(gemm_scatter.with_attr("global_symbol", f"gemm_scatter_{config}"),
-                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
+                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps,
+                       requires=[(Q % bm == 0, f"Q a multiple of {bm}"),
+                                 (M == R * Q, "M = R x Q"),
+                                 *_block_requires(N, K, bn, bk)])
 
     @tile.set_reference
     def _(i, j, A, B, P, *, rank, peers):
@@ -114,7 +123,9 @@ def make_partial_sum_tile(rows: int = 128, cols: int = 128, threads: int = 128) 
                 D[row, col + e] = T.Cast("bfloat16", acc[e])
 
     tile = device_func(partial_sum.with_attr("global_symbol",
-                                             f"partial_sum_{rows}x{cols}_t{threads}"))
+                                             f"partial_sum_{rows}x{cols}_t{threads}"),
+                       requires=[(Q % rows == 0, f"Q a multiple of {rows}"),
+                                 (N % cols == 0, f"N a multiple of {cols}")])
 
     @tile.set_reference
     def _(i, j, P, D):
@@ -157,7 +168,9 @@ def make_gather_rows_tile(rows: int = 128, threads: int = 128) -> DeviceFunc:
                     G[RANK, i * rows + v // (K // VEC), v % (K // VEC) * VEC + e] = \
                         A[i * rows + v // (K // VEC), v % (K // VEC) * VEC + e]
 
-    tile = device_func(gather_rows.with_attr("global_symbol", f"gather_rows_{rows}_t{threads}"))
+    tile = device_func(gather_rows.with_attr("global_symbol", f"gather_rows_{rows}_t{threads}"),
+                       requires=[(M % rows == 0, f"M a multiple of {rows}"),
+                                 (K % VEC == 0, f"K a multiple of {VEC}")])
 
     @tile.set_reference
     def _(p, i, A, G, *, rank, peers):
@@ -198,7 +211,10 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
         tile.store_as(stores, C, source * M + i * bm, j * bn)
 
     tile = device_func(ring_gemm.with_attr("global_symbol", f"ring_gemm_{config}"),
-                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps)
+                       cost=task_cost(K, bm, bn, bk), tensor_maps=maps,
+                       requires=[(M % bm == 0, f"M a multiple of {bm}"),
+                                 (Q == R * M, "Q = R x M"),
+                                 *_block_requires(N, K, bn, bk)])
 
     @tile.set_reference
     def _(s, i, j, G, B, C, *, rank, world_size):
