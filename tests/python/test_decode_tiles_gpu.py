@@ -77,7 +77,7 @@ def test_gemv_serves_every_m_up_to_16_from_one_kernel(rng):
 @pytest.mark.parametrize("engine", ["mma", "swapped"])
 def test_tensor_core_gemm_on_symbolic_sizes_refuses_only_what_its_tile_cuts(engine, rng):
     """Built once for M up to 64: the mma tile's 16-row blocks refuse M = 40 at launch (rows
-    40 .. 47 would go uncomputed), and the call after it runs; the swapped tile takes it."""
+    32 .. 39 would go uncomputed), and the call after it runs; the swapped tile takes it."""
     K, N = 2048, 2048
     compiled = build(tensor_core_gemm(engine, 1), samples=[{"M": 64, "K": K, "N": N}],
                      strategy="static")
