@@ -269,6 +269,17 @@ def test_one_call_graph_compiles_for_sm90a(case, tmp_path):
     cubin(build(graph(), dims, strategy="unfused").cuda_source(), tmp_path)
 
 
+@pytest.mark.parametrize("case", ["rmsnorm", "silu_mul", "residual_add"])
+def test_bf16_vector_tiles_compile_on_symbolic_widths(case, tmp_path):
+    """Built for samples, the row width too is a launch's size: the tiles' 16-byte copies
+    stay one load or store each (a vectorized bf16x8 access became eight scalar ones, in a
+    ``make_uint4`` nvcc refused)."""
+    graph, dims = ONE_CALL[case]
+    source = build(graph(), samples=[{**dims, "M": 16}], strategy="static").cuda_source()
+    assert "make_uint4" not in source
+    cubin(source, tmp_path)
+
+
 def test_gemv_loads_weights_128_bits_at_a_time(tmp_path):
     """The weights arrive by LDG.128, in a megakernel on symbolic M (the R = 1 .. 16 codes in
     one kernel): the main loops of the four R <= 8 codes alone issue 2 * 8 each."""

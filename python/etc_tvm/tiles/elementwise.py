@@ -27,6 +27,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
+from .vectors import copy_16_bytes
 
 VEC = 4  # fp32 per thread per step: one 16-byte load
 _GELU_C = 0.7978845608028654  # sqrt(2 / pi)
@@ -182,15 +183,12 @@ def _combine_vectors(j, rows, tx, cols, threads, X, x0, Z, z0, Y, x, z, combine)
         if v < rows * vecs:
             m = T.meta_var(v // vecs)
             c = T.meta_var(j * cols + v % vecs * BF16_VEC)
-            for e in T.vectorized(BF16_VEC):
-                x[e] = X[m, x0 + c + e]
-            for e in T.vectorized(BF16_VEC):
-                z[e] = Z[m, z0 + c + e]
+            copy_16_bytes(x.ptr_to([0]), X.ptr_to([m, x0 + c]))
+            copy_16_bytes(z.ptr_to([0]), Z.ptr_to([m, z0 + c]))
             for e in T.unroll(BF16_VEC):
                 x[e] = T.Cast("bfloat16", combine(T.Cast("float32", x[e]),
                                                   T.Cast("float32", z[e])))
-            for e in T.vectorized(BF16_VEC):
-                Y[m, c + e] = x[e]
+            copy_16_bytes(Y.ptr_to([m, c]), x.ptr_to([0]))
 
 
 @functools.cache

@@ -49,18 +49,12 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
+from .vectors import copy_16_bytes
 
 VEC = 8  # bf16 per 16-byte load
 WARP = 32
 MAX_ROWS = 16  # activation rows a task serves; M may be any 1..16 at run time
 OUT_DTYPES = ("float32", "bfloat16")
-# One 16-byte load, spelled out: inside a megakernel on symbolic shapes TVM's CUDA codegen
-# turns a vectorized bf16x8 buffer load into 8 scalar loads (a gather it cannot compile).
-LOAD_16_BYTES = """
-__device__ __forceinline__ void etc_load_16_bytes(void* dst, const void* src) {
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-}
-"""
 
 
 def unroll_for(rows: int) -> int:
@@ -126,9 +120,8 @@ def make_gemv_tile(bn: int = 128, split_k: int = 1, threads: int = 128,
             @T.inline
             def load(buf, b):
                 for u in T.unroll(U):
-                    T.cuda.func_call("etc_load_16_bytes", wv.ptr_to([buf, u, 0]),
-                                     W.ptr_to([k0 + (b * U + u) * G + g, col]),
-                                     source_code=LOAD_16_BYTES)
+                    copy_16_bytes(wv.ptr_to([buf, u, 0]),
+                                  W.ptr_to([k0 + (b * U + u) * G + g, col]))
 
             @T.inline
             def use(buf, b):

@@ -24,6 +24,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
+from .vectors import copy_16_bytes
 
 VEC = 8  # bf16 per 16-byte load
 WARP = 32
@@ -52,8 +53,7 @@ def make_rmsnorm_tile(eps: float = 1e-6, threads: int = 128) -> DeviceFunc:
         acc[0] = T.float32(0)
         for t in T.serial((H // VEC + threads - 1) // threads):
             if (t * threads + tx) * VEC < H:
-                for e in T.vectorized(VEC):
-                    xv[e] = X[i, (t * threads + tx) * VEC + e]
+                copy_16_bytes(xv.ptr_to([0]), X.ptr_to([i, (t * threads + tx) * VEC]))
                 for e in T.unroll(VEC):
                     acc[0] = acc[0] + T.Cast("float32", xv[e]) * T.Cast("float32", xv[e])
         acc[0] = T.cuda.warp_sum(acc[0])
@@ -66,15 +66,12 @@ def make_rmsnorm_tile(eps: float = 1e-6, threads: int = 128) -> DeviceFunc:
         acc[0] = T.rsqrt(acc[0] / T.Cast("float32", H) + T.float32(eps))
         for t in T.serial((H // VEC + threads - 1) // threads):
             if (t * threads + tx) * VEC < H:
-                for e in T.vectorized(VEC):
-                    xv[e] = X[i, (t * threads + tx) * VEC + e]
-                for e in T.vectorized(VEC):
-                    wv[e] = w[(t * threads + tx) * VEC + e]
+                copy_16_bytes(xv.ptr_to([0]), X.ptr_to([i, (t * threads + tx) * VEC]))
+                copy_16_bytes(wv.ptr_to([0]), w.ptr_to([(t * threads + tx) * VEC]))
                 for e in T.unroll(VEC):
                     xv[e] = T.Cast("bfloat16", T.Cast("float32", xv[e]) * acc[0]
                                    * T.Cast("float32", wv[e]))
-                for e in T.vectorized(VEC):
-                    Y[i, (t * threads + tx) * VEC + e] = xv[e]
+                copy_16_bytes(Y.ptr_to([i, (t * threads + tx) * VEC]), xv.ptr_to([0]))
 
     tag = f"{eps:.3g}".replace("-", "m").replace("+", "").replace(".", "p")  # 1e-06 -> 1em06
     tile = device_func(rmsnorm.with_attr("global_symbol", f"rmsnorm_eps{tag}_t{threads}"),
