@@ -136,17 +136,20 @@ class DeviceFunc:
         if not self.requires:
             return []
         analyzer = self._bound(shapes)
-        tensors = ", ".join(f"{p.name} ({', '.join(str(n) for n in shape)}"
-                            f"{',' if len(shape) == 1 else ''})"
-                            for p, shape in zip(self.buffer_params, shapes))
+
+        def tensors() -> str:  # only for a message: most calls keep to every requirement
+            return ", ".join(f"{p.name} ({', '.join(str(n) for n in shape)}"
+                             f"{',' if len(shape) == 1 else ''})"
+                             for p, shape in zip(self.buffer_params, shapes))
+
         open_ = []
         for cond, what in self.requires:
             value = analyzer.simplify(cond)
             if not isinstance(value, tirx.IntImm):
                 open_.append((value, f"{call}: {self.name} takes {what}, which the sizes of "
-                                     f"{tensors} break"))
+                                     f"{tensors()} break"))
             elif not value.value:
-                raise GraphError(f"{call}: {self.name} takes {what}, got {tensors}")
+                raise GraphError(f"{call}: {self.name} takes {what}, got {tensors()}")
         return open_
 
     def task_cost(self, shapes) -> float:
