@@ -27,6 +27,8 @@ CASES = [  # text, kind, grid (task or event coordinates), event/task rank, tens
     # blocks of two rows, the last one clipped to the tensor's three
     ("bc->pair_tile[2*b:2*b+2, :], c", "in", (2, 2), 2, {"pair_tile": (3, 2)}),
     ("i->a[i-1:i+1]", "out", (4,), 1, {"a": (4,)}),
+    # an inner slice whose start the outer slice's point reads
+    ("i->a[b[i, 0:2]:4]", "out", (3,), 1, {"a": (5,), "b": (3, 2)}),
     ("e=>ptr[e]:ptr[e+1]", "in", (4,), 1, {"ptr": (5,)}),
     ("e=>ptr[e]:ptr[e+1], 0:2", "in", (3,), 2, {"ptr": (4,)}),
 ]
@@ -201,3 +203,25 @@ def test_strided_nest_deals_each_point_to_one_lane(text, kind, grid, rank, shape
     want = sorted(c + p for c in itertools.product(*map(range, grid))
                   for p in emap.evaluate(c, arrays))
     assert want and sorted(tuple(map(int, r)) for r in rows) == want
+
+
+@pytest.mark.parametrize("text, kind, task_rank, event_rank, tensors, loops", [
+    ("bc->pair_tile[4*b:4*b+4, :], c", "in", 2, 2, {"pair_tile": (9, 8)}, 1),  # the combine's
+    ("e=>ptr[e]:ptr[e+1], 0:2", "in", 2, 1, {"ptr": (4,)}, 1),
+    ("i->a[b[i, 0:2]:4]", "out", 1, 1, {"a": (5,), "b": (3, 2)}, 2),  # bounds read a point
+])
+def test_strided_nest_flattens_loops_with_independent_bounds(text, kind, task_rank, event_rank,
+                                                             tensors, loops):
+    """The lanes of a warp take the points of all of a map's loops in one round of loads
+    where no loop's bounds read another's point (one loop over the rounds), else of the
+    innermost loop, the outer loops around it."""
+    emap = edge_map.parse(text, kind=kind, task_rank=task_rank, event_rank=event_rank,
+                          tensors={n: len(s) for n, s in tensors.items()})
+    buffers = {n: tirx.decl_buffer(s, "int32", n) for n, s in tensors.items()}
+    coords = [tirx.Var(c, "int32") for c in emap.coords]
+    lowered = lower_edge(emap, dict(zip(emap.coords, coords)), buffers)
+    nest = lowered.nest_strided(tirx.Evaluate(tirx.IntImm("int32", 0)),
+                                tirx.Var("lane", "int32"), 32)
+    found = []
+    tvm_ffi.structural_walk(nest, [(tirx.For, found.append)])
+    assert len(lowered.loops) == 2 and len(found) == loops

@@ -120,9 +120,17 @@ class LoweredEdge:
         return body if self.guard is None else tirx.IfThenElse(self.guard, body, None)
 
     def nest_strided(self, body: tirx.Stmt, lane: tirx.Expr, lanes: int) -> tirx.Stmt:
-        """``nest`` with the innermost loop's points dealt out to ``lanes`` threads: thread
-        ``lane`` runs the points ``lo + lane``, ``lo + lane + lanes``, ... (so the threads of
-        a warp wait on the elements of a slice at once)."""
+        """``nest`` with the points dealt out to ``lanes`` threads, so that the threads of a
+        warp wait on a map's elements at once: thread ``lane`` runs points ``lane``, ``lane +
+        lanes``, ... of all the loops flattened (innermost fastest), or, where a loop's bounds
+        read another loop's variable, of the innermost loop alone, the others nested around
+        it. (The combine of the MoE layer waits on 8 pairs of each of its tokens: dealt over
+        the pairs alone, a task of 4 tokens made 4 rounds of loads, 2.8 us at 4096 tokens.)"""
+        loop_vars = {var for var, _, _ in self.loops}
+        if len(self.loops) > 1 and not any(
+                v in loop_vars for _, lo, hi in self.loops
+                for v in [*tirx.analysis.undefined_vars(lo), *tirx.analysis.undefined_vars(hi)]):
+            return self._nest_flat(body, lane, lanes)
         *outer, (var, lo, hi) = self.loops
         r = tirx.Var(f"{var.name}_round", "int32")
         n = tirx.IntImm("int32", lanes)
@@ -131,6 +139,32 @@ class LoweredEdge:
                              tirx.Bind(var, lo + r * n + lane),
                              tirx.IfThenElse(var < hi, body, None)))
         return LoweredEdge(tuple(outer), self.index, self.guard).nest(inner)
+
+    def _nest_flat(self, body: tirx.Stmt, lane: tirx.Expr, lanes: int) -> tirx.Stmt:
+        """``nest_strided`` over the loops flattened, their bounds read once."""
+        first = self.loops[0][0].name
+        n = tirx.IntImm("int32", lanes)
+        setup, total = [], tirx.IntImm("int32", 1)
+        los, extents = [], []
+        for var, lo, hi in self.loops:
+            lo_var = tirx.Var(f"{var.name}_lo", "int32")
+            extent = tirx.Var(f"{var.name}_extent", "int32")
+            setup += [tirx.Bind(lo_var, lo),
+                      tirx.Bind(extent, tirx.max(hi - lo_var, tirx.IntImm("int32", 0)))]
+            los.append(lo_var)
+            extents.append(extent)
+            total = total * extent
+        point, r = tirx.Var(f"{first}_point", "int32"), tirx.Var(f"{first}_round", "int32")
+        coords, rest = [], point
+        for (var, _, _), lo, extent in reversed(list(zip(self.loops, los, extents))):
+            coords.append(tirx.Bind(var, lo + tirx.floormod(rest, extent)))
+            rest = tirx.floordiv(rest, extent)
+        loop = tirx.For(r, tirx.IntImm("int32", 0), tirx.floordiv(total + n - 1, n),
+                        tirx.ForKind.SERIAL, tirx.stmt_seq(
+                            tirx.Bind(point, r * n + lane),
+                            tirx.IfThenElse(point < total, tirx.stmt_seq(*coords, body), None)))
+        nest = tirx.stmt_seq(*setup, loop)
+        return nest if self.guard is None else tirx.IfThenElse(self.guard, nest, None)
 
 
 class _Lowering:
