@@ -1,7 +1,12 @@
 """The runnable apps run to completion (each checks its own results)."""
 import importlib.util
 import runpy
+import subprocess
 from pathlib import Path
+
+import pytest
+
+from cubin import NVCC
 
 APPS = Path(__file__).resolve().parents[2] / "apps"
 
@@ -28,3 +33,14 @@ def test_readme_tour_runs(tmp_path):
     scope = runpy.run_path(str(tour))
     assert (scope["y"] == 9).all() and scope["y"].shape == (64, 64)
     assert scope["dot"].startswith('digraph "graph"')
+
+
+@pytest.mark.parametrize("probe", sorted(p.name for p in APPS.glob("*.cu")))
+def test_probe_compiles_for_sm_90a(probe, tmp_path):
+    """The CUDA probes (each run by hand on the H200, as its header says) build as written."""
+    if NVCC is None:
+        pytest.skip("needs nvcc")
+    done = subprocess.run([NVCC, "-O3", "-arch=sm_90a", "-c", str(APPS / probe), "-o",
+                           str(tmp_path / "probe.o")], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
