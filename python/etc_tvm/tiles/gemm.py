@@ -388,9 +388,17 @@ def block_requires(M, N, K, bm: int, bn: int, bk: int, split_k: int,
                    ragged_rows: bool = False) -> list:
     """``device_func``'s ``requires`` of a GEMM tile of this module's task convention: M
     (unless ``ragged_rows``), N and K whole blocks, which its grid and K loop assume."""
-    return ([] if ragged_rows else [(M % bm == 0, f"M a multiple of {bm}")]) + [
-        (N % bn == 0, f"N a multiple of {bn}"),
-        (K % (split_k * bk) == 0, f"K a multiple of {split_k * bk} (split_k x bk)")]
+    return ([] if ragged_rows else [(M % bm == 0, f"M a multiple of {bm}")]) \
+        + column_requires(N, K, bn, bk, split_k)
+
+
+def column_requires(N, K, bn: int, bk: int, split_k: int = 1) -> list:
+    """The ``requires`` of a GEMM tile's columns and K loop: whole column blocks, and whole
+    K steps in each of ``split_k`` slices."""
+    step = split_k * bk
+    return [(N % bn == 0, f"N a multiple of {bn}"),
+            (K % step == 0, f"K a multiple of {step}" + (" (split_k x bk)" if split_k > 1
+                                                          else ""))]
 
 
 def set_block_reference(tile: DeviceFunc, bm: int, bn: int, split_k: int) -> None:

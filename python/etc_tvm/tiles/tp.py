@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 
 from ..device_func import RANK, WORLD_SIZE, DeviceFunc, device_func
 from ..errors import EtcError
+from .gemm import column_requires
 from .wgmma_gemm import WgmmaTile, check_geometry, operand_maps, task_cost
 
 VEC = 8  # bf16 per 16-byte access
@@ -37,12 +38,6 @@ def _wgmma_config(bm, bn, bk, stages, threads, loads, stores):
     check_geometry(bm, bn, bk, stages, threads, "bfloat16", stores)
     return (f"{bm}x{bn}x{bk}_s{stages}_t{threads}{'_tma' if loads == 'tma' else ''}"
             f"{'_staged' if stores == 'staged' else ''}")
-
-
-def _block_requires(N, K, bn: int, bk: int) -> list:
-    """The ``requires`` of a GEMM tile's columns and K loop: whole column blocks and K
-    steps."""
-    return [(N % bn == 0, f"N a multiple of {bn}"), (K % bk == 0, f"K a multiple of {bk}")]
 
 
 @functools.cache
@@ -80,7 +75,7 @@ def make_gemm_scatter_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: i
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps,
                        requires=[(Q % bm == 0, f"Q a multiple of {bm}"),
                                  (M == R * Q, "M = R x Q"),
-                                 *_block_requires(N, K, bn, bk)])
+                                 *column_requires(N, K, bn, bk)])
 
     @tile.set_reference
     def _(i, j, A, B, P, *, rank, peers):
@@ -214,7 +209,7 @@ def make_ring_gemm_tile(bm: int = 128, bn: int = 128, bk: int = 64, stages: int 
                        cost=task_cost(K, bm, bn, bk), tensor_maps=maps,
                        requires=[(M % bm == 0, f"M a multiple of {bm}"),
                                  (Q == R * M, "Q = R x M"),
-                                 *_block_requires(N, K, bn, bk)])
+                                 *column_requires(N, K, bn, bk)])
 
     @tile.set_reference
     def _(s, i, j, G, B, C, *, rank, world_size):
