@@ -37,7 +37,7 @@ from ..task_graph import TaskGraph
 from .dynamic_kernel import ReadyRing, pointer
 from .events import EventLayout
 from .inline import i32
-from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
+from .persistent import DEFAULT_OPTIONS, WARP, KernelOptions, PersistentKernel
 
 NONE_NOW = -3  # etc_try_pop: no task in the ring at the moment
 
@@ -56,8 +56,11 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, num_queued),), "int32", "tasks")
     taken = tirx.decl_buffer((2,), "int32", "taken", scope="shared")  # task, from the queue
+    # the queue's head that warp 0 polls this round, -1 for none
+    polled = tirx.decl_buffer((1,), "int32", "polled", scope="shared")
+    warp = kernel.scopes.num_threads >= WARP
     task, queued = tirx.Var("t", "int32"), tirx.Var("queued", "int32")
-    head = tirx.Var("head", "int32")
+    head, polled_task = tirx.Var("head", "int32"), tirx.Var("polled_task", "int32")
     dispatch = kernel.dispatch(task, skip_waits=queued)
     tx, status = kernel.tx, kernel.status
 
@@ -65,7 +68,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, *kernel.returned(ring.outputs)],
-                              shared=(taken, *ring.shared),
+                              shared=(taken, polled, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx)
             if launch is not None:
@@ -80,7 +83,22 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
             end = indptr[bx + 1]
+            at = tasks[tirx.min(pos[0], i32(max(0, num_queued - 1)))]
             with Tb.While(tirx.IntImm("bool", 1)):
+                if warp:  # the head's polls shared out over warp 0 (before any ring take)
+                    with Tb.If(tx < i32(WARP)):
+                        with Tb.Then():
+                            with Tb.If(tx == 0):
+                                with Tb.Then():
+                                    Tb.buffer_store(polled, tirx.Select(
+                                        tirx.And(pos[0] < end, at >> i32(30) == 0),
+                                        at & i32(LOCAL_WAITS - 1), i32(-1)), [0])
+                            Tb.evaluate(Tb.cuda.warp_sync())
+                            Tb.add_to_parent(tirx.Bind(polled_task, polled[0]))
+                            with Tb.If(polled_task >= 0):
+                                with Tb.Then():
+                                    Tb.add_to_parent(kernel.poll(polled_task, static_calls,
+                                                                 warp=True))
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         Tb.add_to_parent(ring.take_held(taken))
@@ -89,15 +107,16 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                             with Tb.Then():
                                 Tb.buffer_store(taken, i32(NONE_NOW), [0])
                         Tb.add_to_parent(tirx.Bind(head, tirx.Select(
-                            pos[0] < end, tasks[tirx.min(pos[0], i32(max(0, num_queued - 1)))]
-                            & i32(LOCAL_WAITS - 1), i32(-1))))
+                            pos[0] < end, at & i32(LOCAL_WAITS - 1), i32(-1))))
                         with Tb.If(tirx.And(head >= 0, taken[0] == i32(NONE_NOW))):
                             with Tb.Then():
                                 with Tb.If(tasks[pos[0]] >> i32(30) != 0):
                                     with Tb.Then():
                                         Tb.buffer_store(kernel.stop, i32(0), [0])
                                     with Tb.Else():
-                                        Tb.add_to_parent(kernel.poll(head, static_calls))
+                                        if not warp:
+                                            Tb.add_to_parent(kernel.poll(head, static_calls))
+                                        Tb.buffer_store(kernel.stop, kernel.halt[0], [0])
                                 with Tb.If(kernel.stop[0] == 0):
                                     with Tb.Then():
                                         Tb.buffer_store(taken, head, [0])

@@ -678,13 +678,17 @@ class PersistentKernel:
         inside = self.inside(call, coords)  # a task outside the launch's grids reads nothing
         return body if inside is None else tirx.IfThenElse(inside, body, never)
 
-    def poll(self, task: tirx.Var, calls) -> tirx.Stmt:
-        """Thread 0, without blocking: ``stop[0]`` = 0 if every wait of ``task`` (a task of
-        one of ``calls``) is satisfied now, else nonzero."""
+    def poll(self, task: tirx.Var, calls, warp: bool = False) -> tirx.Stmt:
+        """Without blocking: ``halt[0]`` = 0 if every wait of ``task`` (a task of one of
+        ``calls``) is satisfied now, else nonzero. By thread 0, or with ``warp`` by the lanes
+        of warp 0 together (each then holds the answer), the elements of a map dealt out to
+        them as ``_waits`` deals them: one round of loads, where one thread's polls of a
+        data-dependent map went one after another (a combine task of 2 tokens, 16 pairs)."""
         clear = tirx.BufferStore(self.halt, i32(0), [i32(0)])
+        lane = self.tx if warp else None
 
         def poll_call(call, coords):
-            polls = self._wait_steps(call, task, coords, self._poll)
+            polls = self._wait_steps(call, task, coords, self._poll, lane)
             inside = self.inside(call, coords)
             if polls is None or inside is None:
                 return polls
@@ -693,7 +697,7 @@ class PersistentKernel:
 
         out = self._by_call(task, [self.graph.calls[c] for c in sorted(calls)], "poll",
                             poll_call, otherwise=clear)
-        return tirx.stmt_seq(out, tirx.BufferStore(self.stop, self.halt[0], [i32(0)]))
+        return out if lane is None else tirx.stmt_seq(out, self._halt_any())
 
     @staticmethod
     def _by_call(task, calls, suffix: str, branch, otherwise=None) -> tirx.Stmt | None:
