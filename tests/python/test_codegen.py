@@ -238,6 +238,21 @@ def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, str
     nvcc(source, tmp_path)
 
 
+def test_mixed_kernel_polls_its_queue_head_on_warp_0():
+    """Warp 0 polls the head of a CTA's queue before thread 0 takes a task, the points of a
+    data-dependent map (a token's pair tiles) one a lane, their answer one vote; thread 0
+    takes the head on that vote."""
+    source = build(moe_graph(2, "tensor"), {"T": 7}, strategy="mixed", num_sms=132).cuda_source()
+    loop = source[source.index("polled_ptr[0] ="):]
+    poll, take = loop[:loop.index("taken_ptr[0] = held_ptr[0];")], loop[
+        loop.index("taken_ptr[0] = held_ptr[0];"):loop.index("etc_try_pop(")]
+    vote = "halt_ptr[0] = tvm_builtin_cuda_any_sync((uint)4294967295, halt_ptr[0]);"
+    assert "tvm_builtin_cuda_warp_sync();" in poll and poll.rindex(vote) > poll.rindex("etc_poll(")
+    lane_points = "pair_tile_ptr[(((polled_task * 2) + ((int)threadIdx.x)) - 54)]"
+    assert lane_points in poll and "for (" not in poll
+    assert "etc_poll(" not in take and "stop_ptr[0] = halt_ptr[0];" in take
+
+
 def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():
     """The task completing grouping arms expert_ready (counts added, a fence and a barrier,
     then the bias removed); an expert tile waits for grouping's completion, then finds the

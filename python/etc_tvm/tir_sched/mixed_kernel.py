@@ -5,9 +5,10 @@ are list-scheduled into per-CTA queues as in ``static_kernel``. A CTA never bloc
 while the other has work for it:
 
     CTA:  loop:
+              warp 0:   poll the head of its queue (its waits, not awaited), the elements
+                        of a map shared out over the lanes
               thread 0: take the ring task the last round held, if any; else
-                        if the head of its queue is ready (its waits polled, not awaited):
-                            take it
+                        if the head of its queue is ready (as polled): take it
                         else: take a task from the ring if one is there now (never waits for
                               a push); -1 once the ring is exhausted and the queue empty;
                         nothing taken for longer than the limit stops the grid with an error
