@@ -73,129 +73,118 @@ __global__ void sleep_for(long long cycles) {
   }
 }
 
+// What every way launches: the grid, its shared memory and the kernel's buffers.
+struct Grid {
+  int ctas;
+  size_t smem;
+  int* state;
+  unsigned* arrived;
+  unsigned* epoch;
+};
+
+// A graph of `launches` launches of prologue<kBody> on `stream`, each followed by a
+// one-thread kernel that counts it where `count_epochs` (the counter barrier's launch number).
 template <Body kBody>
-float time_way(bool cooperative, bool with_epoch, int ctas, size_t smem, int* state,
-               unsigned* arrived, unsigned* epoch) {
+cudaGraphExec_t capture(Grid g, bool cooperative, bool count_epochs, int launches,
+                        cudaStream_t stream) {
   CHECK(cudaFuncSetAttribute(prologue<kBody>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)));
-  cudaStream_t stream;
-  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  CHECK(cudaMemset(arrived, 0, sizeof(unsigned)));
-  CHECK(cudaMemset(epoch, 0, sizeof(unsigned)));
-  void* args[] = {&state, &arrived, &epoch};
-  auto launch = [&] {
-    if (cooperative)
-      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(prologue<kBody>), ctas,
-                                        kThreads, args, smem, stream));
-    else
-      prologue<kBody><<<ctas, kThreads, smem, stream>>>(state, arrived, epoch);
-    if (with_epoch) next_epoch<<<1, 1, 0, stream>>>(epoch);
-  };
+                             static_cast<int>(g.smem)));
+  void* args[] = {&g.state, &g.arrived, &g.epoch};
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < kLaunches; ++i) launch();
+  for (int i = 0; i < launches; ++i) {
+    if (cooperative)
+      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(prologue<kBody>), g.ctas,
+                                        kThreads, args, g.smem, stream));
+    else
+      prologue<kBody><<<g.ctas, kThreads, g.smem, stream>>>(g.state, g.arrived, g.epoch);
+    if (count_epochs) next_epoch<<<1, 1, 0, stream>>>(g.epoch);
+  }
   CHECK(cudaStreamEndCapture(stream, &graph));
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
+// us between two events around a replay of `exec`, queued behind a sleep kernel the host
+// outruns where `queued` (timing.time_interleaved(queued=True)'s method).
+float replay(cudaGraphExec_t exec, cudaStream_t stream, bool queued) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
+  if (queued) sleep_for<<<1, 1, 0, stream>>>(200000);  // about 100 us
+  CHECK(cudaEventRecord(start, stream));
+  CHECK(cudaGraphLaunch(exec, stream));
+  CHECK(cudaEventRecord(stop, stream));
+  CHECK(cudaEventSynchronize(stop));
+  float ms;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  return ms * 1000.0f;
+}
+
+// us a launch: the best of 5 replays of a graph of kLaunches launches back to back.
+template <Body kBody>
+float back_to_back(Grid g, bool cooperative, bool count_epochs) {
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK(cudaMemset(g.arrived, 0, sizeof(unsigned)));
+  CHECK(cudaMemset(g.epoch, 0, sizeof(unsigned)));
+  cudaGraphExec_t exec = capture<kBody>(g, cooperative, count_epochs, kLaunches, stream);
   CHECK(cudaGraphLaunch(exec, stream));  // warm
   CHECK(cudaStreamSynchronize(stream));
   float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    best = ms < best ? ms : best;
-  }
+  for (int rep = 0; rep < 5; ++rep) best = std::min(best, replay(exec, stream, false));
   CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
   CHECK(cudaStreamDestroy(stream));
-  return best * 1000.0f / kLaunches;
+  return best / kLaunches;
 }
 
-// Median us between two events around one replay of a one-launch graph, queued behind a
-// sleep kernel the host outruns (timing.time_interleaved(queued=True)'s method).
+// us a call as the benchmarks time one: the median of 200 replays of a one-launch graph,
+// each queued behind a sleep kernel (after 20 not counted).
 template <Body kBody>
-float time_queued(bool cooperative, int ctas, size_t smem, int* state, unsigned* arrived,
-                  unsigned* epoch) {
-  CHECK(cudaFuncSetAttribute(prologue<kBody>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)));
+float one_a_graph(Grid g, bool cooperative) {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  void* args[] = {&state, &arrived, &epoch};
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  if (cooperative)
-    CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(prologue<kBody>), ctas, kThreads,
-                                      args, smem, stream));
-  else
-    prologue<kBody><<<ctas, kThreads, smem, stream>>>(state, arrived, epoch);
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  cudaGraphExec_t exec = capture<kBody>(g, cooperative, false, 1, stream);
   std::vector<float> times;
   for (int rep = 0; rep < 220; ++rep) {
-    sleep_for<<<1, 1, 0, stream>>>(200000);  // about 100 us
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (rep >= 20) times.push_back(ms * 1000.0f);
+    float us = replay(exec, stream, true);
+    if (rep >= 20) times.push_back(us);
   }
   std::sort(times.begin(), times.end());
   CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
   CHECK(cudaStreamDestroy(stream));
   return times[times.size() / 2];
 }
 
+void row(const char* way, float us) { std::printf("%-48s %8.2f\n", way, us); }
+
 int main(int argc, char** argv) {
   int per_sm = argc > 1 ? std::atoi(argv[1]) : 2;
-  size_t smem = (argc > 2 ? std::atoi(argv[2]) : 100) * 1024;
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  int ctas = sms * per_sm;
-  int* state;
-  unsigned *arrived, *epoch;
-  CHECK(cudaMalloc(&state, kStateWords * sizeof(int)));
-  CHECK(cudaMalloc(&arrived, sizeof(unsigned)));
-  CHECK(cudaMalloc(&epoch, sizeof(unsigned)));
+  Grid g{sms * per_sm, static_cast<size_t>(argc > 2 ? std::atoi(argv[2]) : 100) * 1024};
+  CHECK(cudaMalloc(&g.state, kStateWords * sizeof(int)));
+  CHECK(cudaMalloc(&g.arrived, sizeof(unsigned)));
+  CHECK(cudaMalloc(&g.epoch, sizeof(unsigned)));
   std::printf("%d CTAs (%d an SM) x %d threads, %zu KB of shared memory a CTA; us a launch, "
               "mean of %d in one graph, best of 5 replays\n",
-              ctas, per_sm, kThreads, smem / 1024, kLaunches);
-  std::printf("%-48s %8.2f\n", "plain launch, empty",
-              time_way<kEmpty>(false, false, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "plain launch + 1-thread epoch kernel",
-              time_way<kEmpty>(false, true, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "cooperative launch, empty",
-              time_way<kEmpty>(true, false, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "cooperative, grid sync",
-              time_way<kGridSync>(true, false, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "cooperative, 64 KB of state + grid sync",
-              time_way<kStateAndGridSync>(true, false, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "cooperative, counter barrier + epoch kernel",
-              time_way<kCounterBarrier>(true, true, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "cooperative, 64 KB of state + counter barrier",
-              time_way<kStateAndCounterBarrier>(true, true, ctas, smem, state, arrived,
-                                                 epoch));
-  std::printf("%-48s %8.2f\n", "plain, 64 KB of state + counter barrier",
-              time_way<kStateAndCounterBarrier>(false, true, ctas, smem, state, arrived,
-                                                 epoch));
-  std::printf("%-48s %8.2f\n", "one plain launch a graph, queued, empty",
-              time_queued<kEmpty>(false, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "one cooperative launch a graph, queued, empty",
-              time_queued<kEmpty>(true, ctas, smem, state, arrived, epoch));
-  std::printf("%-48s %8.2f\n", "same, 64 KB of state + grid sync",
-              time_queued<kStateAndGridSync>(true, ctas, smem, state, arrived, epoch));
+              g.ctas, per_sm, kThreads, g.smem / 1024, kLaunches);
+  row("plain launch, empty", back_to_back<kEmpty>(g, false, false));
+  row("plain launch + 1-thread epoch kernel", back_to_back<kEmpty>(g, false, true));
+  row("cooperative launch, empty", back_to_back<kEmpty>(g, true, false));
+  row("cooperative, grid sync", back_to_back<kGridSync>(g, true, false));
+  row("cooperative, 64 KB of state + grid sync", back_to_back<kStateAndGridSync>(g, true, false));
+  row("cooperative, counter barrier + epoch kernel", back_to_back<kCounterBarrier>(g, true, true));
+  row("cooperative, 64 KB of state + counter barrier",
+      back_to_back<kStateAndCounterBarrier>(g, true, true));
+  row("plain, 64 KB of state + counter barrier",
+      back_to_back<kStateAndCounterBarrier>(g, false, true));
+  row("one plain launch a graph, queued, empty", one_a_graph<kEmpty>(g, false));
+  row("one cooperative launch a graph, queued, empty", one_a_graph<kEmpty>(g, true));
+  row("same, 64 KB of state + grid sync", one_a_graph<kStateAndGridSync>(g, true));
   return 0;
 }
