@@ -522,10 +522,10 @@ class PersistentKernel:
         """Warp 0 waits on: the elements of static in-edges and the completion of the calls
         whose tensors the in-edge maps read; then (after a warp barrier: the maps below read
         those tensors) the elements that release the task through a trigger map (none: the
-        task is skipped) and data-dependent elements. The lanes share the points of a map's
-        innermost loop, so that a task waiting on K elements polls them at once, not one
-        round trip after another. Then a barrier, and the CTA leaves its loop if the grid is
-        stopping."""
+        task is skipped) and data-dependent elements. The lanes share the points of a map
+        (``LoweredEdge.nest_strided``), so that a task waiting on K elements polls them at
+        once, not one round trip after another. Then a barrier, and the CTA leaves its loop
+        if the grid is stopping."""
         warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
         steps = self._wait_steps(call, task, coords, self._wait, self.tx if warp else None)
         return None if steps is None else self._by_warp0(steps)
