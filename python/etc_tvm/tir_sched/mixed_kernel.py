@@ -69,7 +69,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, *kernel.returned(ring.outputs)],
-                              shared=(taken, polled, *ring.shared),
+                              shared=(taken, *([polled] if warp else []), *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx)
             if launch is not None:
