@@ -668,6 +668,21 @@ def k_loops(source: str) -> list[str]:
     return bodies
 
 
+def test_combine_waits_on_its_pairs_in_one_round():
+    """The claimed static layer at 1024 tokens (combine tasks of 2 tokens, 8 pairs each):
+    warp 0's lanes wait on the 16 pairs' tiles at once, a pair a lane, with no loop over the
+    tokens (which made one round of loads a token)."""
+    options = moe_layer.options_for(1024, blocked_weights=True, y_dtype="bfloat16")
+    assert options["combine_tokens"] == 2
+    source = build(make_moe_layer(**options), {"T": 1024}, strategy="static", num_sms=132,
+                   options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                         claim=True)).cuda_source()
+    wait = source.index("etc_wait((&(counters_ptr[(pair_tile_ptr[")
+    lanes = source[source.rindex("tvm_builtin_cuda_any_sync", 0, wait):wait]
+    assert "for (" not in lanes and "if (((int)threadIdx.x) < 16)" in lanes
+    assert "threadIdx.x" in source[wait:source.index("\n", wait)]
+
+
 @pytest.mark.parametrize("tokens", (1, 1024, 2048))
 def test_grouped_gemm_k_loops_read_no_row_index(tokens):
     """A gathered tile's A rows (sorted_token) are looked up once a task, not every K slice:
