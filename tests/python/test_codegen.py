@@ -241,11 +241,13 @@ def test_moe_kernel_with_data_dependent_edges_compiles_for_sm90a(count_mode, str
 def test_mixed_kernel_polls_its_queue_head_on_warp_0():
     """Warp 0 polls the head of a CTA's queue before thread 0 takes a task, the points of a
     data-dependent map (a token's pair tiles) one a lane, their answer one vote; thread 0
-    takes the head on that vote."""
+    takes the head on that vote. A ring task the last round held goes first: no poll then."""
     source = build(moe_graph(2, "tensor"), {"T": 7}, strategy="mixed", num_sms=132).cuda_source()
-    loop = source[source.index("polled_ptr[0] ="):]
-    poll, take = loop[:loop.index("taken_ptr[0] = held_ptr[0];")], loop[
-        loop.index("taken_ptr[0] = held_ptr[0];"):loop.index("etc_try_pop(")]
+    loop = source[source.index("taken_ptr[0] = held_ptr[0];"):]
+    assert loop.index("polled_ptr[0] = ((((taken_ptr[0] < 0) &&") < loop.index("etc_poll(")
+    loop = loop[loop.index("polled_ptr[0] ="):]
+    poll, take = loop[:loop.index("taken_ptr[1] = 0;")], loop[
+        loop.index("taken_ptr[1] = 0;"):loop.index("etc_try_pop(")]
     vote = "halt_ptr[0] = tvm_builtin_cuda_any_sync((uint)4294967295, halt_ptr[0]);"
     assert "tvm_builtin_cuda_warp_sync();" in poll and poll.rindex(vote) > poll.rindex("etc_poll(")
     lane_points = "pair_tile_ptr[(((polled_task * 2) + ((int)threadIdx.x)) - 54)]"

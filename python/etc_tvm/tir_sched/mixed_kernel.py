@@ -5,10 +5,10 @@ are list-scheduled into per-CTA queues as in ``static_kernel``. A CTA never bloc
 while the other has work for it:
 
     CTA:  loop:
+              thread 0: take the ring task the last round held, if any; else
               warp 0:   poll the head of its queue (its waits, not awaited), the elements
                         of a map shared out over the lanes
-              thread 0: take the ring task the last round held, if any; else
-                        if the head of its queue is ready (as polled): take it
+              thread 0: if the head of its queue is ready (as polled): take it
                         else: take a task from the ring if one is there now (never waits for
                               a push); -1 once the ring is exhausted and the queue empty;
                         nothing taken for longer than the limit stops the grid with an error
@@ -86,13 +86,15 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
             end = indptr[bx + 1]
             at = tasks[tirx.min(pos[0], i32(max(0, num_queued - 1)))]
             with Tb.While(tirx.IntImm("bool", 1)):
-                if warp:  # the head's polls shared out over warp 0 (before any ring take)
+                if warp:  # the head's polls shared out over warp 0, unless a task is held
                     with Tb.If(tx < i32(WARP)):
                         with Tb.Then():
                             with Tb.If(tx == 0):
                                 with Tb.Then():
-                                    Tb.buffer_store(polled, tirx.Select(
-                                        tirx.And(pos[0] < end, at >> i32(30) == 0),
+                                    Tb.add_to_parent(ring.take_held(taken))
+                                    Tb.buffer_store(polled, tirx.Select(tirx.And(
+                                        taken[0] < 0, tirx.And(pos[0] < end,
+                                                               at >> i32(30) == 0)),
                                         at & i32(LOCAL_WAITS - 1), i32(-1)), [0])
                             Tb.evaluate(Tb.cuda.warp_sync())
                             Tb.add_to_parent(tirx.Bind(polled_task, polled[0]))
@@ -102,7 +104,8 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                                                                  warp=True))
                 with Tb.If(tx == 0):
                     with Tb.Then():
-                        Tb.add_to_parent(ring.take_held(taken))
+                        if not warp:
+                            Tb.add_to_parent(ring.take_held(taken))
                         Tb.buffer_store(taken, i32(0), [1])
                         with Tb.If(taken[0] < 0):
                             with Tb.Then():
