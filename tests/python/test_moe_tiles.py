@@ -31,6 +31,16 @@ from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
 from test_tiles import assert_within, poisoned
 
 
+def completion_notify(graph, dims) -> str:
+    """The notify that counts down the completion of the call of ``graph`` that writes
+    exp_indptr, a call of one task (``PersistentKernel._completion``)."""
+    tasks = TaskGraph.build(graph, dims)
+    (call,) = [c for c in tasks.calls
+               if any(tasks.tensors[t].name == "exp_indptr" for t in c.outputs)]
+    assert call.num_tasks == 1
+    return f"etc_notify((&(counters_ptr[{EventLayout.of(tasks).done[call.index]}])));"
+
+
 def _load_app(name):
     """apps/<name>.py as the module ``name`` (the GPU tests import it too)."""
     if name not in sys.modules:
@@ -1165,18 +1175,38 @@ def test_aligned_needs_no_arming(route, align_tokens):
     assert layout.marks == {"aligned": writer} and writer in layout.done
 
 
+@pytest.mark.parametrize("align_tokens", [0, 8])
+def test_one_task_completes_its_call_without_a_round_trip(align_tokens):
+    """The call that writes exp_indptr arms ``h_ready`` once complete. One align task
+    completes it by counting it down (a notify: thread 0 goes on); of three place tasks each
+    asks an atomic whether it was the last."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
+                           align_tokens=align_tokens)
+    source = build(graph, {"T": 20}, num_sms=132).cuda_source()
+    if align_tokens:
+        tasks = TaskGraph.build(graph, {"T": 20})
+        (writer,) = [c for c in tasks.calls
+                     if any(tasks.tensors[t].name == "exp_indptr" for t in c.outputs)]
+        done = f"(&(counters_ptr[{EventLayout.of(tasks).done[writer.index]}]))"
+        assert writer.num_tasks == 3 and f"etc_complete({done})" in source
+        assert f"etc_notify({done})" not in source
+    else:
+        assert completion_notify(graph, {"T": 20}) in source
+        assert "etc_complete((" not in source
+
+
 def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
     """Dynamic: the route task's notify completes ``aligned`` and fires it, and the CTA
-    publishes the gate-up run it releases before it counts its call's completion (whose
-    answer then arms ``h_ready`` and marks the released tasks)."""
-    source = build(make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
-                                  fused_route=True), {"T": 1}, strategy="dynamic",
-                   num_sms=8).cuda_source()
+    publishes the gate-up run it releases before it counts its call's completion (one task:
+    it completes the call, so it then arms ``h_ready`` and marks the released tasks)."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2, fused_route=True)
+    source = build(graph, {"T": 1}, strategy="dynamic", num_sms=8).cuda_source()
     kernel = source[source.index("moe_layer_dynamic_megakernel_kernel("):]
     route = kernel[kernel.index("etc_notify_last("):]
-    order = [route.index(s) for s in ("etc_defer_range(", "etc_claim_runs(", "etc_complete(",
+    order = [route.index(s) for s in ("etc_defer_range(", "etc_claim_runs(",
+                                      completion_notify(graph, {"T": 1}),
                                       "etc_unbias(", "etc_mark_range(")]
-    assert order == sorted(order)
+    assert order == sorted(order) and "etc_complete((" not in kernel
 
 
 @pytest.mark.parametrize("tokens", (1, 9))
@@ -1237,13 +1267,14 @@ def test_split_router_layer_compiles_for_sm90a(tmp_path):
 
 def test_dynamic_layer_pushes_gate_up_right_after_align_completes():
     """Align's completion alone arms ``aligned`` and ``h_ready``, which add no counts: the bias
-    lifts (pushing every gate-up task) after one completion atomic and a barrier, with no
-    gate atomic, fence or mark before it; the marks and the skip pass come after."""
-    source = build(make_moe_layer(), {"T": 1}, strategy="dynamic", num_sms=132).cuda_source()
+    lifts (pushing every gate-up task) after the completion's notify and a barrier, with no
+    atomic that returns, fence or mark before it; the marks and the skip pass come after."""
+    graph = make_moe_layer()
+    source = build(graph, {"T": 1}, strategy="dynamic", num_sms=132).cuda_source()
     arming = source[source.index("__global__"):]
-    arming = arming[arming.index("etc_complete("):]
+    arming = arming[arming.index(completion_notify(graph, {"T": 1})):]
     before = arming[:arming.index("etc_unbias(")]
-    assert before.count("etc_complete(") == 1
+    assert "etc_complete((" not in source and "tvm_builtin_cuda_cta_sync();" in before
     assert "thread_fence" not in before and "etc_mark_range(" not in before
     assert arming.index("etc_mark_range(") < arming.index("etc_release_word(")
 
@@ -1520,10 +1551,10 @@ def test_arming_unbiases_every_etensor_before_marking_any():
     """Align's completion arms h_ready and marks the gate-up tiles aligned released: the
     unbias (which pushes what is complete) comes before the marks and skip passes of down
     and gate-up tiles."""
-    source = build(make_moe_layer(H, E, K, F, combine_cols=64), {"T": 16},
-                   strategy="dynamic", num_sms=132).cuda_source()
+    graph = make_moe_layer(H, E, K, F, combine_cols=64)
+    source = build(graph, {"T": 16}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("_dynamic_megakernel_kernel("):]
-    arming = kernel[kernel.index("etc_complete("):]
+    arming = kernel[kernel.index(completion_notify(graph, {"T": 16})):]
     unbias = [m.start() for m in re.finditer(r"etc_unbias\(", arming)]
     marks = [m.start() for m in re.finditer(r"etc_mark_range\(", arming)]
     assert len(unbias) == 1 and len(marks) == 2 and max(unbias) < min(marks)

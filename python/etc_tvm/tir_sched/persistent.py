@@ -862,34 +862,41 @@ class PersistentKernel:
         the gates the call opens, and the CTA arms each ETensor whose gate it opened: every
         ETensor's counts and unbias (``_arm_counts``: the first pushes) before any ETensor's
         marks (``_arm_marks``), then marks the tasks released by the ETensors this completion
-        makes readable without a gate (``EventLayout.marks``)."""
+        makes readable without a gate (``EventLayout.marks``). A call of one task completes
+        with it: its count-down is a notify, with no round trip to learn what it knows."""
         counter = self.counters.ptr_to([i32(self.layout.done[call.index])])
         opened = [(k, name, at, calls)
                   for k, (name, (at, calls)) in enumerate(self.layout.gates.items())
                   if call.index in calls]
         marks = [m for m in (self._arm_marks(name) for name, producer in self.layout.marks.items()
                              if producer == call.index) if m is not None]
-        steps = [tirx.BufferStore(self.hooks, self.runtime_call(
-            "etc_complete", counter, return_type="int32"), [i32(0)])]
+        if call.num_tasks == 1:
+            completed = None  # always
+            steps = [tirx.Evaluate(self.runtime_call(
+                "etc_notify_fenced" if self.fenced_notifies else "etc_notify", counter))]
+        else:
+            completed = self.hooks[0] != 0
+            steps = [tirx.BufferStore(self.hooks, self.runtime_call(
+                "etc_complete", counter, return_type="int32"), [i32(0)])]
+        opens = {}  # gate k -> whether this task opened it (None: it did)
         for k, _, at, calls in opened:
             if calls == (call.index,):  # this call's completion alone arms it
-                steps.append(tirx.BufferStore(self.hooks, self.hooks[0], [i32(k + 1)]))
+                opens[k] = completed
                 continue
-            gate = self.runtime_call("etc_complete", self.counters.ptr_to([i32(at)]),
-                                     return_type="int32")
-            steps.append(tirx.IfThenElse(self.hooks[0] != 0,
-                                         tirx.BufferStore(self.hooks, gate, [i32(k + 1)]),
-                                         tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
+            gate = tirx.BufferStore(self.hooks, self.runtime_call(
+                "etc_complete", self.counters.ptr_to([i32(at)]), return_type="int32"),
+                [i32(k + 1)])
+            steps.append(gate if completed is None else tirx.IfThenElse(
+                completed, gate, tirx.BufferStore(self.hooks, i32(0), [i32(k + 1)])))
+            opens[k] = self.hooks[k + 1] != 0
         out = [tirx.IfThenElse(self.tx == 0, tirx.stmt_seq(*steps), None)]
         if opened or marks:
             out.append(tirx.Evaluate(Tb.cuda.cta_sync()))
         for part in (self._arm_counts, self._arm_marks):  # every first push before any mark
             for k, name, _, _ in opened:
-                stmt = part(name)
-                if stmt is not None:
-                    out.append(tirx.IfThenElse(self.hooks[k + 1] != 0, stmt, None))
-        out += [tirx.IfThenElse(self.hooks[0] != 0, m, None) for m in marks]
-        return tirx.stmt_seq(*out)
+                out.append(self._guarded(part(name), opens[k]))
+        out += [self._guarded(m, completed) for m in marks]
+        return tirx.stmt_seq(*[s for s in out if s is not None])
 
     def _arm_counts(self, name: str) -> tirx.Stmt:
         """All threads of one CTA add ETensor ``name``'s run-time counts to its counters (from
