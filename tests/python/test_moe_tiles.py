@@ -31,14 +31,20 @@ from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
 from test_tiles import assert_within, poisoned
 
 
-def completion_notify(graph, dims) -> str:
-    """The notify that counts down the completion of the call of ``graph`` that writes
-    exp_indptr, a call of one task (``PersistentKernel._completion``)."""
+def completion_counter(graph, dims) -> tuple[int, str]:
+    """The tasks of the call of ``graph`` that writes exp_indptr, and the counter of its
+    completion as the generated CUDA points at it."""
     tasks = TaskGraph.build(graph, dims)
     (call,) = [c for c in tasks.calls
                if any(tasks.tensors[t].name == "exp_indptr" for t in c.outputs)]
-    assert call.num_tasks == 1
-    return f"etc_notify((&(counters_ptr[{EventLayout.of(tasks).done[call.index]}])));"
+    return call.num_tasks, f"(&(counters_ptr[{EventLayout.of(tasks).done[call.index]}]))"
+
+
+def completion_notify(graph, dims) -> str:
+    """The notify that completes that call, of one task (``PersistentKernel._completion``)."""
+    num_tasks, counter = completion_counter(graph, dims)
+    assert num_tasks == 1
+    return f"etc_notify({counter});"
 
 
 def _load_app(name):
@@ -1183,16 +1189,12 @@ def test_one_task_completes_its_call_without_a_round_trip(align_tokens):
     graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2,
                            align_tokens=align_tokens)
     source = build(graph, {"T": 20}, num_sms=132).cuda_source()
+    num_tasks, done = completion_counter(graph, {"T": 20})
+    assert num_tasks == (3 if align_tokens else 1)
     if align_tokens:
-        tasks = TaskGraph.build(graph, {"T": 20})
-        (writer,) = [c for c in tasks.calls
-                     if any(tasks.tensors[t].name == "exp_indptr" for t in c.outputs)]
-        done = f"(&(counters_ptr[{EventLayout.of(tasks).done[writer.index]}]))"
-        assert writer.num_tasks == 3 and f"etc_complete({done})" in source
-        assert f"etc_notify({done})" not in source
+        assert f"etc_complete({done})" in source and f"etc_notify({done})" not in source
     else:
-        assert completion_notify(graph, {"T": 20}) in source
-        assert "etc_complete((" not in source
+        assert f"etc_notify({done})" in source and "etc_complete((" not in source
 
 
 def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
