@@ -123,9 +123,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     per_router_block = router_tokens // block_tokens  # top-k blocks a router task scores
     router = moe.make_router_tile(H, E, router_tokens, experts_per_task, threads,
                                   splits=router_splits, engine=router_engine)
-    if align_tokens % block_tokens:
-        raise ValueError(f"align_tokens {align_tokens} must be a multiple of block_tokens "
-                         f"{block_tokens}")
+    if align_tokens < 0 or align_tokens % block_tokens:
+        raise ValueError(f"align_tokens {align_tokens} must be 0 (one align task) or a "
+                         f"positive multiple of block_tokens {block_tokens}")
     if place_offsets and not align_tokens:
         raise ValueError("place_offsets folds align's offsets into its place tasks: it takes "
                          "align over several CTAs (align_tokens)")
@@ -396,6 +396,12 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
     return moe.block_columns(w_gate_up, bn), moe.block_columns(w_down, down_bn)
 
 
+# the options of ``options_for`` that are counts or sizes
+SIZE_OPTIONS = ("tile_rows", "threads", "ctas_per_sm", "block_tokens", "router_tokens",
+                "experts_per_task", "bn", "down_bn", "bk", "down_bk", "stages", "combine_cols",
+                "combine_tokens", "router_splits")
+
+
 def options_for(tokens: int, **options) -> dict:
     """``make_moe_layer``'s keyword options for ``tokens`` tokens: ``options``, with the tile
     rows (``tile_rows_for``), the grouped GEMMs' engine (``engine_for``, from
@@ -415,7 +421,12 @@ def options_for(tokens: int, **options) -> dict:
     (``align_tokens_for``; one align task under ``fused_route``) and ``fused_route``
     (wherever align is one task: on the H200 at 1 and 16 tokens it was as fast under barrier
     and 0.3 - 2 us faster under static, dynamic and unfused) filled in where missing or
-    None."""
+    None; a size given must be positive."""
+    given = {name: options[name] for name in SIZE_OPTIONS if options.get(name) is not None}
+    bad = [f"{name}={value}" for name, value in given.items() if value < 1]
+    if bad:
+        raise ValueError(f"options_for: {', '.join(bad)}: a size must be positive (or None "
+                         "for the layer's choice)")
     experts = options.get("experts", QWEN3_30B_A3B["experts"])
     ctas_per_sm = options.get("ctas_per_sm")
     top_k = options.get("top_k", QWEN3_30B_A3B["top_k"])

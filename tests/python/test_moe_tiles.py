@@ -647,9 +647,18 @@ def test_routing_triggers_arm_with_the_last_align_call():
         assert gates and all(calls == {place} for calls in gates.values()), gates
 
 
-def test_align_tokens_must_be_whole_top_k_blocks():
-    with pytest.raises(ValueError, match="multiple of block_tokens 8"):
-        make_moe_layer(H, E, K, F, align_tokens=12)
+@pytest.mark.parametrize("align_tokens", [12, -8])
+def test_align_tokens_must_be_whole_top_k_blocks(align_tokens):
+    with pytest.raises(ValueError, match=f"align_tokens {align_tokens} must be 0 .one align "
+                       "task. or a positive multiple of block_tokens 8"):
+        make_moe_layer(H, E, K, F, align_tokens=align_tokens)
+
+
+@pytest.mark.parametrize("option", moe_layer.SIZE_OPTIONS)
+def test_options_for_refuses_a_size_below_one(option):
+    """0 is not "the layer's choice" (None is)."""
+    with pytest.raises(ValueError, match=f"options_for: {option}=0: a size must be positive"):
+        moe_layer.options_for(16, **{option: 0})
 
 
 @pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 64),
