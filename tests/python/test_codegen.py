@@ -255,6 +255,16 @@ def test_mixed_kernel_polls_its_queue_head_on_warp_0():
     assert "etc_poll(" not in take and "stop_ptr[0] = halt_ptr[0];" in take
 
 
+def test_mixed_kernel_of_fewer_than_32_threads_polls_on_thread_0():
+    """CTAs of 4 threads have no warp to share a poll over: thread 0 takes a held ring task,
+    else polls its queue's head itself."""
+    source = build(graphs.gathers, {}, strategy="mixed", num_sms=4).cuda_source()
+    loop = source[source.index("while (1)"):]
+    assert "polled_ptr" not in source and "any_sync" not in loop
+    assert loop.index("taken_ptr[0] = held_ptr[0];") < loop.index("etc_poll(") \
+        < loop.index("etc_try_pop(")
+
+
 def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():
     """The task completing grouping arms expert_ready (counts added, a fence and a barrier,
     then the bias removed); an expert tile waits for grouping's completion, then finds the

@@ -82,12 +82,13 @@ def test_a_missing_notify_stops_the_kernel_with_a_named_error(claim, rng):
     assert task > dropped and link == task - 1 and 0 <= sm < 132
 
 
-@pytest.mark.parametrize("strategy", ["static", "unfused"])
+@pytest.mark.parametrize("strategy", ["static", "mixed", "unfused"])
 @pytest.mark.parametrize("graph", ["gathers", "doubled_gather"])
 def test_a_failed_input_check_stops_the_call_and_the_next_call_runs(graph, strategy, rng):
     """A slot outside A's rows is an error naming the task and the value; the next call with
     good slots returns the right rows, so the stop record was cleared for it (unfused: by a
-    launch of its own where the first call checks, else by the first launch)."""
+    launch of its own where the first call checks, else by the first launch). Mixed: CTAs of
+    4 threads, which poll their queue's head on thread 0."""
     run = build(getattr(graphs, graph), strategy=strategy)
     a = rng.standard_normal(8).astype(np.float32)
     with pytest.raises(ExecutionError, match=r"task [BD]\w*\(0\) on SM \d+: slot 9 outside 0\.\.7"):
