@@ -59,7 +59,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
     taken = tirx.decl_buffer((2,), "int32", "taken", scope="shared")  # task, from the queue
     # the queue's head that warp 0 polls this round, -1 for none
     polled = tirx.decl_buffer((1,), "int32", "polled", scope="shared")
-    warp = kernel.scopes.num_threads >= WARP
+    warp = kernel.warp_waits
     task, queued = tirx.Var("t", "int32"), tirx.Var("queued", "int32")
     head, polled_task = tirx.Var("head", "int32"), tirx.Var("polled_task", "int32")
     dispatch = kernel.dispatch(task, skip_waits=queued)

@@ -195,6 +195,8 @@ class PersistentKernel:
         self.num_ctas = num_ctas
         self.scopes = ThreadScopes(threads.pop())
         self.tx = self.scopes.tx
+        # whether warp 0 shares a task's waits and polls (else thread 0 takes every element)
+        self.warp_waits = self.scopes.num_threads >= WARP
         self.source = runtime_source(ranks=self.rank is not None)
         self.symbolic = symbolic
         # one kernel of several ranks keeps every buffer where build_rank puts it
@@ -526,8 +528,8 @@ class PersistentKernel:
         (``LoweredEdge.nest_strided``), so that a task waiting on K elements polls them at
         once, not one round trip after another. Then a barrier, and the CTA leaves its loop
         if the grid is stopping."""
-        warp = self.scopes.num_threads >= WARP  # else thread 0 waits on every element
-        steps = self._wait_steps(call, task, coords, self._wait, self.tx if warp else None)
+        steps = self._wait_steps(call, task, coords, self._wait,
+                                 self.tx if self.warp_waits else None)
         return None if steps is None else self._by_warp0(steps)
 
     def _prelude_waits(self, call, task) -> tirx.Stmt | None:
@@ -536,24 +538,22 @@ class PersistentKernel:
         flats = [i32(self.layout.done[p]) for p in sorted(self.graph.prelude_waits(call))]
         if not flats:
             return None
-        warp = self.scopes.num_threads >= WARP
         return self._by_warp0(tirx.stmt_seq(
             tirx.BufferStore(self.halt, i32(0), [i32(0)]),
             *[tirx.IfThenElse(self.tx == i32(k % WARP), self._wait(flat, task), None)
-              if warp else self._wait(flat, task) for k, flat in enumerate(flats)]),
+              if self.warp_waits else self._wait(flat, task) for k, flat in enumerate(flats)]),
             self.prelude_stop)
 
     def _by_warp0(self, steps: tirx.Stmt, flag: tirx.Buffer | None = None) -> tirx.Stmt:
         """``steps`` (waits that set ``halt``) by warp 0 (thread 0 in a CTA of fewer
         threads), which publishes in ``flag`` (``stop`` unless given) whether one failed;
         then a barrier, and the CTA leaves its loop if the grid is stopping."""
-        warp = self.scopes.num_threads >= WARP
         flag = self.stop if flag is None else flag
         publish = tirx.BufferStore(flag, self.halt[0], [i32(0)])
-        if warp:
+        if self.warp_waits:
             publish = tirx.stmt_seq(self._halt_any(),
                                     tirx.IfThenElse(self.tx == 0, publish, None))
-        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if warp else 1),
+        return tirx.stmt_seq(tirx.IfThenElse(self.tx < i32(WARP if self.warp_waits else 1),
                                              tirx.stmt_seq(steps, publish), None),
                              tirx.Evaluate(Tb.cuda.cta_sync()),
                              tirx.IfThenElse(flag[0] != 0, tirx.Break(), None))
