@@ -163,8 +163,7 @@ class LoweredEdge:
                         tirx.ForKind.SERIAL, tirx.stmt_seq(
                             tirx.Bind(point, r * n + lane),
                             tirx.IfThenElse(point < total, tirx.stmt_seq(*coords, body), None)))
-        nest = tirx.stmt_seq(*setup, loop)
-        return nest if self.guard is None else tirx.IfThenElse(self.guard, nest, None)
+        return LoweredEdge((), self.index, self.guard).nest(tirx.stmt_seq(*setup, loop))
 
 
 class _Lowering:
