@@ -172,6 +172,10 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="down tasks issue their first weight slices before they wait "
                         "for their rows of h, a task prelude (default: below "
                         f"{moe_layer.EARLY_WEIGHTS_BELOW} tokens)")
+    parser.add_argument("--routed-gate-up", action=argparse.BooleanOptionalAction,
+                        help="gate_up tasks route themselves from the router's logits and "
+                        "wait for the router only (moe.LogitRouting; default: below "
+                        f"{moe_layer.ROUTED_GATE_UP_BELOW} tokens)")
     parser.add_argument("--place-offsets", action=argparse.BooleanOptionalAction,
                         help="align's place tasks sum the chunks' counts themselves, with no "
                         "offsets task (moe.make_align_rows_tile; default: wherever align runs "
@@ -212,7 +216,7 @@ def layer_options(tokens: int, options: argparse.Namespace) -> dict:
         y_dtype=options.y_dtype, align_tokens=options.align_tokens,
         fused_route=options.fused_route, down_loads=options.down_loads,
         early_weights=options.early_weights, place_offsets=options.place_offsets,
-        topk_counts=options.topk_counts)
+        topk_counts=options.topk_counts, routed_gate_up=options.routed_gate_up)
 
 
 def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ours,
@@ -311,6 +315,7 @@ def print_row(row: dict, ours) -> None:
               + " columns" + (" (rows prefetched into L2)" if about.get("combine_prefetch")
                               else "")
               + (", down weights before the wait" if about.get("early_weights") else "")
+              + (", gate_up routed from the logits" if about.get("routed_gate_up") else "")
               + (f", align over tasks of {about['align_tokens']} tokens"
                  if about["align_tokens"] else ", top-k and align in one task"
                  if about.get("fused_route") else ", one align task")

@@ -61,7 +61,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
                    down_loads: str = "cp.async", combine_tokens: int = 1,
                    combine_prefetch: bool = False, early_weights: bool = False,
-                   place_offsets: bool = False, topk_counts: bool = False):
+                   place_offsets: bool = False, topk_counts: bool = False,
+                   routed_gate_up: bool = False):
     """The graph function ``moe_layer(x, w_router, w_gate_up, w_down) -> out`` (T symbolic):
     x (T, H) bf16, w_router (H, E) bf16, w_gate_up (E, H, 2F) bf16 interleaved
     (``moe.interleave_gate_up``), w_down (E, F, H) bf16; out (T, H) bf16.
@@ -104,7 +105,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     calls, not three: one hop and one one-CTA task fewer before the experts.
     ``topk_counts`` (with ``place_offsets``): the top-k tasks count their picks per expert
     (``moe.make_topk_tile(counts=True)``) and the place tasks sum those rows, so that align
-    is one call: the count call and its hop go."""
+    is one call: the count call and its hop go. ``routed_gate_up``: the gate_up tasks
+    route themselves from the router's logits (``moe.LogitRouting``), so that they wait for
+    the router only, not for top-k and align after it; for at most ``moe.routed_tokens``
+    tokens (a larger T is refused at run time)."""
     H, E, K, F, BT = hidden, experts, top_k, intermediate, tile_rows
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
@@ -112,7 +116,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                                  down_bk=down_bk, stages=stages, engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
                                  y_dtype=y_dtype, down_loads=down_loads,
-                                 early_weights=early_weights)
+                                 early_weights=early_weights,
+                                 routing=moe.LogitRouting(top_k, router_splits)
+                                 if routed_gate_up else None)
     combine_cols = min(combine_cols, H)
     if combine_cols % down_bn:
         raise ValueError(f"combine_cols {combine_cols} must be a multiple of down_bn {down_bn}")
@@ -132,6 +138,10 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     if topk_counts and not place_offsets:
         raise ValueError("topk_counts hands the top-k tasks' counts to place tasks that sum "
                          "them: it takes place_offsets")
+    if routed_gate_up and router_tokens < moe.routed_tokens(threads, BT):
+        raise ValueError(f"routed_gate_up waits for the router's first block of tokens: "
+                         f"router_tokens {router_tokens} must cover the "
+                         f"{moe.routed_tokens(threads, BT)} tokens a gate_up tile routes")
     if fused_route and align_tokens:
         raise ValueError(f"fused_route aligns in one task: it takes align_tokens 0, got "
                          f"{align_tokens}")
@@ -237,11 +247,16 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                          Tensor((tiles,), "int32", name="tile_expert")],
                     in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
         h_ready = ETensor((tiles,), name="h_ready")
-        h = call_device(gate_up, tile_num=(tiles, nb1),
-                        args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
-                        out=Tensor((tiles * BT, F), "bfloat16", name="h"),
-                        in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
-                        out_edges={h_ready: "gn->g"}, schedule="dynamic")
+        h_shape = Tensor((tiles * BT, F), "bfloat16", name="h")
+        if routed_gate_up:  # every token in the router's first block
+            h = call_device(gate_up, tile_num=(tiles, nb1), args=[x, w_gate_up, logits],
+                            out=h_shape, in_edges={logits_ready: "gn->0"},
+                            out_edges={h_ready: "gn->g"}, schedule="dynamic")
+        else:
+            h = call_device(gate_up, tile_num=(tiles, nb1),
+                            args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
+                            out=h_shape, in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
+                            out_edges={h_ready: "gn->g"}, schedule="dynamic")
         y_ready = ETensor((tiles, nc), name="y_ready")
         y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, sorted_token, tile_expert,
                                                           exp_indptr],
@@ -262,9 +277,10 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                  stages: int | None = None, engine: str = "mma",
                  threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
                  y_dtype: str = "float32", down_loads: str = "cp.async",
-                 early_weights: bool = False):
-    """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options),
-    each with ``stages`` or the deepest ring that fits a CTA's share of the SM.
+                 early_weights: bool = False, routing: moe.LogitRouting | None = None):
+    """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options;
+    ``routing``: gate_up's, ``moe.make_gate_up_tile``), each with ``stages`` or the deepest
+    ring that fits a CTA's share of the SM.
 
     K slices (``bk``, ``down_bk`` by default ``bk``): 64 columns, but 32 for swapped tiles
     and for cp.async wgmma tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x
@@ -289,7 +305,8 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     down_bk = down_bk or bk or slice_for(down_bn, down_loads)
     bk = bk or slice_for(bn)
     return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads,
-                                  stages or deepest(bn, bk), engine, blocked_weights),
+                                  stages or deepest(bn, bk), engine, blocked_weights,
+                                  routing),
             moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
                                stages or deepest(down_bn, down_bk), engine, blocked_weights,
                                y_dtype, down_loads, early_weights))
@@ -412,7 +429,8 @@ def options_for(tokens: int, **options) -> dict:
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``topk_tokens_for``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
-    load their first weights in their prelude (``early_weights_for``), ``place_offsets``
+    load their first weights in their prelude (``early_weights_for``), whether the gate_up
+    tasks route themselves (``routed_gate_up_for``), ``place_offsets``
     wherever align runs over several CTAs unless turned off (at 1024 tokens on the H200 the
     routing ended 5.4 us sooner and the static kernel ran 2 - 10 us faster in three runs),
     ``topk_counts`` where ``place_offsets`` is on, unless turned off, while the place
@@ -462,8 +480,10 @@ def options_for(tokens: int, **options) -> dict:
     place_offsets = options.get("place_offsets") is not False and align_tokens > 0
     early_weights = options["early_weights"] if options.get("early_weights") is not None \
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
+    routed = options["routed_gate_up"] if options.get("routed_gate_up") is not None \
+        else routed_gate_up_for(tokens)
     return {**options, "tile_rows": rows, "engine": engine, "threads": threads,
-            "early_weights": early_weights,
+            "early_weights": early_weights, "routed_gate_up": routed,
             "place_offsets": place_offsets,
             "topk_counts": place_offsets and (
                 options["topk_counts"] if options.get("topk_counts") is not None
@@ -587,6 +607,18 @@ def early_weights_for(tokens: int) -> bool:
     a task the ring hands out is ready, gains nothing from its prelude, and its ring's first
     step then waits for every weight slice the prelude issued (one cp.async group)."""
     return tokens < EARLY_WEIGHTS_BELOW
+
+
+ROUTED_GATE_UP_BELOW = 3  # tokens below which the gate_up tasks route themselves
+
+
+def routed_gate_up_for(tokens: int) -> bool:
+    """Whether the gate_up tasks route themselves from the router's logits
+    (``make_moe_layer``'s ``routed_gate_up``): below ``ROUTED_GATE_UP_BELOW`` tokens, where
+    the gate-up weights then stream from the router's end, not the route task's. On the
+    H200 (static + graph, claimed) one token 38.7 -> 36.4 us, two 55.3 -> 53.3; at four
+    tokens each of the 768 tasks picks for four and the static kernel lost 0.7 us."""
+    return tokens < ROUTED_GATE_UP_BELOW
 
 
 def align_tokens_for(tokens: int) -> int:

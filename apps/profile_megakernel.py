@@ -57,6 +57,9 @@ def main() -> None:
                         help="MoE down tasks issue their first weight slices before they wait "
                         "for h (as bench_moe's --early-weights; default: "
                         "moe_layer.early_weights_for the tokens)")
+    parser.add_argument("--moe-routed-gate-up", action=argparse.BooleanOptionalAction,
+                        help="MoE gate_up tasks route themselves from the router's logits "
+                        "(as bench_moe's --routed-gate-up)")
     parser.add_argument("--moe-place-offsets", action=argparse.BooleanOptionalAction,
                         help="MoE place tasks sum align's counts themselves (as bench_moe's "
                         "--place-offsets; default: wherever align runs over several CTAs)")
@@ -103,7 +106,8 @@ def main() -> None:
                 experts_per_task=args.moe_experts_per_task, ctas_per_sm=args.ctas_per_sm,
                 blocked_weights=blocked, y_dtype=args.moe_y_dtype,
                 align_tokens=args.moe_align_tokens, early_weights=args.moe_early_weights,
-                place_offsets=args.moe_place_offsets, topk_counts=args.moe_topk_counts)
+                place_offsets=args.moe_place_offsets, topk_counts=args.moe_topk_counts,
+                routed_gate_up=args.moe_routed_gate_up)
             graph = moe_layer.make_moe_layer(**options)
             weights = moe_layer.blocked_expert_weights(
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \

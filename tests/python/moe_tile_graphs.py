@@ -1,6 +1,9 @@
 """The MoE and RoPE tiles each alone as a graph function (strategy "unfused": one grid launch),
 as the GPU tests and ``apps/bench_tiles.py`` run them, and the sizes each takes."""
-from etc_tvm import ETensor, Tensor, call_device, graph_func
+from tvm import tirx
+from tvm.script import tirx as T
+
+from etc_tvm import ETensor, Tensor, call_device, device_func, graph_func
 from etc_tvm.tiles import moe, rope
 
 BT = 16  # the grouped GEMMs' tile rows
@@ -167,6 +170,50 @@ def counted_align_graph(experts, top_k, chunk_tokens=CHUNK_TOKENS, block_tokens=
             in_edges={counted: "c->0"}))
 
     return topk_align
+
+
+def routed_tiles_graph(experts, top_k, tile_rows=BT, splits=2, threads=128):
+    """``moe.route_tile`` alone: task g writes tile g's expert and the tokens of its rows, as
+    a routed gate_up task finds them from the router's ``splits`` partial logits, into
+    tile_expert (tiles,) and sorted_token (tiles * tile_rows,); the reference is align's."""
+    E, S, BT_ = experts, splits, tile_rows
+    ntok, tiles, rows = (tirx.Var(n, "int32") for n in ("T", "tiles", "rows"))
+
+    @T.prim_func
+    def routed_tile(g: T.int32, logits: T.Buffer((S, ntok, E), "float32"),
+                    tile_expert: T.Buffer((tiles,), "int32"),
+                    sorted_token: T.Buffer((rows,), "int32")):
+        T.device_entry()
+        tx = T.thread_id([threads])
+        warp = T.warp_id([threads // moe.WARP])
+        lane = T.lane_id([moe.WARP])
+        expert = T.alloc_shared((1,), "int32")
+        tokens = T.alloc_shared((BT_,), "int32")
+        moe.route_tile(g, logits, top_k, BT_, threads, tx, warp, lane, expert, tokens)
+        if tx == 0:
+            tile_expert[g] = expert[0]
+        if tx < BT_:
+            sorted_token[g * BT_ + tx] = tokens[tx]
+
+    tile = device_func(routed_tile.with_attr("global_symbol", "routed_tile"))
+
+    @tile.set_reference
+    def _(g, logits, tile_expert, sorted_token):
+        total = logits[0]
+        for s in range(1, S):  # in the device's order: fp32 sums do not reassociate
+            total = total + logits[s]
+        picks, _ = moe.top_k_of(total, top_k)
+        _, _, _, tokens, experts = moe.align_reference(picks, E, BT_, len(tile_expert))
+        tile_expert[g] = experts[g]
+        sorted_token[g * BT_:(g + 1) * BT_] = tokens[g * BT_:(g + 1) * BT_]
+
+    @graph_func
+    def routed_tiles(logits: Tensor((S, "T", E), "float32")):
+        tiles_ = moe.max_tiles(logits.shape[1], E, top_k, BT_)
+        return call_device(tile, tile_num=(tiles_,), args=[logits],
+                           out=[Tensor((tiles_,), "int32"), Tensor((tiles_ * BT_,), "int32")])
+
+    return routed_tiles
 
 
 def one_call_dims(name, tokens, experts=128, top_k=8):

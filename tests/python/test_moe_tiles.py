@@ -27,7 +27,8 @@ from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 from cubin import build_cubin, sass
-from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
+from moe_tile_graphs import (counted_align_graph, one_call_dims, one_call_graphs,
+                             routed_tiles_graph)
 from test_tiles import assert_within, poisoned
 
 
@@ -809,6 +810,58 @@ def test_layer_with_early_weights_matches_float64(engine, tile_rows, tokens, ord
     assert_within(out, want, bound)
 
 
+def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
+    """gate_up tasks that route themselves from the router's logits, in the static kernel as
+    bench_moe builds it at one token (claimed): they wait for the router's element, not for
+    the route task, and read no routing tensor; no register spilled."""
+    options = moe_layer.options_for(1, blocked_weights=True, y_dtype="bfloat16",
+                                    routed_gate_up=True)
+    graph = make_moe_layer(**options)
+    build_cubin(build(graph, {"T": 1}, strategy="static", num_sms=132,
+                      options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                            claim=True)).cuda_source(), tmp_path)
+    tasks = TaskGraph.build(graph, {"T": 1})
+    gate_up = next(c for c in tasks.calls if c.fn.name.startswith("gate_up"))
+    assert gate_up.fn.name.endswith("_routed_top8_s8")
+    assert [p.name for p in gate_up.fn.buffer_params] == ["x", "w_gate_up", "logits", "h"]
+    assert [(e.etensor, str(e.map)) for e in gate_up.in_edges] == [("logits_ready",
+                                                                    "gn->0")]
+    assert not tasks.completion_waits(gate_up)
+
+
+@pytest.mark.parametrize("order", ["random0", "static5", "dynamic3"])
+@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 1), ("mma", 16, 4),
+                                                      ("swapped", 8, 3)])
+def test_layer_with_routed_gate_up_matches_float64(engine, tile_rows, tokens, order):
+    """The gate_up tasks route themselves on the reference executor too: the same layer,
+    the unused tiles' tasks doing nothing."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=128, tile_rows=tile_rows, engine=engine,
+                           routed_gate_up=True)
+    rng = np.random.default_rng(tokens)
+    inputs = make_inputs(rng, tokens, H, E, F)
+    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(out, want, bound)
+
+
+def test_routed_gate_up_refuses_more_tokens_than_it_routes():
+    graph = make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True)
+    inputs = make_inputs(np.random.default_rng(0), 5, H, E, F)
+    with pytest.raises(Exception, match=r"T <= 4: the tile routes itself"):
+        execute(graph, *inputs)
+    with pytest.raises(ValueError, match="router_tokens 2 must cover the 4 tokens"):
+        make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True, block_tokens=2)
+
+
+def test_route_tile_compiles_for_sm90a(tmp_path):
+    """What a routed gate_up task runs to find its tile, alone (the GPU test compares it with
+    align's): its warp scan shuffles on every lane."""
+    source = build(routed_tiles_graph(128, 8), {"T": 3}, strategy="unfused").cuda_source()
+    assert re.search(r"__shfl_up_sync\(\(uint\)4294967295, run\w*\[0\], 16, 32\);\n"
+                     r" *if \(16 <=", source)
+    build_cubin(source, tmp_path)
+
+
 def test_early_weights_are_cp_async_copies():
     with pytest.raises(EtcError, match="early_weights issues cp.async copies"):
         moe.make_down_tile(768, 2048, 128, 64, 128, 64, 128, 4, "wgmma", loads="tma",
@@ -1080,6 +1133,14 @@ def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, wa
 ])
 def test_layer_options_load_down_weights_early_at_few_tokens(tokens, options, want):
     assert moe_layer.options_for(tokens, **options)["early_weights"] is want
+
+
+@pytest.mark.parametrize("tokens, options, want", [
+    (1, {}, True), (2, {}, True), (3, {}, False), (1024, {}, False),
+    (1, {"routed_gate_up": False}, False), (4, {"routed_gate_up": True}, True),
+])
+def test_layer_options_route_gate_up_at_few_tokens(tokens, options, want):
+    assert moe_layer.options_for(tokens, **options)["routed_gate_up"] is want
 
 
 def test_router_tokens_must_be_whole_top_k_blocks():

@@ -11,7 +11,8 @@ from etc_tvm.build import build
 from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.persistent import KernelOptions
 
-from moe_tile_graphs import counted_align_graph, one_call_dims, one_call_graphs
+from moe_tile_graphs import (counted_align_graph, one_call_dims, one_call_graphs,
+                             routed_tiles_graph)
 from test_moe_tiles import BF16, _load_app, logits_picking, misplace, routed
 from test_tiles import assert_within
 
@@ -99,6 +100,24 @@ def test_align_tile(tokens, routing, rng):
     np.testing.assert_array_equal(pair_tile, want[2] // BT)
     np.testing.assert_array_equal(sorted_token, want[3])
     np.testing.assert_array_equal(tile_expert, want[4])
+
+
+@pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
+@pytest.mark.parametrize("tokens", (1, 2, 4))
+def test_route_tile(tokens, routing, rng):
+    """Each tile's expert and the tokens of its rows as a routed gate_up task finds them
+    from the router's two partial logits (``moe.route_tile``): align's tile_expert and
+    sorted_token of the same picks."""
+    key = ("routed_tiles", tokens)
+    if key not in _compiled:
+        _compiled[key] = build(routed_tiles_graph(E, K), {"T": tokens}, strategy="unfused")
+    topk = routed(rng, tokens, routing, E, K)
+    first = logits_picking(topk, E, rng)[0]
+    tile_expert, sorted_token = _compiled[key](np.stack([first, np.zeros_like(first)]))
+    _, _, _, want_tokens, want_experts = moe.align_reference(topk, E, BT,
+                                                             moe.max_tiles(tokens, E, K, BT))
+    np.testing.assert_array_equal(tile_expert, want_experts)
+    np.testing.assert_array_equal(sorted_token, want_tokens)
 
 
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
@@ -620,6 +639,17 @@ def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):
             replay()
             torch.cuda.synchronize()
             assert_within(replay.checked(), want, bound)
+
+
+@pytest.mark.parametrize("tokens", (1, 3, 4))
+@pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "mixed", "unfused"])
+def test_routed_gate_up_layer_megakernel(strategy, tokens, rng, expert_weights,
+                                         expert_weights_f64):
+    """gate_up tasks that route themselves from the router's logits and wait for the router
+    only (``routed_gate_up``), the tokens' defaults otherwise, every routing: their rows of h
+    are those align gives the down tasks."""
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+                              routed_gate_up=True)
 
 
 @pytest.mark.parametrize("tokens", (1, 16, 1024))

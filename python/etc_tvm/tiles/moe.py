@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -293,9 +294,10 @@ class TopKPicker:
         self.weight = T.alloc_local((top_k,), "float32")
 
     @T.inline
-    def pick(self, b, logits, topk, topw, hist=None):
+    def pick(self, b, logits, topk, topw, hist=None, token_bits=False):
         # hist, if given: a shared (E,) count that each pick adds one to (an unpickable
-        # token's id E is not counted)
+        # token's id E is not counted), or with token_bits 1 << t for block token t (a set
+        # of the block's tokens: a token picks an expert once); topk and topw may be None
         E, K, TB, S = T.meta_var((self.E, self.K, self.TB, self.S))
         warps, per_lane, lane, vals = T.meta_var((self.warps, self.per_lane, self.lane,
                                                   self.vals))
@@ -340,17 +342,21 @@ class TopKPicker:
                     for v in T.unroll(per_lane):
                         if lane + v * WARP == chosen:
                             vals[tt, v] = T.float32(FLT_LOWEST)
-                    if k == 0:
-                        top = best
-                    self.weight[k] = T.exp(best - top)
-                    lsum = lsum + self.weight[k]
+                    if topw is not None:
+                        if k == 0:
+                            top = best
+                        self.weight[k] = T.exp(best - top)
+                        lsum = lsum + self.weight[k]
                     if lane == 0:
-                        topk[b * TB + t, k] = chosen
+                        if topk is not None:
+                            topk[b * TB + t, k] = chosen
                         if hist is not None and chosen < E:
-                            T.evaluate(T.cuda.atomic_add(hist.ptr_to([chosen]), T.int32(1)))
-                if lane == 0:
-                    for k in T.unroll(K):
-                        topw[b * TB + t, k] = self.weight[k] / lsum
+                            T.evaluate(T.cuda.atomic_add(hist.ptr_to([chosen]),
+                                                         (1 << t) if token_bits else 1))
+                if topw is not None:
+                    if lane == 0:
+                        for k in T.unroll(K):
+                            topw[b * TB + t, k] = self.weight[k] / lsum
 
 
 def _check_topk(E: int, K: int, threads: int, tile: str) -> None:
@@ -1456,10 +1462,103 @@ def checked_pair_rows(sorted_token, g: int, tile_rows: int, tile: str,
     return g * tile_rows + pairs
 
 
+@dataclass(frozen=True)
+class LogitRouting:
+    """What a grouped GEMM tile needs to route its own task from the router's partial
+    logits (``route_tile``): the ``top_k`` and the router's ``splits``."""
+
+    top_k: int
+    splits: int
+
+
+def routed_tokens(threads: int, tile_rows: int) -> int:
+    """The most tokens a tile of ``threads`` routes itself for (``route_tile``): one round of
+    picks, a warp a token, and every expert's pairs in one tile."""
+    return min(threads // WARP, tile_rows)
+
+
+@T.inline
+def route_tile(g, logits, top_k, tile_rows, threads, tx, warp, lane, expert, tokens):
+    # tile g as align lays it out, from the router's S partial logits (S, T, E), for T <=
+    # routed_tokens: expert[0] its expert (E past the used tiles), tokens[r] the token of its
+    # row r (-1 past its pairs; shared). Warp t picks token t's top-K (``TopKPicker``) into
+    # a shared set of tokens an expert; each thread's contiguous experts' tiles (one where
+    # some token picked it) take their offsets from a warp scan of shuffles and the warps'
+    # totals, and the thread holding tile g writes it. Shared and local memory only
+    S, ntok, E = T.meta_var((int(logits.shape[0]), logits.shape[1], int(logits.shape[2])))
+    warps, seg = T.meta_var((threads // WARP, ceil_div(int(logits.shape[2]), threads)))
+    picker = TopKPicker(E, top_k, warps, S, threads, warp, lane)
+    picked = T.alloc_shared((E,), "int32")  # bit t: token t picked the expert
+    totals = T.alloc_shared((warps,), "int32")
+    for q in T.serial(ceil_div(E, threads)):
+        if q * threads + tx < E:
+            picked[q * threads + tx] = 0
+    if tx == 0:
+        expert[0] = E
+    T.cuda.cta_sync()
+    picker.pick(0, logits, None, None, picked, token_bits=True)
+    T.cuda.cta_sync()
+    mine = T.local_scalar("int32")
+    run = T.local_scalar("int32")
+    up = T.local_scalar("int32")
+    mine = 0
+    for s in T.unroll(seg):
+        if tx * seg + s < E:
+            mine = mine + T.Cast("int32", picked[tx * seg + s] != 0)
+    run = mine
+    for d in T.unroll(5):  # the warp's inclusive scan; every lane shuffles
+        up = T.tvm_warp_shuffle_up(T.uint32(FULL_MASK), run, 1 << d, WARP, WARP)
+        if lane >= (1 << d):
+            run = run + up
+    if lane == WARP - 1:
+        totals[warp] = run
+    T.cuda.cta_sync()
+    run = run - mine  # the first tile of the thread's experts
+    for w in T.unroll(warps - 1):
+        if w < warp:
+            run = run + totals[w]
+    for s in T.unroll(seg):
+        if tx * seg + s < E and picked[tx * seg + s] != 0:
+            if run == g:
+                expert[0] = tx * seg + s
+            run = run + 1
+    T.cuda.cta_sync()
+    bits = T.local_scalar("int32")
+    rank = T.local_scalar("int32")
+    bits = 0
+    if expert[0] < E:
+        bits = picked[expert[0]]
+    for q in T.serial(ceil_div(tile_rows, threads)):
+        r = T.meta_var(q * threads + tx)
+        if r < tile_rows:
+            rank = 0
+            tokens[r] = -1
+            for t in T.unroll(warps):  # row r: the r-th token that picked the expert
+                if (bits >> t) & 1 == 1:
+                    if rank == r:
+                        tokens[r] = t
+                    rank = rank + 1
+    T.cuda.cta_sync()
+
+
+def _route_tile_reference(logits, g: int, top_k: int, tile_rows: int):
+    """(expert, tokens of its rows) of tile g, as ``route_tile`` finds them."""
+    total = logits[0]
+    for s in range(1, logits.shape[0]):  # in the device's order: fp32 sums do not reassociate
+        total = total + logits[s]
+    picks, _ = top_k_of(total, top_k)
+    experts = np.unique(picks)
+    if g >= len(experts):
+        return logits.shape[2], np.full(tile_rows, -1, np.int32)
+    tokens = np.flatnonzero((picks == experts[g]).any(axis=1)).astype(np.int32)
+    return int(experts[g]), np.pad(tokens, (0, tile_rows - len(tokens)), constant_values=-1)
+
+
 @functools.cache
 def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: int = 16,
                       bn: int = 64, bk: int = 64, threads: int = 128,
-                      stages: int = 2, engine: str = "mma", blocked: bool = False) -> DeviceFunc:
+                      stages: int = 2, engine: str = "mma", blocked: bool = False,
+                      routing: LogitRouting | None = None) -> DeviceFunc:
     """The tile ``gate_up_<H>x<F>_e<E>_<BT>x<bn>x<bk>``: task (g, n) computes h columns
     n*bn/2 .. (n+1)*bn/2 of tile g's rows from x rows gathered by sorted_token and the
     interleaved (E, H, 2F) weights (``blocked``: as ``block_columns`` lays them out);
@@ -1467,7 +1566,12 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     (``_engine``; on "wgmma" a tile of several m64 blocks issues the products of those that
     hold rows only, ``_run_rows``). Padding rows (sorted_token -1), which follow a tile's
     pairs as align lays them out, read nothing and are not stored: no task reads them. A pair
-    after a padding row, or a token past x's rows, is an input error (``pair_row_checks``)."""
+    after a padding row, or a token past x's rows, is an input error (``pair_row_checks``).
+    ``routing``: the tile routes its own task instead: it takes the router's S partial logits
+    (S, T, E) in place of sorted_token, tile_expert and exp_indptr, and finds tile g's
+    expert and rows as align lays them out (``route_tile``), for at most ``routed_tokens``
+    tokens; so that a megakernel's gate_up tasks wait for the router only, not for top-k
+    and align after it. A task of a tile past the used ones does nothing."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
     new_tile, suffix = _engine(engine, BT, bn, bk, threads, stages)
     live_blocks = _live_blocks(engine, BT)
@@ -1475,11 +1579,42 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     if H % bk or (2 * F) % bn or bn % (2 * INTERLEAVE):
         raise EtcError(f"gate_up tile: H={H} must be a multiple of bk={bk}, 2F={2 * F} of "
                        f"bn={bn}, and bn of {2 * INTERLEAVE}")
+    if routing is not None:
+        _check_topk(E, routing.top_k, threads, "gate_up")
     ntok, rows, tiles = (tirx.Var(n, "int32") for n in ("T", "rows", "tiles"))
+    w_shape = grouped_weight_shape(E, H, 2 * F, bn, blocked)
+
+    @T.inline
+    def product(g, n, e, x, w_gate_up, h, a_rows, held, mma, sorted_token):
+        # h of tile g's rows below ``held`` from the x rows a_rows(r) and expert e's weights
+        _run_rows(mma, x, a_rows, _weight_src(w_gate_up, e, n, bn, blocked), H // bk,
+                  sorted_token, g * BT, live_blocks)
+        if swapped:  # a thread's columns c and c + 8 of a panel: gate and up
+            for m in T.unroll(mma.mi):
+                for q in T.unroll(mma.ni):
+                    for v in T.unroll(2):
+                        col = T.meta_var(mma.col(m, 0))  # a gate column of the tile
+                        if mma.row(q, v) < held:
+                            h[g * BT + mma.row(q, v),
+                              n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                              + col % INTERLEAVE] = T.Cast(
+                                  "bfloat16", _silu(mma.frag(m, q, v)) * mma.frag(m, q, 2 + v))
+        else:
+            for m in T.unroll(mma.mi):
+                for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
+                    for hh in T.unroll(2):
+                        if mma.row(m, hh) < held:
+                            for v in T.unroll(2):
+                                col = T.meta_var(mma.col(2 * q, v))  # a gate column
+                                h[g * BT + mma.row(m, hh),
+                                  n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
+                                  + col % INTERLEAVE] = T.Cast(
+                                      "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
+                                      * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
     @T.prim_func
     def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-                w_gate_up: T.Buffer(grouped_weight_shape(E, H, 2 * F, bn, blocked), "bfloat16"),
+                w_gate_up: T.Buffer(w_shape, "bfloat16"),
                 sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
                 exp_indptr: T.Buffer((E + 1,), "int32"), h: T.Buffer((rows, F), "bfloat16")):
         T.device_entry()
@@ -1495,52 +1630,68 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             held = T.local_scalar("int32")
             count_pair_rows(held, sorted_token, g * BT, BT, threads, tx, ntok)
             # a token past x's rows (an input error) reads nothing
-            _run_rows(mma, x, lambda r: T.Select(sorted_token[g * BT + r] < ntok,
-                                                 sorted_token[g * BT + r], -1),
-                      _weight_src(w_gate_up, e, n, bn, blocked), H // bk, sorted_token,
-                      g * BT, live_blocks)
-            if swapped:  # a thread's columns c and c + 8 of a panel: gate and up
-                for m in T.unroll(mma.mi):
-                    for q in T.unroll(mma.ni):
-                        for v in T.unroll(2):
-                            col = T.meta_var(mma.col(m, 0))  # a gate column of the tile
-                            if mma.row(q, v) < held:
-                                h[g * BT + mma.row(q, v),
-                                  n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
-                                  + col % INTERLEAVE] = T.Cast(
-                                      "bfloat16",
-                                      _silu(mma.frag(m, q, v)) * mma.frag(m, q, 2 + v))
-            else:
-                for m in T.unroll(mma.mi):
-                    for q in T.unroll(mma.ni // 2):  # blocks 2q (gate) and 2q+1 (up)
-                        for hh in T.unroll(2):
-                            if mma.row(m, hh) < held:
-                                for v in T.unroll(2):
-                                    col = T.meta_var(mma.col(2 * q, v))  # a gate column
-                                    h[g * BT + mma.row(m, hh),
-                                      n * (bn // 2) + col // (2 * INTERLEAVE) * INTERLEAVE
-                                      + col % INTERLEAVE] = T.Cast(
-                                          "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
-                                          * mma.frag(m, 2 * q + 1, 2 * hh + v))
+            product(g, n, e, x, w_gate_up, h,
+                    lambda r: T.Select(sorted_token[g * BT + r] < ntok, sorted_token[g * BT + r],
+                                       -1), held, mma, sorted_token)
+
+    requires = _grouped_requires(rows, tiles, BT)
+    if routing is not None:
+        S, K, most = routing.splits, routing.top_k, routed_tokens(threads, BT)
+
+        @T.prim_func
+        def gate_up_routed(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+                           w_gate_up: T.Buffer(w_shape, "bfloat16"),
+                           logits: T.Buffer((S, ntok, E), "float32"),
+                           h: T.Buffer((rows, F), "bfloat16")):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // WARP])
+            lane = T.lane_id([WARP])
+            expert = T.alloc_shared((1,), "int32")
+            tokens = T.alloc_shared((BT,), "int32")
+            route_tile(g, logits, K, BT, threads, tx, warp, lane, expert, tokens)
+            e = T.local_scalar("int32")
+            e = expert[0]
+            if e < E:  # CTA-uniform
+                mma = new_tile(tx, warp, lane)
+                held = T.local_scalar("int32")
+                held = 0
+                for r in T.unroll(BT):
+                    held = held + T.Cast("int32", tokens[r] >= 0)
+                product(g, n, e, x, w_gate_up, h, lambda r: tokens[r], held, mma, None)
+
+        gate_up = gate_up_routed
+        requires = [(ntok <= most, f"T <= {most}: the tile routes itself for one round of "
+                     "picks, every expert's pairs in one tile")]
 
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
-        "_blocked" if blocked else "")
+        "_blocked" if blocked else "") + (
+        f"_routed_top{routing.top_k}_s{routing.splits}" if routing is not None else "")
     tile = device_func(gate_up.with_attr("global_symbol", name), cost=H // bk,
-                       checks=pair_row_checks(gathers=True),
-                       requires=_grouped_requires(rows, tiles, BT))
+                       checks=() if routing is not None else pair_row_checks(gathers=True),
+                       requires=requires)
 
-    @tile.set_reference
-    def _(g, n, x, w_gate_up, sorted_token, tile_expert, exp_indptr, h):
-        e = int(tile_expert[g])
-        if e >= E:
-            return
-        rows_ = checked_pair_rows(sorted_token, g, BT, f"gate_up({g}, {n})", len(x))
-        both = x[sorted_token[rows_]].astype(np.float32) @ _reference_slab(
-            w_gate_up, e, n, bn, blocked).astype(np.float32)
-        pairs = both.reshape(len(rows_), bn // (2 * INTERLEAVE), 2, INTERLEAVE)
+    def reference(g, n, x, w_gate_up, e, tokens, h):
+        both = x[tokens].astype(np.float32) @ _reference_slab(w_gate_up, e, n, bn,
+                                                              blocked).astype(np.float32)
+        pairs = both.reshape(len(tokens), bn // (2 * INTERLEAVE), 2, INTERLEAVE)
         value = _np_silu(pairs[:, :, 0]) * pairs[:, :, 1]
-        h[rows_, n * bn // 2:(n + 1) * bn // 2] = value.reshape(len(rows_), bn // 2).astype(
-            h.dtype)
+        h[g * BT:g * BT + len(tokens), n * bn // 2:(n + 1) * bn // 2] = value.reshape(
+            len(tokens), bn // 2).astype(h.dtype)
+
+    if routing is None:
+        @tile.set_reference
+        def _(g, n, x, w_gate_up, sorted_token, tile_expert, exp_indptr, h):
+            e = int(tile_expert[g])
+            if e < E:
+                rows_ = checked_pair_rows(sorted_token, g, BT, f"gate_up({g}, {n})", len(x))
+                reference(g, n, x, w_gate_up, e, sorted_token[rows_], h)
+    else:
+        @tile.set_reference
+        def _(g, n, x, w_gate_up, logits, h):
+            e, tokens = _route_tile_reference(logits, g, routing.top_k, BT)
+            if e < E:
+                reference(g, n, x, w_gate_up, e, tokens[tokens >= 0], h)
 
     return tile
 
