@@ -33,6 +33,12 @@ and with ``topk_counts`` in one: the top-k tasks count their picks per expert th
 
     topk (ceil(T/TB))  --counted "b->0"-->  align_rows (ceil(T/CT))  --aligned "c->0"-->
 
+With ``routed_gate_up`` (a few tokens) gate_up routes itself from the logits, beside the
+routing calls rather than after them, and ``aligned`` goes (down's trigger reads the
+routing's exp_indptr, so its tasks still wait for the routing)::
+
+    router  --logits_ready-->  gate_up (tiles x NB1), in-edge "gn->0" (the first block)
+
 Run ``python apps/moe_layer.py`` to check a small configuration on the CPU reference executor.
 """
 import functools
@@ -186,7 +192,12 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                              out_edges={logits_ready: "bsj->0" if fused_route else "bsj->b"})
         picks = [Tensor((tokens, K), "int32", name="topk"),
                  Tensor((tokens, K), "float32", name="topw")]
-        aligned = ETensor((1,), name="aligned")
+        aligned = None if routed_gate_up else ETensor((1,), name="aligned")
+
+        def aligning(edge_map: str) -> dict:
+            # the routing's last call completes gate_up's trigger, unless gate_up routes itself
+            return {} if aligned is None else {aligned: edge_map}
+
         routing = [Tensor((tokens, K), "int32", name="pair_row"),
                    Tensor((tokens, K), "int32", name="pair_tile"),
                    Tensor((tiles * BT,), "int32", name="sorted_token")]
@@ -196,7 +207,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                             out=[*picks, Tensor((E,), "int32", name="counts"),
                                  Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
                                  Tensor((tiles,), "int32", name="tile_expert")],
-                            in_edges={logits_ready: "i->0"}, out_edges={aligned: "i->0"})
+                            in_edges={logits_ready: "i->0"}, out_edges=aligning("i->0"))
         else:
             chunks = ceil_div(tokens, align_tokens) if align_tokens else 1
             if align_tokens:
@@ -224,7 +235,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                     align_rows, tile_num=(chunks,), args=[topk, chunk_counts],
                     out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr"),
                          Tensor((tiles,), "int32", name="tile_expert")],
-                    in_edges={counted: "c->0"}, out_edges={aligned: "c->0"})
+                    in_edges={counted: "c->0"}, out_edges=aligning("c->0"))
             elif align_tokens:
                 offset = ETensor((1,), name="offset")
                 counts, indptr, chunk_row, tile_expert = call_device(
@@ -238,14 +249,14 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                 pair_row, pair_tile, sorted_token, exp_indptr = call_device(
                     align_place, tile_num=(chunks,), args=[topk, counts, indptr, chunk_row],
                     out=[*routing, Tensor((E + 1,), "int32", name="exp_indptr")],
-                    in_edges={offset: "c->0"}, out_edges={aligned: "c->0"})
+                    in_edges={offset: "c->0"}, out_edges=aligning("c->0"))
             else:
                 _, exp_indptr, pair_row, pair_tile, sorted_token, tile_expert = call_device(
                     align, tile_num=(1,), args=[topk],
                     out=[Tensor((E,), "int32", name="counts"),
                          Tensor((E + 1,), "int32", name="exp_indptr"), *routing,
                          Tensor((tiles,), "int32", name="tile_expert")],
-                    in_edges={routed: "i->0"}, out_edges={aligned: "i->0"})
+                    in_edges={routed: "i->0"}, out_edges=aligning("i->0"))
         h_ready = ETensor((tiles,), name="h_ready")
         h_shape = Tensor((tiles * BT, F), "bfloat16", name="h")
         if routed_gate_up:  # every token in the router's first block
