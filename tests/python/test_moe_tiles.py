@@ -796,13 +796,17 @@ def test_early_weights_layer_compiles_for_sm90a(tokens, tmp_path):
 
 
 @pytest.mark.parametrize("order", ["random0", "static5", "dynamic3"])
-@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 7), ("wgmma", 64, 20),
-                                                      ("swapped", 24, 20)])
-def test_layer_with_early_weights_matches_float64(engine, tile_rows, tokens, order):
+@pytest.mark.parametrize("option, engine, tile_rows, tokens", [
+    ("early_weights", "mma", 16, 7), ("early_weights", "wgmma", 64, 20),
+    ("early_weights", "swapped", 24, 20), ("routed_gate_up", "mma", 16, 1),
+    ("routed_gate_up", "mma", 16, 4), ("routed_gate_up", "swapped", 8, 3)])
+def test_layer_with_early_weights_or_routed_gate_up_matches_float64(option, engine, tile_rows,
+                                                                    tokens, order):
     """The down tasks' prelude runs on the reference executor too (as the whole task, once
-    its waits are done): the same layer."""
+    its waits are done), and the gate_up tasks that route themselves do (the unused tiles'
+    doing nothing): the same layer."""
     graph = make_moe_layer(H, E, K, F, combine_cols=128, tile_rows=tile_rows, engine=engine,
-                           early_weights=True)
+                           **{option: True})
     rng = np.random.default_rng(tokens)
     inputs = make_inputs(rng, tokens, H, E, F)
     out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
@@ -827,21 +831,6 @@ def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
     assert [(e.etensor, str(e.map)) for e in gate_up.in_edges] == [("logits_ready",
                                                                     "gn->0")]
     assert not tasks.completion_waits(gate_up)
-
-
-@pytest.mark.parametrize("order", ["random0", "static5", "dynamic3"])
-@pytest.mark.parametrize("engine, tile_rows, tokens", [("mma", 16, 1), ("mma", 16, 4),
-                                                      ("swapped", 8, 3)])
-def test_layer_with_routed_gate_up_matches_float64(engine, tile_rows, tokens, order):
-    """The gate_up tasks route themselves on the reference executor too: the same layer,
-    the unused tiles' tasks doing nothing."""
-    graph = make_moe_layer(H, E, K, F, combine_cols=128, tile_rows=tile_rows, engine=engine,
-                           routed_gate_up=True)
-    rng = np.random.default_rng(tokens)
-    inputs = make_inputs(rng, tokens, H, E, F)
-    out = execute(graph, *inputs, order=ORDERS[order](TaskGraph.build(graph, {"T": tokens})))
-    want, bound = moe_layer_reference(*inputs, K)
-    assert_within(out, want, bound)
 
 
 def test_routed_gate_up_refuses_more_tokens_than_it_routes():
