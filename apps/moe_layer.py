@@ -258,15 +258,15 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                          Tensor((tiles,), "int32", name="tile_expert")],
                     in_edges={routed: "i->0"}, out_edges=aligning("i->0"))
         h_ready = ETensor((tiles,), name="h_ready")
-        h_shape = Tensor((tiles * BT, F), "bfloat16", name="h")
-        if routed_gate_up:  # every token in the router's first block
+        h_out = Tensor((tiles * BT, F), "bfloat16", name="h")
+        if routed_gate_up:  # the router's first block holds every token (checked above)
             h = call_device(gate_up, tile_num=(tiles, nb1), args=[x, w_gate_up, logits],
-                            out=h_shape, in_edges={logits_ready: "gn->0"},
+                            out=h_out, in_edges={logits_ready: "gn->0"},
                             out_edges={h_ready: "gn->g"}, schedule="dynamic")
         else:
             h = call_device(gate_up, tile_num=(tiles, nb1),
                             args=[x, w_gate_up, sorted_token, tile_expert, exp_indptr],
-                            out=h_shape, in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
+                            out=h_out, in_edges={aligned: f"a=>0:exp_indptr[{E}], 0:{nb1}"},
                             out_edges={h_ready: "gn->g"}, schedule="dynamic")
         y_ready = ETensor((tiles, nc), name="y_ready")
         y = call_device(down, tile_num=(tiles, nb2), args=[h, w_down, sorted_token, tile_expert,
