@@ -173,7 +173,7 @@ def counted_align_graph(experts, top_k, chunk_tokens=CHUNK_TOKENS, block_tokens=
 
 
 def routed_tiles_graph(experts, top_k, tile_rows=BT, splits=2, threads=128):
-    """``moe.route_tile`` alone: task g writes tile g's expert and the tokens of its rows, as
+    """``moe.tile_from_logits`` alone: task g writes tile g's expert and the tokens of its rows, as
     a routed gate_up task finds them from the router's ``splits`` partial logits, into
     tile_expert (tiles,) and sorted_token (tiles * tile_rows,); the reference is align's."""
     E, S, BT_ = experts, splits, tile_rows
@@ -189,7 +189,7 @@ def routed_tiles_graph(experts, top_k, tile_rows=BT, splits=2, threads=128):
         lane = T.lane_id([moe.WARP])
         expert = T.alloc_shared((1,), "int32")
         tokens = T.alloc_shared((BT_,), "int32")
-        moe.route_tile(g, logits, top_k, BT_, threads, tx, warp, lane, expert, tokens)
+        moe.tile_from_logits(g, logits, top_k, BT_, threads, tx, warp, lane, expert, tokens)
         if tx == 0:
             tile_expert[g] = expert[0]
         if tx < BT_:

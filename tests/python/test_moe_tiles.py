@@ -842,7 +842,7 @@ def test_routed_gate_up_refuses_more_tokens_than_it_routes():
         make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True, block_tokens=2)
 
 
-def test_route_tile_compiles_for_sm90a(tmp_path):
+def test_tile_from_logits_compiles_for_sm90a(tmp_path):
     """What a routed gate_up task runs to find its tile, alone (the GPU test compares it with
     align's): its warp scan shuffles on every lane."""
     source = build(routed_tiles_graph(128, 8), {"T": 3}, strategy="unfused").cuda_source()

@@ -104,9 +104,9 @@ def test_align_tile(tokens, routing, rng):
 
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", (1, 2, 4))
-def test_route_tile(tokens, routing, rng):
+def test_tile_from_logits(tokens, routing, rng):
     """Each tile's expert and the tokens of its rows as a routed gate_up task finds them
-    from the router's two partial logits (``moe.route_tile``): align's tile_expert and
+    from the router's two partial logits (``moe.tile_from_logits``): align's tile_expert and
     sorted_token of the same picks."""
     key = ("routed_tiles", tokens)
     if key not in _compiled:

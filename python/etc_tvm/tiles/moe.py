@@ -1465,20 +1465,20 @@ def checked_pair_rows(sorted_token, g: int, tile_rows: int, tile: str,
 @dataclass(frozen=True)
 class LogitRouting:
     """What a grouped GEMM tile needs to route its own task from the router's partial
-    logits (``route_tile``): the ``top_k`` and the router's ``splits``."""
+    logits (``tile_from_logits``): the ``top_k`` and the router's ``splits``."""
 
     top_k: int
     splits: int
 
 
 def routed_tokens(threads: int, tile_rows: int) -> int:
-    """The most tokens a tile of ``threads`` routes itself for (``route_tile``): one round of
+    """The most tokens a tile of ``threads`` routes itself for (``tile_from_logits``): one round of
     picks, a warp a token, and every expert's pairs in one tile."""
     return min(threads // WARP, tile_rows)
 
 
 @T.inline
-def route_tile(g, logits, top_k, tile_rows, threads, tx, warp, lane, expert, tokens):
+def tile_from_logits(g, logits, top_k, tile_rows, threads, tx, warp, lane, expert, tokens):
     # tile g as align lays it out, from the router's S partial logits (S, T, E), for T <=
     # routed_tokens: expert[0] its expert (E past the used tiles), tokens[r] the token of its
     # row r (-1 past its pairs; shared). Warp t picks token t's top-K (``TopKPicker``) into
@@ -1542,7 +1542,7 @@ def route_tile(g, logits, top_k, tile_rows, threads, tx, warp, lane, expert, tok
 
 
 def _route_tile_reference(logits, g: int, top_k: int, tile_rows: int):
-    """(expert, tokens of its rows) of tile g, as ``route_tile`` finds them."""
+    """(expert, tokens of its rows) of tile g, as ``tile_from_logits`` finds them."""
     total = logits[0]
     for s in range(1, logits.shape[0]):  # in the device's order: fp32 sums do not reassociate
         total = total + logits[s]
@@ -1569,7 +1569,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     after a padding row, or a token past x's rows, is an input error (``pair_row_checks``).
     ``routing``: the tile routes its own task instead: it takes the router's S partial logits
     (S, T, E) in place of sorted_token, tile_expert and exp_indptr, and finds tile g's
-    expert and rows as align lays them out (``route_tile``), for at most ``routed_tokens``
+    expert and rows as align lays them out (``tile_from_logits``), for at most ``routed_tokens``
     tokens; so that a megakernel's gate_up tasks wait for the router only, not for top-k
     and align after it. A task of a tile past the used ones does nothing."""
     H, F, E, BT = hidden, intermediate, experts, tile_rows
@@ -1649,7 +1649,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
             lane = T.lane_id([WARP])
             expert = T.alloc_shared((1,), "int32")
             tokens = T.alloc_shared((BT,), "int32")
-            route_tile(g, logits, K, BT, threads, tx, warp, lane, expert, tokens)
+            tile_from_logits(g, logits, K, BT, threads, tx, warp, lane, expert, tokens)
             e = T.local_scalar("int32")
             e = expert[0]
             if e < E:  # CTA-uniform
