@@ -1472,8 +1472,8 @@ class LogitRouting:
 
 
 def routed_tokens(threads: int, tile_rows: int) -> int:
-    """The most tokens a tile of ``threads`` routes itself for (``tile_from_logits``): one round of
-    picks, a warp a token, and every expert's pairs in one tile."""
+    """The most tokens a tile of ``threads`` routes itself for (``tile_from_logits``): one
+    round of picks, a warp a token, and every expert's pairs in one tile."""
     return min(threads // WARP, tile_rows)
 
 
@@ -1518,10 +1518,11 @@ def tile_from_logits(g, logits, top_k, tile_rows, threads, tx, warp, lane, exper
         if w < warp:
             run = run + totals[w]
     for s in T.unroll(seg):
-        if tx * seg + s < E and picked[tx * seg + s] != 0:
-            if run == g:
-                expert[0] = tx * seg + s
-            run = run + 1
+        if tx * seg + s < E:
+            if picked[tx * seg + s] != 0:
+                if run == g:
+                    expert[0] = tx * seg + s
+                run = run + 1
     T.cuda.cta_sync()
     bits = T.local_scalar("int32")
     rank = T.local_scalar("int32")
@@ -1541,7 +1542,7 @@ def tile_from_logits(g, logits, top_k, tile_rows, threads, tx, warp, lane, exper
     T.cuda.cta_sync()
 
 
-def _route_tile_reference(logits, g: int, top_k: int, tile_rows: int):
+def _tile_from_logits_reference(logits, g: int, top_k: int, tile_rows: int):
     """(expert, tokens of its rows) of tile g, as ``tile_from_logits`` finds them."""
     total = logits[0]
     for s in range(1, logits.shape[0]):  # in the device's order: fp32 sums do not reassociate
@@ -1689,7 +1690,7 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
     else:
         @tile.set_reference
         def _(g, n, x, w_gate_up, logits, h):
-            e, tokens = _route_tile_reference(logits, g, routing.top_k, BT)
+            e, tokens = _tile_from_logits_reference(logits, g, routing.top_k, BT)
             if e < E:
                 reference(g, n, x, w_gate_up, e, tokens[tokens >= 0], h)
 
