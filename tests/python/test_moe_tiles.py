@@ -842,10 +842,11 @@ def test_routed_gate_up_refuses_more_tokens_than_it_routes():
         make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True, block_tokens=2)
 
 
-def test_tile_from_logits_compiles_for_sm90a(tmp_path):
+@pytest.mark.parametrize("experts", (128, 30))
+def test_tile_from_logits_compiles_for_sm90a(experts, tmp_path):
     """What a routed gate_up task runs to find its tile, alone (the GPU test compares it with
     align's): its warp scan shuffles on every lane."""
-    source = build(routed_tiles_graph(128, 8), {"T": 3}, strategy="unfused").cuda_source()
+    source = build(routed_tiles_graph(experts, 8), {"T": 3}, strategy="unfused").cuda_source()
     assert re.search(r"__shfl_up_sync\(\(uint\)4294967295, run\w*\[0\], 16, 32\);\n"
                      r" *if \(16 <=", source)
     build_cubin(source, tmp_path)

@@ -102,20 +102,22 @@ def test_align_tile(tokens, routing, rng):
     np.testing.assert_array_equal(tile_expert, want[4])
 
 
+@pytest.mark.parametrize("experts", (E, 30))  # 30: threads without an expert
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", (1, 2, 4))
-def test_tile_from_logits(tokens, routing, rng):
+def test_tile_from_logits(tokens, routing, experts, rng):
     """Each tile's expert and the tokens of its rows as a routed gate_up task finds them
     from the router's two partial logits (``moe.tile_from_logits``): align's tile_expert and
     sorted_token of the same picks."""
-    key = ("routed_tiles", tokens)
+    key = ("routed_tiles", experts, tokens)
     if key not in _compiled:
-        _compiled[key] = build(routed_tiles_graph(E, K), {"T": tokens}, strategy="unfused")
-    topk = routed(rng, tokens, routing, E, K)
-    first = logits_picking(topk, E, rng)[0]
+        _compiled[key] = build(routed_tiles_graph(experts, K), {"T": tokens},
+                               strategy="unfused")
+    topk = routed(rng, tokens, routing, experts, K)
+    first = logits_picking(topk, experts, rng)[0]
     tile_expert, sorted_token = _compiled[key](np.stack([first, np.zeros_like(first)]))
-    _, _, _, want_tokens, want_experts = moe.align_reference(topk, E, BT,
-                                                             moe.max_tiles(tokens, E, K, BT))
+    _, _, _, want_tokens, want_experts = moe.align_reference(
+        topk, experts, BT, moe.max_tiles(tokens, experts, K, BT))
     np.testing.assert_array_equal(tile_expert, want_experts)
     np.testing.assert_array_equal(sorted_token, want_tokens)
 
