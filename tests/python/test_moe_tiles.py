@@ -15,7 +15,7 @@ import tvm
 from tvm.script import tirx as T
 
 from etc_tvm import EtcError
-from etc_tvm.errors import ExecutionError
+from etc_tvm.errors import ExecutionError, GraphError
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
@@ -836,7 +836,8 @@ def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
 def test_routed_gate_up_refuses_more_tokens_than_it_routes():
     graph = make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True)
     inputs = make_inputs(np.random.default_rng(0), 5, H, E, F)
-    with pytest.raises(Exception, match=r"T <= 4: the tile routes itself"):
+    with pytest.raises(GraphError, match=r"call h: gate_up\w*_routed_top4_s1 takes T <= 4: "
+                       r"the tile routes itself .* got x \(5, 128\)"):
         execute(graph, *inputs)
     with pytest.raises(ValueError, match="router_tokens 2 must cover the 4 tokens"):
         make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True, block_tokens=2)
