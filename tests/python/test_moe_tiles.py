@@ -14,7 +14,7 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from etc_tvm import EtcError
+from etc_tvm import EtcError, Tensor, call_device, graph_func
 from etc_tvm.errors import ExecutionError, GraphError
 from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
@@ -841,6 +841,23 @@ def test_routed_gate_up_refuses_more_tokens_than_it_routes():
         execute(graph, *inputs)
     with pytest.raises(ValueError, match="router_tokens 2 must cover the 4 tokens"):
         make_moe_layer(H, E, K, F, combine_cols=128, routed_gate_up=True, block_tokens=2)
+
+
+def test_routed_gate_up_refuses_an_h_without_room_for_every_tile():
+    """A routed task writes its tile's rows wherever its tile is used: h must hold
+    max_tiles(T) tiles of rows (4 at one token of top-4 over 16 experts), whatever the grid."""
+    tile = moe.make_gate_up_tile(H, F, E, BT, routing=moe.LogitRouting(K, 1))
+
+    @graph_func
+    def one_tile(x: Tensor(("T", H), "bfloat16"), w: Tensor((E, H, 2 * F), "bfloat16"),
+                 logits: Tensor((1, "T", E), "float32")):
+        return call_device(tile, tile_num=(1, 2 * F // 64), args=[x, w, logits],
+                           out=Tensor((BT, F), "bfloat16"))
+
+    x, _, w, _ = make_inputs(np.random.default_rng(0), 1, H, E, F)
+    with pytest.raises(GraphError, match=r"takes rows >= 16 x max_tiles\(T\): h holds every "
+                       r"tile a routing can use, got .*\(16, 64\)"):
+        execute(one_tile, x, w, np.zeros((1, 1, E), np.float32))
 
 
 @pytest.mark.parametrize("experts", (128, 30))

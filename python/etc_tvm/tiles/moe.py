@@ -1662,8 +1662,11 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                 product(g, n, e, x, w_gate_up, h, lambda r: tokens[r], held, mma, None)
 
         gate_up = gate_up_routed
+        # task g writes rows of tile g only where g is a used tile, below max_tiles
         requires = [(ntok <= most, f"T <= {most}: the tile routes itself for one round of "
-                     "picks, every expert's pairs in one tile")]
+                     "picks, every expert's pairs in one tile"),
+                    (rows >= max_tiles(ntok, E, K, BT) * BT,
+                     f"rows >= {BT} x max_tiles(T): h holds every tile a routing can use")]
 
     name = f"gate_up_{H}x{F}_e{E}_{BT}x{bn}x{bk}_s{stages}_t{threads}{suffix}" + (
         "_blocked" if blocked else "") + (
