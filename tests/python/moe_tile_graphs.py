@@ -199,10 +199,7 @@ def routed_tiles_graph(experts, top_k, tile_rows=BT, splits=2, threads=128):
 
     @tile.set_reference
     def _(g, logits, tile_expert, sorted_token):
-        total = logits[0]
-        for s in range(1, S):  # in the device's order: fp32 sums do not reassociate
-            total = total + logits[s]
-        picks, _ = moe.top_k_of(total, top_k)
+        picks, _ = moe.top_k_of(moe.summed_logits(logits), top_k)
         _, _, _, tokens, experts = moe.align_reference(picks, E, BT_, len(tile_expert))
         tile_expert[g] = experts[g]
         sorted_token[g * BT_:(g + 1) * BT_] = tokens[g * BT_:(g + 1) * BT_]

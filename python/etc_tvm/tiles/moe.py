@@ -364,13 +364,18 @@ def _check_topk(E: int, K: int, threads: int, tile: str) -> None:
         raise EtcError(f"{tile} tile: threads must be whole warps and 1 <= top_k {K} <= {E}")
 
 
-def _topk_reference(logits, rows: slice, K: int, topk, topw) -> None:
-    """topk and topw of tokens ``rows`` from the S partial logits, summed in the device's
-    order (fp32 sums do not reassociate)."""
+def summed_logits(logits, rows: slice = slice(None)) -> np.ndarray:
+    """Tokens ``rows``' logits from the router's S partial logits (S, T, E), summed in s
+    order as the device sums them (fp32 sums do not reassociate)."""
     total = logits[0, rows]
     for s in range(1, logits.shape[0]):
         total = total + logits[s, rows]
-    ids, weights = top_k_of(total, K)
+    return total
+
+
+def _topk_reference(logits, rows: slice, K: int, topk, topw) -> None:
+    """topk and topw of tokens ``rows`` from the S partial logits (``summed_logits``)."""
+    ids, weights = top_k_of(summed_logits(logits, rows), K)
     topk[rows], topw[rows] = ids, weights.astype(np.float32)
 
 
@@ -1544,10 +1549,7 @@ def tile_from_logits(g, logits, top_k, tile_rows, threads, tx, warp, lane, exper
 
 def _tile_from_logits_reference(logits, g: int, top_k: int, tile_rows: int):
     """(expert, tokens of its rows) of tile g, as ``tile_from_logits`` finds them."""
-    total = logits[0]
-    for s in range(1, logits.shape[0]):  # in the device's order: fp32 sums do not reassociate
-        total = total + logits[s]
-    picks, _ = top_k_of(total, top_k)
+    picks, _ = top_k_of(summed_logits(logits), top_k)
     experts = np.unique(picks)
     if g >= len(experts):
         return logits.shape[2], np.full(tile_rows, -1, np.int32)
@@ -1613,37 +1615,39 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                                       "bfloat16", _silu(mma.frag(m, 2 * q, 2 * hh + v))
                                       * mma.frag(m, 2 * q + 1, 2 * hh + v))
 
-    @T.prim_func
-    def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-                w_gate_up: T.Buffer(w_shape, "bfloat16"),
-                sorted_token: T.Buffer((rows,), "int32"), tile_expert: T.Buffer((tiles,), "int32"),
-                exp_indptr: T.Buffer((E + 1,), "int32"), h: T.Buffer((rows, F), "bfloat16")):
-        T.device_entry()
-        tx = T.thread_id([threads])
-        warp = T.warp_id([threads // WARP])
-        lane = T.lane_id([WARP])
-        e = T.local_scalar("int32")
-        e = tile_expert[g]
-        if e < E:  # CTA-uniform
-            mma = new_tile(tx, warp, lane)
-            # padding rows (token -1) read nothing and store nothing: at few tokens they are
-            # most rows of a tile, and from 1024 tokens on a fifth of its bytes of h
-            held = T.local_scalar("int32")
-            count_pair_rows(held, sorted_token, g * BT, BT, threads, tx, ntok)
-            # a token past x's rows (an input error) reads nothing
-            product(g, n, e, x, w_gate_up, h,
-                    lambda r: T.Select(sorted_token[g * BT + r] < ntok, sorted_token[g * BT + r],
-                                       -1), held, mma, sorted_token)
+    if routing is None:
+        @T.prim_func
+        def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+                    w_gate_up: T.Buffer(w_shape, "bfloat16"),
+                    sorted_token: T.Buffer((rows,), "int32"),
+                    tile_expert: T.Buffer((tiles,), "int32"),
+                    exp_indptr: T.Buffer((E + 1,), "int32"), h: T.Buffer((rows, F), "bfloat16")):
+            T.device_entry()
+            tx = T.thread_id([threads])
+            warp = T.warp_id([threads // WARP])
+            lane = T.lane_id([WARP])
+            e = T.local_scalar("int32")
+            e = tile_expert[g]
+            if e < E:  # CTA-uniform
+                mma = new_tile(tx, warp, lane)
+                # padding rows (token -1) read nothing and store nothing: at few tokens they
+                # are most rows of a tile, and from 1024 tokens on a fifth of its bytes of h
+                held = T.local_scalar("int32")
+                count_pair_rows(held, sorted_token, g * BT, BT, threads, tx, ntok)
+                # a token past x's rows (an input error) reads nothing
+                product(g, n, e, x, w_gate_up, h,
+                        lambda r: T.Select(sorted_token[g * BT + r] < ntok,
+                                           sorted_token[g * BT + r], -1), held, mma, sorted_token)
 
-    requires = _grouped_requires(rows, tiles, BT)
-    if routing is not None:
+        requires = _grouped_requires(rows, tiles, BT)
+    else:
         S, K, most = routing.splits, routing.top_k, routed_tokens(threads, BT)
 
         @T.prim_func
-        def gate_up_routed(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
-                           w_gate_up: T.Buffer(w_shape, "bfloat16"),
-                           logits: T.Buffer((S, ntok, E), "float32"),
-                           h: T.Buffer((rows, F), "bfloat16")):
+        def gate_up(g: T.int32, n: T.int32, x: T.Buffer((ntok, H), "bfloat16"),
+                    w_gate_up: T.Buffer(w_shape, "bfloat16"),
+                    logits: T.Buffer((S, ntok, E), "float32"),
+                    h: T.Buffer((rows, F), "bfloat16")):
             T.device_entry()
             tx = T.thread_id([threads])
             warp = T.warp_id([threads // WARP])
@@ -1661,7 +1665,6 @@ def make_gate_up_tile(hidden: int, intermediate: int, experts: int, tile_rows: i
                     held = held + T.Cast("int32", tokens[r] >= 0)
                 product(g, n, e, x, w_gate_up, h, lambda r: tokens[r], held, mma, None)
 
-        gate_up = gate_up_routed
         # task g writes rows of tile g only where g is a used tile, below max_tiles
         requires = [(ntok <= most, f"T <= {most}: the tile routes itself for one round of "
                      "picks, every expert's pairs in one tile"),
