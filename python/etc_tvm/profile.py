@@ -16,6 +16,7 @@ and its leaving: the kernel's time outside its tasks.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 from dataclasses import dataclass
@@ -133,20 +134,31 @@ class Timeline:
             return 0.0
         return float(times[np.flatnonzero(running >= FULL_SHARE * running.max())[-1] + 1])
 
+    def tasks_per_sm(self, call: str | None = None) -> np.ndarray:
+        """How many of ``call``'s tasks (or of every task) each SM the kernel ran on took, in
+        SM order: tasks that share an SM share its memory bandwidth, so a call whose tasks
+        pile up on some SMs while others hold none streams slower than its task count says."""
+        sms = sorted({s.sm for s in self.spans} | {c.sm for c in self.ctas})
+        taken = collections.Counter(s.sm for s in self.spans if call in (None, s.call))
+        return np.asarray([taken[sm] for sm in sms], np.int64)
+
     def summary(self) -> str:
         """A table per call (tasks, median wait and body, median hand-off before its tasks,
-        total busy time, the window from its first task's start to its last task's end, and
-        where its bodies stopped filling the CTAs they held: ``full_until_us``), then the
-        makespan, the SMs used and the median hand-off, and the kernel's time around its
-        tasks."""
+        total busy time, the window from its first task's start to its last task's end,
+        where its bodies stopped filling the CTAs they held: ``full_until_us``, and how its
+        tasks spread over the SMs: the most an SM took and the SMs that took none,
+        ``tasks_per_sm``), then the makespan, the SMs used and the median hand-off, and the
+        kernel's time around its tasks."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
         before = self._handoffs_before()
         lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'taken us':>9} "
-                 f"{'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11}"]
+                 f"{'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11} "
+                 f"{'most an SM':>11} {'SMs none':>9}"]
         for name, spans in calls.items():
             taken = [before[s.task] for s in spans if s.task in before]
+            per_sm = self.tasks_per_sm(name)
             lines.append(f"{name:>16} {len(spans):>6} "
                          f"{np.median([s.wait_us for s in spans]):>9.2f} "
                          f"{np.median([s.body_us for s in spans]):>9.2f} "
@@ -154,7 +166,8 @@ class Timeline:
                          f"{sum(s.end_us - s.start_us for s in spans):>9.1f} "
                          f"{min(s.start_us for s in spans):>9.1f} "
                          f"{max(s.end_us for s in spans):>9.1f} "
-                         f"{self.full_until_us(name):>11.1f}")
+                         f"{self.full_until_us(name):>11.1f} "
+                         f"{per_sm.max():>11} {np.count_nonzero(per_sm == 0):>9}")
         gaps = self.handoffs_us()
         lines.append(f"makespan {self.makespan_us:.1f} us on {len({s.sm for s in self.spans})} "
                      f"SMs ({len({s.cta for s in self.spans})} CTAs); median hand-off "

@@ -89,11 +89,12 @@ def test_timeline_spans_waits_and_handoffs():
     summary = timeline.summary()
     assert "makespan 4.0 us on 2 SMs (2 CTAs); median hand-off 0.40 us" in summary
     # call, tasks, median wait, body, hand-off before (none before a CTA's first task), busy,
-    # from, to, full to (a's two bodies run together from 1.0 to 1.5 us)
+    # from, to, full to (a's two bodies run together from 1.0 to 1.5 us), the most tasks an
+    # SM took, the SMs that took none
     assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "0.00", "3.0", "0.0",
-                                               "2.0", "1.5"]
+                                               "2.0", "1.5", "1", "0"]
     assert summary.splitlines()[2].split() == ["b", "1", "0.40", "1.20", "0.40", "1.6", "2.4",
-                                               "4.0", "4.0"]
+                                               "4.0", "4.0", "1", "1"]
 
 
 def test_a_calls_last_wave_drains_from_where_its_bodies_stop_filling_the_ctas():
@@ -110,7 +111,7 @@ def test_a_calls_last_wave_drains_from_where_its_bodies_stop_filling_the_ctas():
     assert timeline.full_until_us("b") == pytest.approx(9.0)
     # every call: b's body (5 to 9 us) keeps four running until a's second end
     assert timeline.full_until_us() == pytest.approx(6.0)
-    assert timeline.summary().splitlines()[1].split()[-1] == "4.0"
+    assert timeline.summary().splitlines()[1].split()[-3] == "4.0"
 
 
 def test_two_ctas_on_one_sm_hand_off_each_on_its_own():
@@ -122,6 +123,21 @@ def test_two_ctas_on_one_sm_hand_off_each_on_its_own():
         ("a(0)", 3, 3), ("a(1)", 3, 135), ("b(0)", 3, 3), ("b(1)", 3, 135)}
     np.testing.assert_allclose(sorted(timeline.handoffs_us()), [0.3, 0.6])
     assert "on 1 SMs (2 CTAs); median hand-off 0.45 us" in timeline.summary()
+
+
+def test_tasks_per_sm_counts_a_calls_tasks_on_every_sm_the_kernel_ran_on():
+    """Two CTAs an SM on SMs 3, 4 and 5 (CTA rows for all six): a's three tasks pile on SMs
+    3 and 4, and SM 5, whose CTAs ran only b, takes none of them."""
+    meta = GraphMeta("g", ["a(0)", "a(1)", "a(2)", "b(0)"], [], 4.0, profiled=True)
+    tasks = rows_of((1_000, 5_000, 0.0, 3, 3), (1_000, 5_000, 0.0, 3, 135),
+                    (1_000, 4_000, 0.0, 4, 4), (1_000, 2_000, 0.0, 5, 5))
+    timeline = Timeline(meta, with_ctas(tasks, *((500, 900, 6_000, sm, cta) for sm, cta in (
+        (3, 3), (3, 135), (4, 4), (4, 136), (5, 5), (5, 137)))))
+    np.testing.assert_array_equal(timeline.tasks_per_sm("a"), [2, 1, 0])
+    np.testing.assert_array_equal(timeline.tasks_per_sm("b"), [0, 0, 1])
+    np.testing.assert_array_equal(timeline.tasks_per_sm(), [2, 1, 1])
+    assert timeline.summary().splitlines()[1].split()[-2:] == ["2", "1"]
+    assert timeline.summary().splitlines()[2].split()[-2:] == ["1", "2"]
 
 
 def test_chrome_trace_has_one_track_per_cta(tmp_path):
