@@ -13,7 +13,8 @@ variants then take turns, replayed from CUDA graphs (``timing.time_interleaved``
 Prints us per call and each megakernel over the unfused launches; with ``--kernels``, each
 unfused grid's device time and the rate at which it reads its expert weights.
 ``--intermediate`` changes the experts' intermediate size F (down's K, gate_up's columns
-over two), so that tasks of more or fewer K steps stream the same bytes a step.
+over two), so that tasks of more or fewer K steps stream the same bytes a step; ``--model``
+takes another model's shapes (``moe_layer.MODELS``).
 """
 import argparse
 
@@ -22,8 +23,7 @@ import torch
 import tvm
 
 import moe_layer
-from bench_moe import (E, F, H, K, RTOL, layer_options, layer_parser, on_gpu, parse_configs,
-                       relative_error)
+from bench_moe import RTOL, layer_options, layer_parser, on_gpu, parse_configs, relative_error
 from etc_tvm import build
 from etc_tvm.tiles import moe
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -36,7 +36,7 @@ def float64_pairs(x, topk, w_gate_up, w_down) -> np.ndarray:
     """y of every (token, k) pair, (T, K, H), in float64 from the same bf16 inputs."""
     w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
     xt, wd = on_gpu(x).double(), on_gpu(w_down)
-    ys = torch.empty((*topk.shape, H), dtype=torch.float64, device="cuda")
+    ys = torch.empty((*topk.shape, w_down.shape[2]), dtype=torch.float64, device="cuda")
     for e in np.unique(topk):
         token, k = (torch.from_numpy(i).cuda() for i in np.nonzero(topk == e))
         rows = xt[token]
@@ -61,19 +61,21 @@ def checked_replay(label: str, compiled, inputs, pair_row, want):
     return run
 
 
-def measure(tokens: int, weights, rng, reps: int, configs: dict, kernels: bool = False) -> dict:
+def measure(tokens: int, top_k: int, weights, rng, reps: int, configs: dict,
+            kernels: bool = False) -> dict:
     """us per call of each of ``VARIANTS`` under each of ``configs`` (name -> bench_moe
-    ``layer_parser`` options) at ``tokens``, all from one timing loop; each configuration's
-    tiles in use and allotted; with ``kernels``, its unfused grids' device times."""
-    F = weights[1].shape[1]
+    ``layer_parser`` options) at ``tokens``, ``top_k`` experts a token, all from one timing
+    loop; each configuration's tiles in use and allotted; with ``kernels``, its unfused
+    grids' device times."""
+    (E, H, _), F = weights[0].shape, weights[1].shape[1]
     x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E)
-    topk, _ = moe.route(x, w_router, K)
+    topk, _ = moe.route(x, w_router, top_k)
     want = float64_pairs(x, topk, *weights)
     runs, tiles, blocked = {}, {}, {}
     for name, options in configs.items():
-        layer = layer_options(tokens, options)
+        layer = layer_options(tokens, options, intermediate=F)
         rows = layer["tile_rows"]
-        dims = moe_layer.expert_gemm_dims(tokens, E, K, rows)
+        dims = moe_layer.expert_gemm_dims(tokens, E, top_k, rows)
         _, indptr, pair_row, sorted_token, tile_expert = moe.align_reference(topk, E, rows,
                                                                              dims["tiles"])
         expert_weights = weights
@@ -84,7 +86,7 @@ def measure(tokens: int, weights, rng, reps: int, configs: dict, kernels: bool =
             expert_weights = blocked[key]
         inputs = [tvm.runtime.tensor(a, tvm.cuda(0))
                   for a in (x, *expert_weights, sorted_token, tile_expert, indptr)]
-        graph = moe_layer.make_expert_gemms(H, E, F, **layer)
+        graph = moe_layer.make_expert_gemms(**layer)
         for variant in VARIANTS:
             compiled = build(graph, dims, strategy=variant, options=KernelOptions(
                 ctas_per_sm=layer["ctas_per_sm"], claim=options.claim and variant != "unfused"))
@@ -107,20 +109,22 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", metavar="NAME=FLAGS",
                         help="tile configurations measured side by side, each NAME=FLAGS with "
                         "bench_moe's layer options over the command line's")
-    parser.add_argument("--intermediate", type=int, default=F,
-                        help=f"the experts' intermediate size (default: {F}, Qwen3-30B-A3B's)")
+    parser.add_argument("--intermediate", type=int,
+                        help="the experts' intermediate size (default: --model's)")
     parser.add_argument("--kernels", action="store_true",
                         help="also each unfused grid's device time and weight read rate")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args)
     rng = np.random.default_rng(0)
-    weights = moe_layer.make_expert_weights(rng, H, E, args.intermediate)
+    model = moe_layer.MODELS[args.model]
+    weights = moe_layer.make_expert_weights(rng, model["hidden"], model["experts"],
+                                            args.intermediate or model["intermediate"])
     weight_bytes = {"h": weights[0].nbytes, "y": weights[1].nbytes}  # grids named by output
     print(f"{'tokens':>6} {'config':>10} {'tiles':>9} "
           + " ".join(f"{v + '+graph':>14}" for v in VARIANTS)
           + f" {'static/unfused':>15} {'barrier/unfused':>16}", flush=True)
     for tokens in args.tokens:
-        row = measure(tokens, weights, rng, args.reps, configs, args.kernels)
+        row = measure(tokens, model["top_k"], weights, rng, args.reps, configs, args.kernels)
         for name in configs:
             us = {v: row["us"][name, v] for v in VARIANTS}
             used, allotted = row["tiles"][name]

@@ -1,8 +1,9 @@
 """The Qwen3-30B-A3B MoE layer as one graph function, against PyTorch and Hugging Face.
 
 The layer of apps/moe_layer.py (hidden 2048, 128 experts, top-8 with renormalised weights,
-expert intermediate 768, bf16 weights drawn at random) at several token counts, under every
-execution strategy of the same tiles, against:
+expert intermediate 768, bf16 weights drawn at random; ``--model`` for another model's
+shapes, ``moe_layer.MODELS``) at several token counts, under every execution strategy of
+the same tiles, against:
 
 - "torch loop": PyTorch eager as a layer is usually written (router, softmax, top-k, one
   pair of matmuls per expert that has tokens, ``index_add_``);
@@ -37,7 +38,6 @@ from etc_tvm.runtime import cuda_graph
 from etc_tvm.tiles import moe
 from timing import checked_run, kernel_times, time_interleaved
 
-H, E, K, F = 2048, 128, 8, 768
 RTOL = 2e-2  # bf16 h and out, fp32 accumulation: measured errors are near 3e-3
 OURS = ["static", "dynamic", "mixed", "barrier", "unfused", "unfused+graph", "static+graph",
         "dynamic+graph", "barrier+graph"]
@@ -50,10 +50,10 @@ def on_gpu(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a).cuda()
 
 
-def torch_loop_layer(x, w_router, w_gate, w_up, w_down):
+def torch_loop_layer(x, w_router, w_gate, w_up, w_down, top_k):
     """PyTorch eager, bf16 matmuls: one gate/up/down triple per expert with tokens."""
     logits = (x @ w_router).float()
-    topw, topk = torch.topk(torch.softmax(logits, dim=1), K, dim=1)
+    topw, topk = torch.topk(torch.softmax(logits, dim=1), top_k, dim=1)
     topw = topw / topw.sum(dim=1, keepdim=True)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk.unique().tolist():
@@ -64,13 +64,15 @@ def torch_loop_layer(x, w_router, w_gate, w_up, w_down):
     return out.to(torch.bfloat16)
 
 
-def hf_block(w_gate, w_up, w_down):
-    """transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts) holding these expert weights:
-    ``(run(x), its router weight (E, H))``."""
+def hf_block(w_gate, w_up, w_down, top_k):
+    """transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts) holding these expert weights
+    (w_gate, w_up (E, H, F)) and routing to ``top_k``: ``(run(x), its router weight (E,
+    H))``."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K,
+    E, H, F = w_gate.shape
+    config = Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=top_k,
                             moe_intermediate_size=F, norm_topk_prob=True)
     config._experts_implementation = "grouped_mm"
     block = Qwen3MoeSparseMoeBlock(config).to(device="cuda", dtype=torch.bfloat16).eval()
@@ -106,6 +108,9 @@ def layer_parser() -> argparse.ArgumentParser:
     """The options that shape our layer: the command line's, and each of ``--configs``'
     over them."""
     parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", choices=moe_layer.MODELS, default="qwen3-30b-a3b",
+                        help="whose MoE layer shapes (hidden, experts, top-k, intermediate: "
+                        "moe_layer.MODELS); one for all --configs, which share its weights")
     parser.add_argument("--ctas-per-sm", type=int,
                         help="persistent CTAs per SM of the megakernels (default: "
                         "moe_layer.ctas_per_sm_for the tiles' threads and engine: 2 of 128 "
@@ -197,14 +202,19 @@ def parse_configs(specs, base: argparse.Namespace) -> dict[str, argparse.Namespa
             raise SystemExit(f"--configs: {spec!r} is not a new NAME=FLAGS")
         configs[name] = layer_parser().parse_args(shlex.split(flags),
                                                   argparse.Namespace(**vars(base)))
+        if configs[name].model != base.model:
+            raise SystemExit(f"--configs: {name}: the configurations share the weights of "
+                             "one --model; give it outside --configs")
     return configs or {"": base}
 
 
-def layer_options(tokens: int, options: argparse.Namespace) -> dict:
+def layer_options(tokens: int, options: argparse.Namespace, **shape) -> dict:
     """``moe_layer.make_moe_layer``'s options at ``tokens`` for ``layer_parser``'s
-    ``options`` (``moe_layer.options_for`` filling in what they leave open)."""
+    ``options`` (``moe_layer.options_for`` filling in what they leave open), the layer of
+    ``options.model``'s shapes with ``shape``'s over them (``intermediate=...``)."""
     return moe_layer.options_for(
-        tokens, tile_rows=options.tile_rows, engine=options.engine,
+        tokens, **{**moe_layer.MODELS[options.model], **shape}, tile_rows=options.tile_rows,
+        engine=options.engine,
         router_splits=options.router_splits, router_engine=options.router_engine,
         block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
         down_bn=options.down_bn, bk=options.bk, down_bk=options.down_bk, stages=options.stages,
@@ -259,16 +269,20 @@ def our_runs(tokens: int, options: argparse.Namespace, weights, inputs, want, ou
     return runs, about
 
 
-def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(OURS),
-            kernels: bool = False, queued: bool = False, routing: str = "random") -> dict:
+def measure(tokens: int, model: dict, weights, hf, rng, reps: int, configs: dict,
+            ours=tuple(OURS), kernels: bool = False, queued: bool = False,
+            routing: str = "random") -> dict:
     """One row: us per call of each of ``ours`` under each of ``configs`` (name -> layer
     options; a named one's labels are ``name:label``) and of the baselines at ``tokens``, all
     taking turns in one timing loop, and the errors; with ``kernels``, the GPU kernels each of
-    ours launches and their times. ``routing``: ``moe_layer.ROUTINGS``."""
-    x, w_router = moe_layer.make_routing_inputs(rng, tokens, H, E, routing)
+    ours launches and their times. ``model``: the layer's shapes (``moe_layer.MODELS``),
+    ``routing``: ``moe_layer.ROUTINGS``."""
+    x, w_router = moe_layer.make_routing_inputs(rng, tokens, model["hidden"], model["experts"],
+                                                routing)
     xt, wrt = on_gpu(x), on_gpu(w_router)
-    want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], K)
-    row = {"tokens": tokens, "queued": queued, "routing": routing, "configs": {}, "error": {}}
+    want = moe_layer.layer_float64_torch(xt, wrt, *weights["torch"], model["top_k"])
+    row = {"tokens": tokens, **model, "queued": queued, "routing": routing, "configs": {},
+           "error": {}}
     runs = {}
     for name, options in configs.items():
         mine, row["configs"][name] = our_runs(tokens, options, weights, (x, w_router), want,
@@ -277,7 +291,7 @@ def measure(tokens: int, weights, hf, rng, reps: int, configs: dict, ours=tuple(
     hf_run, hf_router = hf
     with torch.no_grad():
         hf_router.copy_(wrt.t())
-    runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"])
+    runs["torch loop"] = lambda: torch_loop_layer(xt, wrt, *weights["torch"], model["top_k"])
     row["error"]["torch loop"] = relative_error(runs["torch loop"](), want)
     runs["HF"] = lambda: hf_run(xt)
     row["error"]["HF"] = relative_error(hf_run(xt), want)
@@ -351,16 +365,20 @@ def main() -> None:
                         "experts idle (moe_layer.make_routing_inputs)")
     args = parser.parse_args()
     configs = parse_configs(args.configs, args)
+    model = moe_layer.MODELS[args.model]
     rng = np.random.default_rng(0)
-    w_gate_up, w_down = moe_layer.make_expert_weights(rng, H, E, F)
+    w_gate_up, w_down = moe_layer.make_expert_weights(rng, model["hidden"], model["experts"],
+                                                      model["intermediate"])
     w_gate, w_up = (on_gpu(np.ascontiguousarray(w)) for w in moe.split_gate_up(w_gate_up))
     weights = {"ours": (w_gate_up, w_down), "torch": (w_gate, w_up, on_gpu(w_down))}
-    hf = hf_block(*weights["torch"])
+    hf = hf_block(*weights["torch"], model["top_k"])
+    print(f"{args.model}: hidden {model['hidden']}, {model['experts']} experts, top-"
+          f"{model['top_k']}, expert intermediate {model['intermediate']}", flush=True)
     print(f"{'tokens':>6} {'config':>10} " + " ".join(f"{v:>13}" for v in args.ours)
           + f" {'HF+graph/dyn':>13} {'barrier/dyn':>12}", flush=True)
     rows = []
     for tokens in args.tokens:
-        rows.append(measure(tokens, weights, hf, rng, args.reps, configs, args.ours,
+        rows.append(measure(tokens, model, weights, hf, rng, args.reps, configs, args.ours,
                             args.kernels, args.queued, args.routing))
         print_row(rows[-1], args.ours)
     with open(args.json, "w") as f:

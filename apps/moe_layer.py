@@ -1,4 +1,5 @@
-"""Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference.
+"""Qwen3-30B-A3B's MoE layer as one graph function, and its float64 reference; other models'
+layers by their shapes (``MODELS``; ``options_for`` fits the tiles to them).
 
     router (ceil(T/RT) x S x E/EB)  --logits_ready "bsj->b"-->  topk (ceil(T/TB))
         --routed "b->0"-->  align (1)
@@ -52,6 +53,13 @@ from etc_tvm.tiles.moe import ceil_div, max_tiles
 from etc_tvm.tir_sched.persistent import arena_limit
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
+# The MoE layers of released models, by shape. The layer routes as Qwen3's does (softmax,
+# top-k, the k weights renormalised; Mixtral's softmax over its top-2 logits is the same);
+# OLMoE does not renormalise, so its entry is its shape alone.
+MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B,
+          "qwen3-235b-a22b": {"hidden": 4096, "experts": 128, "top_k": 8, "intermediate": 1536},
+          "mixtral-8x7b": {"hidden": 4096, "experts": 8, "top_k": 2, "intermediate": 14336},
+          "olmoe-1b-7b": {"hidden": 2048, "experts": 64, "top_k": 8, "intermediate": 1024}}
 
 
 @functools.cache
@@ -468,13 +476,16 @@ def options_for(tokens: int, **options) -> dict:
     engine = engine_for(rows, engine)
     threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
     ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads, engine)
-    router_engine = options.get("router_engine") or router_engine_for(tokens)
+    router_engine = options.get("router_engine") or router_engine_for(tokens, experts)
     block_tokens = options.get("block_tokens") or topk_tokens_for(tokens, router_engine)
-    router_tokens, experts_per_task = router_block_for(tokens, router_engine)
+    router_tokens, experts_per_task = router_block_for(tokens, router_engine, experts, threads)
     # whole top-k blocks
     router_tokens = options.get("router_tokens") or ceil_div(router_tokens,
                                                              block_tokens) * block_tokens
     experts_per_task = options.get("experts_per_task") or experts_per_task
+    if experts_per_task is None:
+        raise ValueError(f"options_for: no router task on {router_engine!r} covers {experts} "
+                         f"experts: their number must be {moe.ROUTER_FIT[router_engine]}")
     hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])
     align_tokens = options["align_tokens"] if options.get("align_tokens") is not None \
         else 0 if options.get("fused_route") else align_tokens_for(tokens)
@@ -524,10 +535,13 @@ WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK, WIDE_TOPK_TOKENS = 1024, (32, 64), 8
 ROUTER_TASKS = 64
 
 
-def router_engine_for(tokens: int) -> str:
+def router_engine_for(tokens: int, experts: int = 128) -> str:
     """The router's engine for ``tokens``: CUDA cores while one block of 8 tokens holds them
-    all (at one token the logits are a GEMV), tensor cores past that."""
-    return "fma" if tokens <= ROUTER_BLOCKS["fma"][0] else "mma"
+    all (at one token the logits are a GEMV), tensor cores past that, where their tasks'
+    experts fit (``moe.router_experts_fit``: not Mixtral's 8)."""
+    if tokens <= ROUTER_BLOCKS["fma"][0] or moe.router_experts_for(experts, "mma", experts) is None:
+        return "fma"
+    return "mma"
 
 
 def wide_router(tokens: int, engine: str) -> bool:
@@ -536,10 +550,14 @@ def wide_router(tokens: int, engine: str) -> bool:
     return engine == "mma" and tokens >= WIDE_ROUTER_TOKENS
 
 
-def router_block_for(tokens: int, engine: str) -> tuple[int, int]:
+def router_block_for(tokens: int, engine: str, experts: int = 128,
+                     threads: int = 128) -> tuple[int, int | None]:
     """(tokens, experts) of a router task on ``engine`` for ``tokens`` tokens:
-    ``ROUTER_BLOCKS``, or ``WIDE_ROUTER_BLOCK`` (``wide_router``)."""
-    return WIDE_ROUTER_BLOCK if wide_router(tokens, engine) else ROUTER_BLOCKS[engine]
+    ``ROUTER_BLOCKS``, or ``WIDE_ROUTER_BLOCK`` (``wide_router``), with as many of their
+    experts as fit ``experts`` (``moe.router_experts_for``; None where none do)."""
+    block_tokens, most = WIDE_ROUTER_BLOCK if wide_router(tokens, engine) \
+        else ROUTER_BLOCKS[engine]
+    return block_tokens, moe.router_experts_for(experts, engine, most, threads)
 
 
 def topk_tokens_for(tokens: int, engine: str) -> int:

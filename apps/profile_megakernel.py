@@ -1,8 +1,9 @@
 """Where the time of a megakernel goes, task by task: the graphs of apps/bench_overhead.py and
 the MoE layer of apps/moe_layer.py built to profile (``KernelOptions(profile=True)``) under
-several strategies. The MoE layer takes apps/bench_moe.py's layer options (``--bn``,
-``--routed-gate-up``, ...; ``bench_moe.layer_parser``), so that a configuration it times is
-profiled with the same flags; ``--ctas-per-sm`` is 1 for the chain and the MLPs unless given.
+several strategies. The MoE layer takes apps/bench_moe.py's layer options (``--model``,
+``--bn``, ``--routed-gate-up``, ...; ``bench_moe.layer_parser``), so that a configuration it
+times is profiled with the same flags; ``--ctas-per-sm`` is 1 for the chain and the MLPs
+unless given.
 
 For each graph and strategy: the per-call table of ``Timeline.summary`` (median wait and body
 per task, busy time), the makespan and the median hand-off between consecutive tasks of an
@@ -54,7 +55,9 @@ def main() -> None:
         cases[f"mlp{args.rows}-split-k"] = (make_split_k_mlp(2048, 2048), {"M": args.rows},
                                             [x, w1, w2], ctas_per_sm)
     if "moe" in args.graphs:
-        experts = moe_layer.make_expert_weights(rng, 2048, 128, 768)
+        model = moe_layer.MODELS[args.model]
+        experts = moe_layer.make_expert_weights(rng, model["hidden"], model["experts"],
+                                                model["intermediate"])
         for tokens in args.moe_tokens:
             options = bench_moe.layer_options(tokens, args)
             graph = moe_layer.make_moe_layer(**options)
@@ -62,7 +65,8 @@ def main() -> None:
                 *experts, options["tile_rows"], options["bn"], options["down_bn"]) \
                 if options["blocked_weights"] else experts
             cases[f"moe{tokens}"] = (graph, {"T": tokens}, [
-                *moe_layer.make_routing_inputs(rng, tokens, 2048, 128), *weights],
+                *moe_layer.make_routing_inputs(rng, tokens, model["hidden"], model["experts"]),
+                *weights],
                 options["ctas_per_sm"])
     for name, (graph, dims, inputs, ctas_per_sm) in cases.items():
         for strategy in args.strategies:

@@ -140,6 +140,42 @@ def test_router_splits_must_divide_the_hidden_rows():
         moe.make_router_tile(H, E, engine="wgmma")
 
 
+@pytest.mark.parametrize("experts, engine, most, want", [
+    (128, "fma", 16, 16), (128, "mma", 64, 64), (64, "mma", 32, 32),
+    (8, "fma", 16, 8),  # Mixtral
+    (40, "fma", 16, 8), (48, "fma", 16, 16), (48, "mma", 32, 16),
+    (8, "mma", 32, None), (40, "mma", 32, None), (60, "fma", 16, None)])
+def test_router_tasks_take_the_most_experts_that_fit(experts, engine, most, want):
+    assert moe.router_experts_for(experts, engine, most) == want
+
+
+def test_router_tasks_must_fit_the_experts():
+    with pytest.raises(EtcError, match=r"12 experts a task on 'fma' do not fit the 60 experts "
+                                       r"and 128 threads \(a multiple of 8"):
+        moe.make_router_tile(H, 60, experts_per_task=12)
+    with pytest.raises(EtcError, match="8 experts a task on 'mma' do not fit the 8 experts"):
+        moe.make_router_tile(H, 8, 16, 8, engine="mma")
+
+
+@pytest.mark.parametrize("tokens", (1, 20, 130))
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (40, 8)])  # Mixtral's; Granite 3.0 3B's
+def test_layer_of_other_expert_counts_matches_float64(tokens, experts, top_k):
+    """``options_for`` fits the router's tasks to the experts: 8 a task where 16 or 32 do
+    not divide them, and CUDA cores where no tensor-core block does."""
+    options = moe_layer.options_for(tokens, hidden=H, experts=experts, top_k=top_k,
+                                    intermediate=F)
+    assert (options["router_engine"], options["experts_per_task"]) == ("fma", 8)
+    inputs = make_inputs(np.random.default_rng(tokens), tokens, H, experts, F)
+    want, bound = moe_layer_reference(*inputs, top_k)
+    assert_within(execute(make_moe_layer(**options), *inputs, order=RandomOrder(5)), want,
+                  bound)
+
+
+def test_layer_options_refuse_experts_no_router_task_covers():
+    with pytest.raises(ValueError, match="no router task on 'fma' covers 60 experts"):
+        moe_layer.options_for(1, experts=60)
+
+
 def test_router_breaks_ties_by_lower_index():
     """Experts 2 and 5 have the same router column: equal logits, 2 goes first."""
     x = np.ones((3, H), BF16)
@@ -909,6 +945,18 @@ def vector_built_uniforms(loop: list[str]) -> list[str]:
         elif args and re.fullmatch(r"R\d+", args[0]):
             made[args[0]] = (name, args[1:])
     return found
+
+
+@pytest.mark.parametrize("tokens", (1, 1024))
+@pytest.mark.parametrize("model", [m for m in moe_layer.MODELS if m != "qwen3-30b-a3b"])
+def test_other_models_static_layers_compile_without_spills(model, tokens, tmp_path):
+    """The claimed static kernel as ``bench_moe --model`` builds it compiles for sm_90a, no
+    register spilled (the tiles, rings and CTAs an SM ``options_for`` picks for that shape)."""
+    options = moe_layer.options_for(tokens, **moe_layer.MODELS[model], blocked_weights=True,
+                                    y_dtype="bfloat16")
+    build_cubin(build(make_moe_layer(**options), {"T": tokens}, strategy="static",
+                      num_sms=132, options=KernelOptions(ctas_per_sm=options["ctas_per_sm"],
+                                                         claim=True)).cuda_source(), tmp_path)
 
 
 @pytest.mark.parametrize("calls", ALIGN_CALLS)

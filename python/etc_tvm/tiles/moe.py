@@ -118,6 +118,32 @@ def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
 
 # ----------------------------------------------------------------------------------- router
 ROUTER_ENGINES = ("fma", "mma")
+# What a router task's experts must be on each engine: on CUDA cores a thread reads 16 bytes
+# of a weight row (VEC experts) and groups of VEC share out the threads; on tensor cores each
+# warp's tile holds whole n16 blocks.
+ROUTER_FIT = {"fma": f"a multiple of {VEC} that divides the experts, its groups of {VEC} the "
+                     "threads",
+              "mma": "a multiple of 16 that divides the experts"}
+
+
+def router_experts_fit(experts: int, experts_per_task: int, engine: str,
+                       threads: int = 128) -> bool:
+    """Whether router tasks of ``experts_per_task`` experts on ``engine`` cover ``experts``
+    (``ROUTER_FIT``)."""
+    EB = experts_per_task
+    if EB < 1 or experts % EB:
+        return False
+    if engine == "mma":
+        return EB % 16 == 0
+    return EB % VEC == 0 and threads % (EB // VEC) == 0
+
+
+def router_experts_for(experts: int, engine: str, most: int, threads: int = 128) -> int | None:
+    """The most experts, up to ``most``, that one router task on ``engine`` can take of
+    ``experts`` (``router_experts_fit``); None where no block fits (Mixtral's 8 experts on
+    tensor cores, or a count that is not a multiple of ``VEC``)."""
+    return next((eb for eb in range(min(most, experts), 0, -1)
+                 if router_experts_fit(experts, eb, engine, threads)), None)
 
 
 @functools.cache
@@ -132,16 +158,16 @@ def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
     blocks of 16-token multiples: at 1024 tokens the router is a 1024 x 2048 x 128 GEMM, which
     took 34 us on the H200 on CUDA cores). bf16 products are exact in fp32, so both meet
     ``logit_bound`` whatever order they add in."""
+    if engine not in ROUTER_ENGINES:
+        raise EtcError(f"router tile: engine must be one of {ROUTER_ENGINES}, got {engine!r}")
+    if threads % WARP or not router_experts_fit(experts, experts_per_task, engine, threads):
+        raise EtcError(f"router tile: {experts_per_task} experts a task on {engine!r} do not "
+                       f"fit the {experts} experts and {threads} threads ({ROUTER_FIT[engine]})")
     if engine == "mma":
         return _router_mma_tile(hidden, experts, block_tokens, experts_per_task, threads,
                                 splits)
-    if engine != "fma":
-        raise EtcError(f"router tile: engine must be one of {ROUTER_ENGINES}, got {engine!r}")
     H, E, TB, EB, S = hidden, experts, block_tokens, experts_per_task, splits
     groups = EB // VEC
-    if EB % VEC or E % EB or threads % groups or threads % WARP:
-        raise EtcError(f"router tile: {EB} experts a task must be groups of {VEC} that divide "
-                       f"{threads} threads and the {E} experts")
     if S < 1 or H % S:
         raise EtcError(f"router tile: {S} splits must divide hidden {H}")
     HS = H // S  # hidden rows of a task
@@ -219,8 +245,6 @@ def _router_mma_tile(H: int, E: int, TB: int, EB: int, threads: int, S: int,
     if S < 1 or H % S or (H // S) % bk:
         raise EtcError(f"router tile: {S} splits must divide hidden {H} into multiples of "
                        f"{bk} rows")
-    if E % EB:
-        raise EtcError(f"router tile: {EB} experts a task must divide the {E} experts")
     gemm.check_geometry(TB, EB, bk, threads, stages)
     HS = H // S
     ntok = tirx.Var("T", "int32")
