@@ -53,12 +53,16 @@ from etc_tvm.tiles.moe import ceil_div, max_tiles
 from etc_tvm.tir_sched.persistent import arena_limit
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
-# The MoE layers of released models, by shape. The layer routes as Qwen3's does (softmax,
-# top-k, the k weights renormalised; Mixtral's softmax over its top-2 logits is the same);
-# OLMoE does not renormalise, so its entry is its shape alone.
+# The MoE layers of released models by the shapes of their routed experts. The layer routes
+# as Qwen3's does (softmax, top-k, the k weights renormalised; Mixtral's and gpt-oss's softmax
+# over the top-k logits is the same) and activates with SiLU-and-multiply; OLMoE does not
+# renormalise and gpt-oss clamps its activation, so theirs are the shapes alone.
 MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B,
           "qwen3-235b-a22b": {"hidden": 4096, "experts": 128, "top_k": 8, "intermediate": 1536},
+          "qwen3-next-80b-a3b": {"hidden": 2048, "experts": 512, "top_k": 10,
+                                 "intermediate": 512},
           "mixtral-8x7b": {"hidden": 4096, "experts": 8, "top_k": 2, "intermediate": 14336},
+          "gpt-oss-120b": {"hidden": 2880, "experts": 128, "top_k": 4, "intermediate": 2880},
           "olmoe-1b-7b": {"hidden": 2048, "experts": 64, "top_k": 8, "intermediate": 1024}}
 
 
@@ -404,21 +408,32 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     at 4096); else 128 (a third more FLOPs per loaded byte than 64: at 1024 tokens the static
     layer went from 1504 to 1149 us). With ``bn`` left to it, TMA down tiles take at most 128
     columns: of their 64-column slices, a 64 x 256 ring keeps 2 stages at two CTAs an SM.
-    ``engine``: the tiles' (``engine_for`` by default); ``threads``: the tiles'. Swapped
-    tiles take 128 columns, two m64 panels of weight columns on one warpgroup or one each on
-    two (``SWAPPED_ROWS``; 256 columns on two warpgroups lost at 1024 tokens on the H200: 415
-    us for the grouped GEMMs against 372 on one)."""
+    Widths left to it are halved until they divide their GEMM's columns (``2 *
+    intermediate``, ``hidden``). ``engine``: the tiles' (``engine_for`` by default);
+    ``threads``: the tiles'. Swapped tiles take 128 columns, two m64 panels of weight
+    columns on one warpgroup or one each on two (``SWAPPED_ROWS``; 256 columns on two
+    warpgroups lost at 1024 tokens on the H200: 415 us for the grouped GEMMs against 372 on
+    one)."""
     engine = engine or engine_for(tile_rows, "wgmma")
     if bn is None and engine == "swapped":
-        bn = 128
+        bn = halved_to_divide(128, 2 * intermediate)
     elif bn is None:
         one_block = tile_rows == wgmma_gemm.BLOCK_ROWS * (threads // wgmma_gemm.WARPGROUP)
         wide = engine == "wgmma" and one_block and 2 * intermediate % 256 == 0 \
             and hidden % 256 == 0
-        bn = 64 if tile_rows <= 16 else 256 if wide else 128
+        bn = halved_to_divide(64 if tile_rows <= 16 else 256 if wide else 128,
+                              2 * intermediate)
         if down_loads == "tma":
             down_bn = down_bn or min(bn, 128)
-    return bn, down_bn or bn
+    return bn, down_bn or halved_to_divide(bn, hidden)
+
+
+def halved_to_divide(width: int, columns: int) -> int:
+    """``width`` halved until it divides ``columns`` (a layer's hidden size of 2880 takes
+    down tasks of 64 columns where 2048 takes 128), or until it is odd."""
+    while columns % width and width % 2 == 0:
+        width //= 2
+    return width
 
 
 def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = None,
@@ -469,14 +484,16 @@ def options_for(tokens: int, **options) -> dict:
     top_k = options.get("top_k", QWEN3_30B_A3B["top_k"])
     # rows asked for without an engine, or TMA down tiles: wgmma tiles
     wgmma_asked = options.get("tile_rows") or options.get("down_loads") == "tma"
-    engine = options.get("engine") or ("wgmma" if wgmma_asked
-                                       else grouped_engine_for(tokens, experts, top_k))
+    hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])
+    intermediate = options.get("intermediate", QWEN3_30B_A3B["intermediate"])
+    engine = options.get("engine") or ("wgmma" if wgmma_asked else grouped_engine_for(
+        tokens, experts, top_k, hidden, intermediate))
     rows = options.get("tile_rows") or tile_rows_for(tokens, experts, top_k, ctas_per_sm,
                                                      engine)
     engine = engine_for(rows, engine)
     threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
     ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads, engine)
-    router_engine = options.get("router_engine") or router_engine_for(tokens, experts)
+    router_engine = options.get("router_engine") or router_engine_for(tokens, experts, threads)
     block_tokens = options.get("block_tokens") or topk_tokens_for(tokens, router_engine)
     router_tokens, experts_per_task = router_block_for(tokens, router_engine, experts, threads)
     # whole top-k blocks
@@ -486,19 +503,17 @@ def options_for(tokens: int, **options) -> dict:
     if experts_per_task is None:
         raise ValueError(f"options_for: no router task on {router_engine!r} covers {experts} "
                          f"experts: their number must be {moe.ROUTER_FIT[router_engine]}")
-    hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])
     align_tokens = options["align_tokens"] if options.get("align_tokens") is not None \
         else 0 if options.get("fused_route") else align_tokens_for(tokens)
     fused_route = options["fused_route"] if options.get("fused_route") is not None \
         else align_tokens == 0
-    bn, down_bn = task_columns(rows, hidden,
-                               options.get("intermediate", QWEN3_30B_A3B["intermediate"]),
-                               engine=engine,
+    bn, down_bn = task_columns(rows, hidden, intermediate, engine=engine,
                                bn=options.get("bn") or swapped_columns_for(tokens, engine),
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
-    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden, ctas_per_sm)
+    combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden, ctas_per_sm,
+                                                                   threads, down_bn)
     place_offsets = options.get("place_offsets") is not False and align_tokens > 0
     early_weights = options["early_weights"] if options.get("early_weights") is not None \
         else early_weights_for(tokens) and options.get("down_loads", "cp.async") != "tma"
@@ -520,7 +535,7 @@ def options_for(tokens: int, **options) -> dict:
             "experts_per_task": experts_per_task,
             "router_splits": options.get("router_splits")
             or router_splits_for(tokens, router_tokens, experts_per_task, experts,
-                                 ctas_per_sm)}
+                                 ctas_per_sm, hidden, router_engine)}
 
 
 # A router task's (tokens, experts) on each engine: 8 x 16 on CUDA cores; on tensor cores one
@@ -535,11 +550,12 @@ WIDE_ROUTER_TOKENS, WIDE_ROUTER_BLOCK, WIDE_TOPK_TOKENS = 1024, (32, 64), 8
 ROUTER_TASKS = 64
 
 
-def router_engine_for(tokens: int, experts: int = 128) -> str:
+def router_engine_for(tokens: int, experts: int = 128, threads: int = 128) -> str:
     """The router's engine for ``tokens``: CUDA cores while one block of 8 tokens holds them
-    all (at one token the logits are a GEMV), tensor cores past that, where their tasks'
-    experts fit (``moe.router_experts_fit``: not Mixtral's 8)."""
-    if tokens <= ROUTER_BLOCKS["fma"][0] or moe.router_experts_for(experts, "mma", experts) is None:
+    all (at one token the logits are a GEMV), tensor cores past that, where their tasks of
+    ``threads`` fit the experts (``moe.router_experts_fit``: not Mixtral's 8)."""
+    if tokens <= ROUTER_BLOCKS["fma"][0] \
+            or moe.router_experts_for(experts, "mma", experts, threads) is None:
         return "fma"
     return "mma"
 
@@ -568,9 +584,11 @@ def topk_tokens_for(tokens: int, engine: str) -> int:
 
 
 def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int = 16,
-                      experts: int = 128, ctas_per_sm: int = 2) -> int:
+                      experts: int = 128, ctas_per_sm: int = 2, hidden: int = 2048,
+                      engine: str = "fma") -> int:
     """Splits of the hidden rows over router tasks for ``tokens``: the fewest of 1, 2, 4, 8
-    that make ``ROUTER_TASKS`` tasks for each of ``ctas_per_sm``, as blocks of tokens alone
+    that make ``ROUTER_TASKS`` tasks for each of ``ctas_per_sm`` (of those that fit the
+    ``hidden`` rows on ``engine``, ``moe.router_splits_fit``), as blocks of tokens alone
     leave SMs idle (one token on CUDA cores: 8 tasks, so 8 splits, 64 SMs reading the
     router's 512 KB instead of 8; 128 tokens on tensor cores at two CTAs an SM: 32 tasks, so
     4 splits, 400.6 -> 388.5 us on the H200; 1024 tokens at four CTAs an SM: 128 tasks, so 4
@@ -578,7 +596,8 @@ def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int
     dynamic), and more splits than that only add partial logits to write and sum."""
     tasks = ceil_div(tokens, router_tokens) * (experts // experts_per_task)
     splits = 1
-    while splits < 8 and tasks * splits < ROUTER_TASKS * ctas_per_sm:
+    while splits < 8 and tasks * splits < ROUTER_TASKS * ctas_per_sm \
+            and moe.router_splits_fit(hidden, 2 * splits, engine):
         splits *= 2
     return splits
 
@@ -587,16 +606,23 @@ def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int
 COMBINE_TASKS = 128
 
 
-def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2) -> int:
+def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2,
+                     threads: int = 128, down_bn: int = 64) -> int:
     """Output columns a combine task writes for ``tokens``: the widest of the whole row and
     1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
-    tasks for each of ``ctas_per_sm``, else 512 (``make_moe_layer``'s default). Combine
+    tasks for each of ``ctas_per_sm``, else the widest up to 512 (``make_moe_layer``'s
+    default); of those the tile takes on ``threads`` (``moe.combine_cols_fit``) in whole
+    down tasks of ``down_bn`` columns. Combine
     tasks take 1-2 us, so under the dynamic schedule thousands of them queue on one head
     counter: at 1024 tokens on the H200, 4096 tasks of 512 columns took 80 us, 1024 whole
     rows 36 (dynamic + graph 533.8 -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
-    widths = [c for c in (hidden, 1024) if hidden % c == 0 and c % 512 == 0]
+    block = math.lcm(512, down_bn)
+    widths = [c for c in (hidden, 1024) if c % block == 0 and moe.combine_cols_fit(hidden, c,
+                                                                                    threads)]
+    block = math.lcm(4, down_bn)
     return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS * ctas_per_sm),
-                512)
+                None) or next(c for c in range(min(hidden, 512) // block * block, 0, -block)
+                              if moe.combine_cols_fit(hidden, c, threads))
 
 
 # Tokens a combine task may sum, most first. On the H200 blocks of 8 were as fast as blocks of
@@ -698,10 +724,13 @@ def swapped_rows_for(tokens: int, experts: int = 128, top_k: int = 8) -> int:
     return max(8, math.ceil((share + 2 * math.sqrt(share)) / 8) * 8)
 
 
-def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
+def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8, hidden: int = 2048,
+                       intermediate: int = 768) -> str:
     """The grouped GEMMs' engine for ``tokens`` when none is asked for: "swapped" from
     ``SWAPPED_FROM_TOKENS`` while ``swapped_rows_for`` is at most ``2 * SWAPPED_ROWS`` (two
-    warpgroups' worth), else "wgmma" (16-row tiles then run on "mma", ``engine_for``). On the
+    warpgroups' worth, where a 64-column panel each divides both GEMMs' columns, ``hidden``
+    and ``2 * intermediate``), else "wgmma" (16-row tiles then run on "mma",
+    ``engine_for``). On the
     H200 (claimed, CUDA-graph replays, static) against 16-row mma tiles at two CTAs an SM:
     2 tokens 57.2 -> 55.3 us, 8 tokens 140.8 -> 128.1, 16 tokens 218.2 -> 192.3, 128 tokens
     374.7 -> 330.6, 256 tokens 507.7 -> 370.5 (an expert's weights streamed once by the
@@ -709,8 +738,10 @@ def grouped_engine_for(tokens: int, experts: int = 128, top_k: int = 8) -> str:
     418 -> 393 at 1024 tokens (80-row tiles), 354 -> 346 at 512; 565 -> 530 at 2048 tokens
     on 152 x 128 swapped tasks on two warpgroups against 128 x 256 wgmma tasks at one. At
     one token the 16-row mma tiles stay (40.0 against 41.2 us)."""
-    if tokens >= SWAPPED_FROM_TOKENS \
-            and swapped_rows_for(tokens, experts, top_k) <= 2 * SWAPPED_ROWS:
+    rows = swapped_rows_for(tokens, experts, top_k)
+    two_panels = 2 * wgmma_gemm.PANEL
+    if tokens >= SWAPPED_FROM_TOKENS and (rows <= SWAPPED_ROWS or rows <= 2 * SWAPPED_ROWS and (
+            hidden % two_panels == 0 and 2 * intermediate % two_panels == 0)):
         return "swapped"
     return "wgmma"
 

@@ -130,23 +130,27 @@ def test_gaussian_bf16_weights_have_their_scale():
 
 
 def test_router_splits_must_divide_the_hidden_rows():
-    with pytest.raises(EtcError, match="3 splits must divide hidden 128"):
+    with pytest.raises(EtcError, match="3 splits on 'fma' must divide hidden 128 into "
+                                       "multiples of 8 rows"):
         moe.make_router_tile(H, E, splits=3)
-    with pytest.raises(EtcError, match="split's 4 hidden rows must be a multiple of 8"):
+    with pytest.raises(EtcError, match="32 splits on 'fma' must divide hidden 128"):
         moe.make_router_tile(H, E, splits=32)
-    with pytest.raises(EtcError, match="4 splits must divide hidden 128 into multiples of 64"):
+    with pytest.raises(EtcError, match="4 splits on 'mma' must divide hidden 128 into "
+                                       "multiples of 64"):
         moe.make_router_tile(H, E, 16, 16, splits=4, engine="mma")
     with pytest.raises(EtcError, match="engine must be one of"):
         moe.make_router_tile(H, E, engine="wgmma")
 
 
-@pytest.mark.parametrize("experts, engine, most, want", [
-    (128, "fma", 16, 16), (128, "mma", 64, 64), (64, "mma", 32, 32),
-    (8, "fma", 16, 8),  # Mixtral
-    (40, "fma", 16, 8), (48, "fma", 16, 16), (48, "mma", 32, 16),
-    (8, "mma", 32, None), (40, "mma", 32, None), (60, "fma", 16, None)])
-def test_router_tasks_take_the_most_experts_that_fit(experts, engine, most, want):
-    assert moe.router_experts_for(experts, engine, most) == want
+@pytest.mark.parametrize("experts, engine, most, threads, want", [
+    (128, "fma", 16, 128, 16), (128, "mma", 64, 128, 64), (64, "mma", 32, 128, 32),
+    (8, "fma", 16, 128, 8),  # Mixtral
+    (40, "fma", 16, 128, 8), (48, "fma", 16, 128, 16), (48, "mma", 32, 128, 16),
+    (8, "mma", 32, 128, None), (40, "mma", 32, 128, None), (60, "fma", 16, 128, None),
+    # eight warps share 16 tokens x 32 experts, not 16 x 16
+    (64, "mma", 32, 256, 32), (16, "mma", 32, 256, None)])
+def test_router_tasks_take_the_most_experts_that_fit(experts, engine, most, threads, want):
+    assert moe.router_experts_for(experts, engine, most, threads) == want
 
 
 def test_router_tasks_must_fit_the_experts():
@@ -157,18 +161,54 @@ def test_router_tasks_must_fit_the_experts():
         moe.make_router_tile(H, 8, 16, 8, engine="mma")
 
 
-@pytest.mark.parametrize("tokens", (1, 20, 130))
-@pytest.mark.parametrize("experts, top_k", [(8, 2), (40, 8)])  # Mixtral's; Granite 3.0 3B's
-def test_layer_of_other_expert_counts_matches_float64(tokens, experts, top_k):
-    """``options_for`` fits the router's tasks to the experts: 8 a task where 16 or 32 do
-    not divide them, and CUDA cores where no tensor-core block does."""
-    options = moe_layer.options_for(tokens, hidden=H, experts=experts, top_k=top_k,
-                                    intermediate=F)
-    assert (options["router_engine"], options["experts_per_task"]) == ("fma", 8)
-    inputs = make_inputs(np.random.default_rng(tokens), tokens, H, experts, F)
+@pytest.mark.parametrize("tokens", (1, 20, 130, 600))
+@pytest.mark.parametrize("hidden, experts, top_k, intermediate", [
+    (H, 8, 2, F),  # Mixtral's experts
+    (H, 40, 8, F),  # Granite 3.0 3B's
+    (192, 16, 4, 192)])  # 3 x 64 hidden rows, as gpt-oss's 2880 are 45 x 64
+def test_layers_of_other_shapes_match_float64(tokens, hidden, experts, top_k, intermediate):
+    """``options_for`` fits each choice to the shapes (``test_layer_options_fit_the_models``
+    says which), and the layer it builds is right under every size."""
+    options = moe_layer.options_for(tokens, hidden=hidden, experts=experts, top_k=top_k,
+                                    intermediate=intermediate)
+    inputs = make_inputs(np.random.default_rng(tokens), tokens, hidden, experts, intermediate)
     want, bound = moe_layer_reference(*inputs, top_k)
     assert_within(execute(make_moe_layer(**options), *inputs, order=RandomOrder(5)), want,
                   bound)
+
+
+@pytest.mark.parametrize("model, tokens, want", [
+    # 8 experts: router tasks of 8, on CUDA cores at every size (no tensor-core block fits)
+    ("mixtral-8x7b", 16, ("fma", 8, 8, 128, 128, 512)),
+    ("mixtral-8x7b", 1024, ("fma", 8, 1, 256, 256, 4096)),
+    # 2880 hidden rows: down tasks of 64 columns, combine tasks of 320 (a multiple of them
+    # that divides the rows), no router splits on tensor cores (1440 is not 64-row slices)
+    ("gpt-oss-120b", 1, ("fma", 16, 8, 64, 64, 320)),
+    ("gpt-oss-120b", 16, ("mma", 32, 1, 128, 64, 320)),
+    ("qwen3-next-80b-a3b", 1024, ("mma", 64, 1, 128, 128, 2048)),
+])
+def test_layer_options_fit_the_models(model, tokens, want):
+    options = moe_layer.options_for(tokens, **moe_layer.MODELS[model])
+    keys = ("router_engine", "experts_per_task", "router_splits", "bn", "down_bn",
+            "combine_cols")
+    assert tuple(options[k] for k in keys) == want
+
+
+def test_two_warpgroup_swapped_tiles_need_two_panels_to_divide_the_columns():
+    """From 97 rows swapped tiles run on two warpgroups, a 64-column panel each: where 128
+    columns do not divide the hidden rows (gpt-oss), wgmma tiles take those tokens."""
+    assert moe_layer.grouped_engine_for(2048, 128, 8) == "swapped"
+    assert moe_layer.grouped_engine_for(2048, 128, 8, hidden=2880, intermediate=2880) == "wgmma"
+    assert moe_layer.grouped_engine_for(1024, 128, 8, hidden=2880, intermediate=2880) == \
+        "swapped"  # 80 rows: one warpgroup
+
+
+def test_task_columns_halve_until_they_divide_the_columns():
+    assert moe_layer.task_columns(80, 2048, 768, engine="swapped") == (128, 128)
+    assert moe_layer.task_columns(80, 2880, 2880, engine="swapped") == (128, 64)
+    assert moe_layer.task_columns(16, 2880, 2880, engine="mma") == (64, 64)
+    assert moe_layer.task_columns(80, 2880, 2880, engine="swapped", bn=128) == (128, 64)
+    assert moe_layer.task_columns(80, 2880, 2880, engine="swapped", down_bn=128) == (128, 128)
 
 
 def test_layer_options_refuse_experts_no_router_task_covers():

@@ -666,12 +666,13 @@ def test_early_weights_layer_megakernel(strategy, tokens, rng, expert_weights,
                               early_weights=True)
 
 
-@pytest.mark.parametrize("tokens", (1, 16, 128, 1024))
+@pytest.mark.parametrize("tokens", (1, 16, 1024))
 @pytest.mark.parametrize("model", [m for m in moe_layer.MODELS if m != "qwen3-30b-a3b"])
 def test_other_models_layer_megakernel(model, tokens, rng):
     """The layer at other models' shapes (``moe_layer.MODELS``) as ``bench_moe --model``
     builds it: ``options_for`` (Mixtral's 8 experts: router tasks of 8 on CUDA cores at every
-    size), blocked weights, y in bf16, the claimed static kernel and the dynamic one, every
+    size; gpt-oss's 2880 hidden rows: down tasks of 64 columns, combine tasks of 320),
+    blocked weights, y in bf16, the claimed static kernel and the dynamic one, every
     routing."""
     shape = moe_layer.MODELS[model]
     hidden, experts, top_k = shape["hidden"], shape["experts"], shape["top_k"]

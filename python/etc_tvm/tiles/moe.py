@@ -106,6 +106,11 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
+def largest_divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most``."""
+    return next(d for d in range(min(n, most), 0, -1) if n % d == 0)
+
+
 def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
     """Tiles of the grouped GEMMs, for any routing: at most ``n = min(E, T*K)`` experts have
     pairs, one pair each fills one tile, and the other ``T*K - n`` pairs add a tile per BT,
@@ -119,11 +124,15 @@ def max_tiles(tokens, experts: int, top_k: int, tile_rows: int):
 # ----------------------------------------------------------------------------------- router
 ROUTER_ENGINES = ("fma", "mma")
 # What a router task's experts must be on each engine: on CUDA cores a thread reads 16 bytes
-# of a weight row (VEC experts) and groups of VEC share out the threads; on tensor cores each
-# warp's tile holds whole n16 blocks.
+# of a weight row (VEC experts) and groups of VEC share out the threads; on tensor cores the
+# warps share the task in whole m16 x n16 blocks.
 ROUTER_FIT = {"fma": f"a multiple of {VEC} that divides the experts, its groups of {VEC} the "
                      "threads",
-              "mma": "a multiple of 16 that divides the experts"}
+              "mma": "a multiple of 16 that divides the experts, the threads' warps sharing "
+                     "16 tokens of them in m16 x n16 blocks"}
+# What a split's hidden rows must be a multiple of: a thread's 16-byte load of x on CUDA
+# cores, the K slice on tensor cores.
+ROUTER_SPLIT_ROWS = {"fma": VEC, "mma": 64}
 
 
 def router_experts_fit(experts: int, experts_per_task: int, engine: str,
@@ -133,9 +142,20 @@ def router_experts_fit(experts: int, experts_per_task: int, engine: str,
     EB = experts_per_task
     if EB < 1 or experts % EB:
         return False
-    if engine == "mma":
-        return EB % 16 == 0
+    if engine == "mma":  # a block of 16 tokens, the fewest a tensor-core task takes
+        try:
+            gemm.warp_grid(16, EB, threads // WARP, ROUTER_SPLIT_ROWS["mma"])
+        except EtcError:
+            return False
+        return True
     return EB % VEC == 0 and threads % (EB // VEC) == 0
+
+
+def router_splits_fit(hidden: int, splits: int, engine: str) -> bool:
+    """Whether ``splits`` router tasks on ``engine`` can share the ``hidden`` rows
+    (``ROUTER_SPLIT_ROWS``)."""
+    return splits >= 1 and hidden % splits == 0 \
+        and hidden // splits % ROUTER_SPLIT_ROWS[engine] == 0
 
 
 def router_experts_for(experts: int, engine: str, most: int, threads: int = 128) -> int | None:
@@ -163,21 +183,20 @@ def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
     if threads % WARP or not router_experts_fit(experts, experts_per_task, engine, threads):
         raise EtcError(f"router tile: {experts_per_task} experts a task on {engine!r} do not "
                        f"fit the {experts} experts and {threads} threads ({ROUTER_FIT[engine]})")
+    if not router_splits_fit(hidden, splits, engine):
+        raise EtcError(f"router tile: {splits} splits on {engine!r} must divide hidden "
+                       f"{hidden} into multiples of {ROUTER_SPLIT_ROWS[engine]} rows")
     if engine == "mma":
         return _router_mma_tile(hidden, experts, block_tokens, experts_per_task, threads,
                                 splits)
     H, E, TB, EB, S = hidden, experts, block_tokens, experts_per_task, splits
     groups = EB // VEC
-    if S < 1 or H % S:
-        raise EtcError(f"router tile: {S} splits must divide hidden {H}")
     HS = H // S  # hidden rows of a task
-    slices = min(threads // groups, HS)
+    # the split's rows in equal slices, a thread's rows in equal steps
+    slices = largest_divisor(HS, threads // groups)
     all_busy = slices * groups == threads  # else the threads past them idle in the sums
     span = HS // slices
-    U = min(unroll, span)  # weight rows a thread loads before it uses them
-    if HS % VEC or HS % slices or span == 0 or span % U:
-        raise EtcError(f"router tile: a split's {HS} hidden rows must be a multiple of {VEC} "
-                       f"and split into {slices} slices of whole {U}-row steps")
+    U = largest_divisor(span, unroll)  # weight rows a thread loads before it uses them
     xvec = math.gcd(U, VEC)
     ntok = tirx.Var("T", "int32")
 
@@ -239,12 +258,10 @@ def make_router_tile(hidden: int, experts: int, block_tokens: int = 8,
 
 
 def _router_mma_tile(H: int, E: int, TB: int, EB: int, threads: int, S: int,
-                     bk: int = 64, stages: int = 4) -> DeviceFunc:
+                     stages: int = 4) -> DeviceFunc:
     """``make_router_tile(engine="mma")``: a TB x EB ``gemm.MmaTile`` over the split's hidden
     rows; rows past T are read as zeros and not stored."""
-    if S < 1 or H % S or (H // S) % bk:
-        raise EtcError(f"router tile: {S} splits must divide hidden {H} into multiples of "
-                       f"{bk} rows")
+    bk = ROUTER_SPLIT_ROWS["mma"]
     gemm.check_geometry(TB, EB, bk, threads, stages)
     HS = H // S
     ntok = tirx.Var("T", "int32")
@@ -1845,6 +1862,14 @@ def gate_up_reference(xrows, w_gate, w_up) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------- combine
+def combine_cols_fit(hidden: int, cols: int, threads: int = 128) -> bool:
+    """Whether combine tasks of ``cols`` columns on ``threads`` cover ``hidden``: blocks
+    that divide it, of 4-vectors, at most one a thread or whole rounds of the threads."""
+    vecs = cols // 4
+    return cols > 0 and hidden % cols == 0 and cols % 4 == 0 \
+        and (vecs <= threads or vecs % threads == 0)
+
+
 @functools.cache
 def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
                       threads: int = 128, y_dtype: str = "float32",
@@ -1862,7 +1887,7 @@ def make_combine_tile(hidden: int, top_k: int, cols: int = 512,
     H, K, TB = hidden, top_k, tokens
     _check_y_dtype(y_dtype, "combine")
     vecs = cols // 4
-    if H % cols or cols % 4 or (vecs > threads and vecs % threads):
+    if not combine_cols_fit(H, cols, threads):
         raise EtcError(f"combine tile: cols={cols} must divide H={H} into 4-vectors that "
                        f"spread over {threads} threads")
     if TB < 1:
