@@ -678,11 +678,15 @@ def test_other_models_layer_megakernel(model, rng):
     shape = moe_layer.MODELS[model]
     hidden, experts, top_k = shape["hidden"], shape["experts"], shape["top_k"]
     weights = moe_layer.make_expert_weights(rng, hidden, experts, shape["intermediate"])
+    layouts = {}  # the blocked weights of each pair of task widths, laid out once
     for tokens in (1, 16, 1024):
         options = moe_layer.options_for(tokens, **shape, blocked_weights=True,
                                         y_dtype="bfloat16")
-        blocked = moe_layer.blocked_expert_weights(*weights, options["tile_rows"],
-                                                   options["bn"], options["down_bn"])
+        widths = (options["bn"], options["down_bn"])
+        if widths not in layouts:
+            layouts[widths] = moe_layer.blocked_expert_weights(*weights, options["tile_rows"],
+                                                               *widths)
+        blocked = layouts[widths]
         graph = moe_layer.make_moe_layer(**options)
         runs = [build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(
                     ctas_per_sm=options["ctas_per_sm"], claim=claim))
