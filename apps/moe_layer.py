@@ -612,17 +612,17 @@ def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2,
     1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
     tasks for each of ``ctas_per_sm``, else the widest up to 512 (``make_moe_layer``'s
     default); of those the tile takes on ``threads`` (``moe.combine_cols_fit``) in whole
-    down tasks of ``down_bn`` columns. Combine
-    tasks take 1-2 us, so under the dynamic schedule thousands of them queue on one head
-    counter: at 1024 tokens on the H200, 4096 tasks of 512 columns took 80 us, 1024 whole
-    rows 36 (dynamic + graph 533.8 -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
-    block = math.lcm(512, down_bn)
-    widths = [c for c in (hidden, 1024) if c % block == 0 and moe.combine_cols_fit(hidden, c,
-                                                                                    threads)]
-    block = math.lcm(4, down_bn)
-    return next((c for c in widths if tokens * (hidden // c) >= COMBINE_TASKS * ctas_per_sm),
-                None) or next(c for c in range(min(hidden, 512) // block * block, 0, -block)
-                              if moe.combine_cols_fit(hidden, c, threads))
+    down tasks of ``down_bn`` columns (512 where none is: a ``down_bn`` that does not divide
+    ``hidden``, which the down tile refuses). Combine tasks take 1-2 us, so under the
+    dynamic schedule thousands of them queue on one head counter: at 1024 tokens on the
+    H200, 4096 tasks of 512 columns took 80 us, 1024 whole rows 36 (dynamic + graph 533.8
+    -> 489.8 us, barrier + graph 505.0 -> 493.7)."""
+    def fits(cols: int) -> bool:
+        return cols % down_bn == 0 and moe.combine_cols_fit(hidden, cols, threads)
+
+    wide = [c for c in (hidden, 1024) if c % 512 == 0 and fits(c)]
+    return next((c for c in wide if tokens * (hidden // c) >= COMBINE_TASKS * ctas_per_sm),
+                None) or next((c for c in range(min(hidden, 512), 0, -1) if fits(c)), 512)
 
 
 # Tokens a combine task may sum, most first. On the H200 blocks of 8 were as fast as blocks of

@@ -216,6 +216,14 @@ def test_layer_options_refuse_experts_no_router_task_covers():
         moe_layer.options_for(1, experts=60)
 
 
+def test_down_tasks_that_do_not_divide_the_hidden_rows_are_refused_by_the_down_tile():
+    """``down_bn=128`` asked for 192 hidden rows: the layer's options still resolve (no
+    combine width fits, so the default's), and the down tile says what does not divide."""
+    options = moe_layer.options_for(16, hidden=192, intermediate=192, down_bn=128)
+    with pytest.raises(EtcError, match="H=192 of bn=128"):
+        make_moe_layer(**options)
+
+
 def test_router_breaks_ties_by_lower_index():
     """Experts 2 and 5 have the same router column: equal logits, 2 goes first."""
     x = np.ones((3, H), BF16)
