@@ -172,12 +172,12 @@ def torch_route(x, w_router, top_k=8):
     return ids.int(), torch.softmax(values, dim=1)
 
 
-def decode_cases(rows, batches, contexts):
+def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
-    attention (batches x contexts: the K and V rows it reads), the q/k RMSNorm + RoPE and the
-    MoE router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
-    Hq, Hk, D = attention.Q_HEADS, attention.KV_HEADS, attention.HEAD_DIM
-    graph = decode_attention_graph()
+    attention (batches x contexts: the K and V rows it reads; ``heads``), the q/k RMSNorm +
+    RoPE and the MoE router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
+    Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
+    graph = decode_attention_graph(heads=heads)
     for B in batches:
         for L in contexts:
             def inputs(rng, B=B, L=L):
@@ -185,8 +185,12 @@ def decode_cases(rows, batches, contexts):
                     return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
                 return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
                         normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
-            yield Case("attention", f"B={B} L={L}", graph, {"B": B, "L": L}, inputs,
+            label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
+                                      else f" {heads.suffix}")
+            yield Case("attention", label, graph, {"B": B, "L": L}, inputs,
                        torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
+    qwen3 = attention.QWEN3_30B_A3B
+    Hq, Hk, D = qwen3.q_heads, qwen3.kv_heads, qwen3.head_dim
     moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
     for M in rows:
         def rope_inputs(rng, M=M):
@@ -391,6 +395,9 @@ def main() -> None:
                         help="sequences of the decode attention rows")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
                         help="cached tokens a sequence of the decode attention rows")
+    parser.add_argument("--attention-heads", type=int, nargs=3, default=[32, 4, 128],
+                        metavar=("HQ", "HK", "D"),
+                        help="query heads, KV heads and head dim of the decode attention rows")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
     parser.add_argument("--gemm-stages", type=int, nargs="+", default=[4],
@@ -412,7 +419,8 @@ def main() -> None:
     print(f"{'tile':>12} {'shape':>24} {'etc us':>9} {'torch us':>9} {'etc rate':>9} "
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
     for case in (*cases(args.rows, args.hidden, args.vocab),
-                 *decode_cases(args.rows, args.batches, args.contexts),
+                 *decode_cases(args.rows, args.batches, args.contexts,
+                               attention.AttentionHeads(*args.attention_heads)),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:

@@ -2,7 +2,8 @@
 
 Edges: split task (b, h, s) waits for the append of sequence b (it reads the cache row that the
 append wrote); merge task (b, h) waits for the S split tasks of its (b, h): ``split_done`` is
-counted per (b, kv head) with a wait count inferred from the ``"bhs->bh"`` notifies, S.
+counted per (b, query-head block) with a wait count inferred from the ``"bhs->bh"`` notifies,
+S.
 """
 import functools
 import zlib
@@ -11,7 +12,7 @@ import numpy as np
 
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import attention
-from etc_tvm.tiles.attention import BF16, GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
+from etc_tvm.tiles.attention import BF16, QWEN3_30B_A3B, AttentionHeads
 
 # name -> (max_len, lengths before this step's append); attention covers length + 1 tokens
 MIXES = {
@@ -22,51 +23,62 @@ MIXES = {
 }
 
 
+# other models' heads (query, KV, dim): groups of 4, 7 (not a power of two), 16 (two blocks of
+# 8 a KV head), 2 with 8 blocks, and head dims 64 and 256
+OTHER_HEADS = {
+    "llama3-8b": AttentionHeads(32, 8, 128),
+    "qwen2.5-7b": AttentionHeads(28, 4, 128),
+    "qwen3-235b-a22b": AttentionHeads(64, 4, 128),
+    "gpt-oss-120b": AttentionHeads(64, 8, 64),
+    "gemma2-9b": AttentionHeads(16, 8, 256),
+}
+
+
 @functools.cache
-def decode_attention_graph(chunk: int = 256):
+def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B):
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16)."""
-    append = attention.make_kv_append_tile()
-    split = attention.make_decode_split_tile(chunk)
-    merge = attention.make_decode_merge_tile()
+    append = attention.make_kv_append_tile(heads)
+    split = attention.make_decode_split_tile(chunk, heads=heads)
+    merge = attention.make_decode_merge_tile(heads)
+    Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block
 
     @graph_func
-    def decode_attention(q: Tensor(("B", Q_HEADS, HEAD_DIM), "bfloat16"),
-                         k_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
-                         v_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
-                         K_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
-                         V_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
+    def decode_attention(q: Tensor(("B", Hq, D), "bfloat16"),
+                         k_new: Tensor(("B", Hk, D), "bfloat16"),
+                         v_new: Tensor(("B", Hk, D), "bfloat16"),
+                         K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
+                         V_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
                          seq_lens: Tensor(("B",), "int32")):
         B, L = q.shape[0], K_cache.shape[2]
         S = attention.num_splits(L, chunk)
         appended = ETensor((B,), name="appended")
-        split_done = ETensor((B, KV_HEADS), name="split_done")
+        split_done = ETensor((B, heads.blocks), name="split_done")
         pos = call_device(append, tile_num=(B,), args=[k_new, v_new, seq_lens, K_cache, V_cache],
                           out=Tensor((B,), "int32", name="pos"), out_edges={appended: "b->b"})
         O_part, lse = call_device(
-            split, tile_num=(B, KV_HEADS, S), args=[q, K_cache, V_cache, pos],
-            out=[Tensor((B, KV_HEADS, S, GROUP, HEAD_DIM), name="O_part"),
-                 Tensor((B, KV_HEADS, S, GROUP), name="lse")],
+            split, tile_num=(B, heads.blocks, S), args=[q, K_cache, V_cache, pos],
+            out=[Tensor((B, heads.blocks, S, Gb, D), name="O_part"),
+                 Tensor((B, heads.blocks, S, Gb), name="lse")],
             in_edges={appended: "bhs->b"}, out_edges={split_done: "bhs->bh"})
-        return call_device(merge, tile_num=(B, KV_HEADS), args=[O_part, lse, pos],
-                           out=Tensor((B, Q_HEADS, HEAD_DIM), "bfloat16", name="out"),
+        return call_device(merge, tile_num=(B, heads.blocks), args=[O_part, lse, pos],
+                           out=Tensor((B, Hq, D), "bfloat16", name="out"),
                            in_edges={split_done: "bh->bh"})
 
     return decode_attention
 
 
-def make_inputs(max_len: int, lengths, seed: str = ""):
+def make_inputs(max_len: int, lengths, seed: str = "", heads: AttentionHeads = QWEN3_30B_A3B):
     """``(q, k_new, v_new, K_cache, V_cache, seq_lens)``: standard normal bf16, the cache rows
     at and past each length NaN (so a missed append or a read past the length shows)."""
-    rng = np.random.default_rng(zlib.crc32(f"{max_len}/{list(lengths)}/{seed}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"{max_len}/{list(lengths)}/{seed}/{heads}".encode()))
     B = len(lengths)
+    Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
 
     def randn(*shape):
         return rng.standard_normal(shape).astype(BF16)
 
-    q, k_new, v_new = randn(B, Q_HEADS, HEAD_DIM), randn(B, KV_HEADS, HEAD_DIM), \
-        randn(B, KV_HEADS, HEAD_DIM)
-    K_cache, V_cache = randn(B, KV_HEADS, max_len, HEAD_DIM), randn(B, KV_HEADS, max_len,
-                                                                   HEAD_DIM)
+    q, k_new, v_new = randn(B, Hq, D), randn(B, Hk, D), randn(B, Hk, D)
+    K_cache, V_cache = randn(B, Hk, max_len, D), randn(B, Hk, max_len, D)
     for b, n in enumerate(lengths):
         K_cache[b, :, max(n, 0):] = np.nan
         V_cache[b, :, max(n, 0):] = np.nan

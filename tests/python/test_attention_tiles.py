@@ -13,30 +13,30 @@ from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, St
     execute
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import attention
-from etc_tvm.tiles.attention import GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
+from etc_tvm.tiles.attention import QWEN3_30B_A3B, AttentionHeads
 
-from attention_graph import MIXES, decode_attention_graph, make_inputs
-from cubin import build_cubin, sass
+from attention_graph import MIXES, OTHER_HEADS, decode_attention_graph, make_inputs
+from cubin import build_cubin, count, sass
 from test_tiles import assert_within
 
 
 
-def run_tiles(chunk, q, k_new, v_new, K_cache, V_cache, seq_lens):
+def run_tiles(chunk, q, k_new, v_new, K_cache, V_cache, seq_lens, heads=QWEN3_30B_A3B):
     """The three references in graph order on copies of the caches: (out, pos, K, V, O, lse)."""
     B, L = q.shape[0], K_cache.shape[2]
     S = attention.num_splits(L, chunk)
     K, V = K_cache.copy(), V_cache.copy()
     pos = np.full(B, -7, np.int32)
-    O_part = np.full((B, KV_HEADS, S, GROUP, HEAD_DIM), np.nan, np.float32)
-    lse = np.full((B, KV_HEADS, S, GROUP), np.nan, np.float32)
-    out = np.full((B, Q_HEADS, HEAD_DIM), np.nan, attention.BF16)
+    O_part = np.full((B, heads.blocks, S, heads.block, heads.head_dim), np.nan, np.float32)
+    lse = np.full((B, heads.blocks, S, heads.block), np.nan, np.float32)
+    out = np.full(q.shape, np.nan, attention.BF16)
     for b in range(B):
-        attention.kv_append_tile.reference(b, k_new, v_new, seq_lens, K, V, pos)
-    split = attention.make_decode_split_tile(chunk)
-    for b, h, s in np.ndindex(B, KV_HEADS, S):
+        attention.make_kv_append_tile(heads).reference(b, k_new, v_new, seq_lens, K, V, pos)
+    split = attention.make_decode_split_tile(chunk, heads=heads)
+    for b, h, s in np.ndindex(B, heads.blocks, S):
         split.reference(b, h, s, q, K, V, pos, O_part, lse)
-    for b, h in np.ndindex(B, KV_HEADS):
-        attention.decode_merge_tile.reference(b, h, O_part, lse, pos, out)
+    for b, h in np.ndindex(B, heads.blocks):
+        attention.make_decode_merge_tile(heads).reference(b, h, O_part, lse, pos, out)
     return out, pos, K, V, O_part, lse
 
 
@@ -85,6 +85,70 @@ def test_a_sequence_without_room_gives_nan_and_leaves_the_others():
 def test_split_tile_rejects_chunks_its_threads_cannot_cover():
     with pytest.raises(EtcError, match="chunk"):
         attention.make_decode_split_tile(chunk=48)
+    # 64-dim rows: 16 row groups x 4 rows in flight, so 32 tokens do not fill a step
+    with pytest.raises(EtcError, match="multiple of 16 x unroll"):
+        attention.make_decode_split_tile(chunk=32, heads=AttentionHeads(64, 8, 64))
+
+
+# ------------------------------------------------------------------ other models' heads
+@pytest.mark.parametrize("heads, block, blocks", [
+    (AttentionHeads(32, 4, 128), 8, 4),
+    (AttentionHeads(32, 8, 128), 4, 8),
+    (AttentionHeads(28, 4, 128), 7, 4),    # a group of 7: all of it
+    (AttentionHeads(64, 4, 128), 8, 8),    # a group of 16: two blocks a KV head
+    (AttentionHeads(48, 4, 128), 6, 8),    # of 12: two blocks of 6
+    (AttentionHeads(64, 8, 64), 8, 8),
+    (AttentionHeads(16, 8, 256), 2, 8),
+    (AttentionHeads(32, 4, 32), 4, 8),     # 4 lanes a row: a lane stores one head's score
+    (AttentionHeads(8, 8, 128), 1, 8),     # multi-head attention
+])
+def test_a_task_takes_a_block_of_at_most_8_query_heads_of_one_kv_head(heads, block, blocks):
+    assert (heads.block, heads.blocks) == (block, blocks)
+    assert heads.group % heads.block == 0
+    # every block's heads share one KV head, the one each of them reads in float64
+    for h in range(heads.blocks):
+        assert {g // heads.group for g in range(h * block, (h + 1) * block)} == \
+            {heads.kv_head(h)}
+
+
+@pytest.mark.parametrize("args, match", [
+    ((30, 4, 128), "multiple of the KV heads"),
+    ((32, 0, 128), "multiple of the KV heads"),
+    ((32, 4, 96), "head_dim must be one of"),
+    ((32, 4, 512), "head_dim must be one of"),
+    ((32, 4, 8), "head_dim must be one of"),
+])
+def test_heads_the_tiles_cannot_lay_out_are_refused(args, match):
+    with pytest.raises(EtcError, match=match):
+        AttentionHeads(*args)
+
+
+@pytest.mark.parametrize("chunk", [64, 256])
+@pytest.mark.parametrize("model", sorted(OTHER_HEADS))
+def test_other_heads_references_are_within_the_bound(model, chunk):
+    heads = OTHER_HEADS[model]
+    max_len, lengths = MIXES["boundaries"]
+    inputs = make_inputs(max_len, lengths, heads=heads)
+    out, _, _, _, O_part, lse = run_tiles(chunk, *inputs, heads=heads)
+    assert np.isfinite(lse[:, :, 0]).all() and not np.isnan(O_part).any()
+    want, bound = attention.error_bound(*inputs, chunk=chunk)
+    assert np.isfinite(want).all()
+    assert_within(out, want, bound)
+
+
+@pytest.mark.parametrize("model", sorted(OTHER_HEADS))
+def test_other_heads_graph_on_the_executor_is_within_the_bound(model):
+    heads, chunk = OTHER_HEADS[model], 64
+    max_len, lengths = MIXES["ragged"]
+    graph = decode_attention_graph(chunk, heads)
+    inputs = make_inputs(max_len, lengths, heads=heads)
+    tg = TaskGraph.build(graph, {"B": len(lengths), "L": max_len})
+    assert [c.grid for c in tg.calls] == [(4,), (4, heads.blocks, 11), (4, heads.blocks)]
+    out = execute(graph, *inputs, order=StaticOrder(deal(tg.topological_order(), 5), seed=1))
+    want, bound = attention.error_bound(*inputs, chunk=chunk)
+    assert_within(out, want, bound)
+    np.testing.assert_array_equal(out.view(np.uint16), run_tiles(chunk, *inputs, heads=heads)[0]
+                                  .view(np.uint16))
 
 
 # ------------------------------------------------------------------ the graph on the executor
@@ -122,7 +186,7 @@ def test_graph_edges_and_wait_counts():
     B, L, chunk = 3, 700, 256
     tg = TaskGraph.build(decode_attention_graph(chunk), {"B": B, "L": L})
     S = attention.num_splits(L, chunk)
-    assert [c.grid for c in tg.calls] == [(B,), (B, KV_HEADS, S), (B, KV_HEADS)]
+    assert [c.grid for c in tg.calls] == [(B,), (B, 4, S), (B, 4)]
     counts = tg.static_counts()
     assert (counts["appended"] == 1).all()  # counted by its producers: one append each
     assert (counts["split_done"] == S).all()
@@ -141,37 +205,37 @@ def cubin(source: str, tmp_path) -> Path:
     return build_cubin(source, tmp_path)[0]
 
 
-def one_call_graphs(chunk=256):
+def one_call_graphs(chunk=256, heads=QWEN3_30B_A3B):
     """Each tile alone as a graph function (strategy "unfused": one grid launch)."""
-    split = attention.make_decode_split_tile(chunk)
+    split = attention.make_decode_split_tile(chunk, heads=heads)
+    Hq, Hk, D, blocks, Gb = (heads.q_heads, heads.kv_heads, heads.head_dim, heads.blocks,
+                             heads.block)
 
     @graph_func
-    def append_only(k_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
-                    v_new: Tensor(("B", KV_HEADS, HEAD_DIM), "bfloat16"),
+    def append_only(k_new: Tensor(("B", Hk, D), "bfloat16"),
+                    v_new: Tensor(("B", Hk, D), "bfloat16"),
                     seq_lens: Tensor(("B",), "int32"),
-                    K_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
-                    V_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16")):
-        return call_device(attention.kv_append_tile, tile_num=(k_new.shape[0],),
+                    K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
+                    V_cache: Tensor(("B", Hk, "L", D), "bfloat16")):
+        return call_device(attention.make_kv_append_tile(heads), tile_num=(k_new.shape[0],),
                            args=[k_new, v_new, seq_lens, K_cache, V_cache],
                            out=Tensor((k_new.shape[0],), "int32"))
 
     @graph_func
-    def split_only(q: Tensor(("B", Q_HEADS, HEAD_DIM), "bfloat16"),
-                   K_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
-                   V_cache: Tensor(("B", KV_HEADS, "L", HEAD_DIM), "bfloat16"),
+    def split_only(q: Tensor(("B", Hq, D), "bfloat16"),
+                   K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
+                   V_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
                    pos: Tensor(("B",), "int32")):
         B, S = q.shape[0], attention.num_splits(K_cache.shape[2], chunk)
-        return call_device(split, tile_num=(B, KV_HEADS, S), args=[q, K_cache, V_cache, pos],
-                           out=[Tensor((B, KV_HEADS, S, GROUP, HEAD_DIM)),
-                                Tensor((B, KV_HEADS, S, GROUP))])
+        return call_device(split, tile_num=(B, blocks, S), args=[q, K_cache, V_cache, pos],
+                           out=[Tensor((B, blocks, S, Gb, D)), Tensor((B, blocks, S, Gb))])
 
     @graph_func
-    def merge_only(O_part: Tensor(("B", KV_HEADS, "S", GROUP, HEAD_DIM)),
-                   lse: Tensor(("B", KV_HEADS, "S", GROUP)), pos: Tensor(("B",), "int32")):
+    def merge_only(O_part: Tensor(("B", blocks, "S", Gb, D)),
+                   lse: Tensor(("B", blocks, "S", Gb)), pos: Tensor(("B",), "int32")):
         B = O_part.shape[0]
-        return call_device(attention.decode_merge_tile, tile_num=(B, KV_HEADS),
-                           args=[O_part, lse, pos],
-                           out=Tensor((B, Q_HEADS, HEAD_DIM), "bfloat16"))
+        return call_device(attention.make_decode_merge_tile(heads), tile_num=(B, blocks),
+                           args=[O_part, lse, pos], out=Tensor((B, Hq, D), "bfloat16"))
 
     return {"append": append_only, "split": split_only, "merge": merge_only}
 
@@ -200,6 +264,30 @@ def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):
     assert len(plain) >= 2 * 4 + 2, "cache rows or partials read through the read-only path"
     # only what no task writes may take it: q (8 loads), k_new and v_new
     assert len(re.findall(r"LDG\.E\.128\.CONSTANT", code)) <= 8 + 2
+
+
+@pytest.mark.parametrize("model", sorted(OTHER_HEADS))
+def test_other_heads_tiles_and_megakernel_compile_without_spills(model, tmp_path):
+    """Each tile alone and the static megakernel: 16-byte loads, no register spilled (at most
+    8 heads' q and accumulators a thread). One exception, ptxas's own trade: the split tile
+    of 7 heads alone is held to 96 registers, for a fifth CTA an SM, and keeps two values of
+    its start in local memory (8 bytes; three loads, one of them at each step of the K rows,
+    the others once)."""
+    heads = OTHER_HEADS[model]
+    graphs = one_call_graphs(256, heads)
+    for tile, dims in (("append", {"B": 4, "L": 1000}), ("split", {"B": 4, "L": 1000}),
+                       ("merge", {"B": 4, "S": 4})):
+        source = build(graphs[tile], dims, strategy="unfused", num_sms=132).cuda_source()
+        (tmp_path / tile).mkdir()
+        cubin, report = build_cubin(source, tmp_path / tile, allow_spills=True)
+        code = sass(cubin)
+        assert "LDG.E.128" in code
+        spilled = max(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+        assert spilled <= (8 if heads.block == 7 and tile == "split" else 0), report
+        assert count(code, "LDL") <= 3
+    source = build(decode_attention_graph(256, heads), {"B": 4, "L": 1000}, strategy="static",
+                   num_sms=132).cuda_source()
+    build_cubin(source, tmp_path)
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

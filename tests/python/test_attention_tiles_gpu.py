@@ -13,9 +13,9 @@ import pytest
 
 from etc_tvm.build import build
 from etc_tvm.tiles import attention
-from etc_tvm.tiles.attention import GROUP, HEAD_DIM, KV_HEADS, Q_HEADS
+from etc_tvm.tiles.attention import QWEN3_30B_A3B
 
-from attention_graph import decode_attention_graph, make_inputs
+from attention_graph import OTHER_HEADS, decode_attention_graph, make_inputs
 from test_attention_tiles import one_call_graphs
 from test_tiles import assert_within
 
@@ -41,27 +41,28 @@ def float64_reference(inputs):
         return want, bound
     q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
     K, V = attention.cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
+    _, Hq, D = q.shape
+    Hk = K.shape[1]
     for b, n in enumerate(seq_lens + 1):
-        qt = torch.from_numpy(q[b].astype(np.float64)).view(KV_HEADS, GROUP, HEAD_DIM)
+        qt = torch.from_numpy(q[b].astype(np.float64)).view(Hk, Hq // Hk, D)
         kt = torch.from_numpy(K[b, :, :n].astype(np.float64))
         vt = torch.from_numpy(V[b, :, :n].astype(np.float64))
-        p = torch.softmax(qt @ kt.transpose(1, 2) / HEAD_DIM ** 0.5, dim=-1)
-        np.testing.assert_allclose(want[b], (p @ vt).reshape(Q_HEADS, HEAD_DIM).numpy(),
-                                   rtol=1e-10, atol=1e-12)
+        p = torch.softmax(qt @ kt.transpose(1, 2) / D ** 0.5, dim=-1)
+        np.testing.assert_allclose(want[b], (p @ vt).reshape(Hq, D).numpy(), rtol=1e-10,
+                                   atol=1e-12)
     return want, bound
 
 
-@pytest.mark.parametrize("B, max_len", CASES)
-def test_tiles_one_launch_each(B, max_len):
+def one_launch_each(B, max_len, heads=QWEN3_30B_A3B):
     """append, then split, then merge as three launches: the cache is updated in place on the
     device, the partials of empty chunks are neutral, and the output is within the bound."""
     import tvm
 
     dev = tvm.cuda(0)
-    inputs = make_inputs(max_len, lengths(B, max_len))
+    inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
     q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
     S = attention.num_splits(max_len, CHUNK)
-    graphs = one_call_graphs(CHUNK)
+    graphs = one_call_graphs(CHUNK, heads)
     dims = {"B": B, "L": max_len}
     K_dev, V_dev = tvm.runtime.tensor(K_cache, dev), tvm.runtime.tensor(V_cache, dev)
     pos = build(graphs["append"], dims, strategy="unfused")(k_new, v_new, seq_lens, K_dev, V_dev)
@@ -71,8 +72,9 @@ def test_tiles_one_launch_each(B, max_len):
     np.testing.assert_array_equal(V_dev.numpy().view(np.uint16), want_v.view(np.uint16))
 
     O_part, lse = build(graphs["split"], dims, strategy="unfused")(q, want_k, want_v, pos)
-    assert O_part.shape == (B, KV_HEADS, S, GROUP, HEAD_DIM) and lse.shape == (B, KV_HEADS, S,
-                                                                                GROUP)
+    blocks, Gb = heads.blocks, heads.block
+    assert O_part.shape == (B, blocks, S, Gb, heads.head_dim)
+    assert lse.shape == (B, blocks, S, Gb)
     empty = np.arange(S)[None, :] * CHUNK >= (seq_lens + 1)[:, None]  # (B, S)
     assert (lse.transpose(0, 2, 1, 3)[empty] == -np.inf).all()
     assert (O_part.transpose(0, 2, 1, 3, 4)[empty] == 0).all()
@@ -84,12 +86,34 @@ def test_tiles_one_launch_each(B, max_len):
 
 
 @pytest.mark.parametrize("B, max_len", CASES)
+def test_tiles_one_launch_each(B, max_len):
+    one_launch_each(B, max_len)
+
+
+@pytest.mark.parametrize("B, max_len", CASES)
 def test_decode_attention_megakernel(B, max_len):
     compiled = build(decode_attention_graph(CHUNK), {"B": B, "L": max_len}, strategy="static")
     inputs = make_inputs(max_len, lengths(B, max_len))
     out = compiled(*inputs)
     want, bound = float64_reference(inputs)
     assert_within(out, want, bound)
+
+
+@pytest.mark.parametrize("model", sorted(OTHER_HEADS))
+def test_other_heads(model):
+    """Other models' heads (groups of 4, 7 and 16, head dims 64 and 256): the three tiles as
+    launches, and the static megakernel, 100 launches of it identical."""
+    heads = OTHER_HEADS[model]
+    B, max_len = 8, 1000
+    one_launch_each(B, max_len, heads)
+    compiled = build(decode_attention_graph(CHUNK, heads), {"B": B, "L": max_len},
+                     strategy="static")
+    inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
+    first = compiled(*inputs)
+    want, bound = float64_reference(inputs)
+    assert_within(first, want, bound)
+    for _ in range(99):
+        np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
 
 def test_megakernel_updates_the_device_cache_in_place():

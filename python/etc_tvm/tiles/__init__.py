@@ -20,9 +20,11 @@ that ask for the same configuration share one device function:
   ``make_silu_mul_tile`` ([gate | up] -> silu(gate) * up) and ``make_residual_add_tile``.
 - ``reduction``: ``make_row_sum_tile(rows, threads)`` and
   ``make_partial_row_sum_tile(rows, cols, threads)``: fp32 row sums, whole or per column block.
-- ``attention``: decode attention (32 query heads on 4 KV heads, head dim 128, bf16) over a
-  contiguous KV cache: ``make_kv_append_tile()``, ``make_decode_split_tile(chunk)`` (one chunk
-  of one sequence and KV head, flash-decoding partials) and ``make_decode_merge_tile()``.
+- ``attention``: decode attention with grouped-query heads (``AttentionHeads``: query heads,
+  KV heads, head dim; Qwen3's 32, 4 and 128 by default; bf16) over a contiguous KV cache:
+  ``make_kv_append_tile(heads)``, ``make_decode_split_tile(chunk, heads=heads)`` (one chunk of
+  one sequence and block of up to 8 query heads of a KV head, flash-decoding partials) and
+  ``make_decode_merge_tile(heads)``.
 - ``moe``: the MoE layer's router logits and top-K (renormalised weights), align (the padded CSR of
   expert tiles), grouped gate-up (SiLU-mul fused) and down GEMMs on ``gemm.MmaTile``, and the
   weighted combine; ``apps/moe_layer.py`` wires them into one graph.
@@ -38,6 +40,7 @@ blocks, 64 x 64 GEMM and activation tiles), so ``"ij->ij"`` and ``"ij->i"`` edge
 Each module states its numeric contract and gives an ``error_bound`` to check it against.
 """
 from .attention import (
+    AttentionHeads,
     decode_merge_tile,
     decode_split_tile,
     kv_append_tile,
@@ -64,6 +67,7 @@ from .reduction import (
 from .wgmma_gemm import make_wgmma_gemm_tile
 
 __all__ = [
+    "AttentionHeads",
     "decode_merge_tile", "decode_split_tile", "gemm_bf16_tile", "gemm_tile", "gemv_tile",
     "kv_append_tile", "make_activation_tile", "make_decode_merge_tile", "make_decode_split_tile",
     "make_gemm_tile", "make_gemv_sum_tile", "make_gemv_tile", "make_kv_append_tile",

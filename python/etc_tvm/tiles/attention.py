@@ -1,21 +1,29 @@
 """Decode attention with grouped-query heads over a contiguous KV cache (flash-decoding).
 
-One decode step of B sequences, 32 query heads sharing 4 KV heads (groups of 8), head dim 128,
-bf16. Three tiles, chained by tile-level edges (``tests/python/attention_graph.py``)::
+One decode step of B sequences, ``Hq`` query heads sharing ``Hk`` KV heads (groups of
+``G = Hq / Hk``), head dim D, bf16 (``AttentionHeads``; Qwen3-30B-A3B's 32, 4 and 128 by
+default). A split or merge task takes a block of ``Gb`` query heads of one KV head: the whole
+group up to 8 heads, else the largest divisor of it up to 8 (``AttentionHeads.block``). Three
+tiles, chained by tile-level edges (``tests/python/attention_graph.py``), with ``h`` a block of
+query heads ``h*Gb .. h*Gb+Gb-1`` (KV head ``h*Gb // G``)::
 
     append, task b:       K_cache[b, :, seq_lens[b]] = k_new[b]; likewise V; pos[b] = seq_lens[b]
-    split,  task (b,h,s): the 8 query heads of KV head h over tokens [s*chunk, (s+1)*chunk)
+    split,  task (b,h,s): the Gb query heads of block h over tokens [s*chunk, (s+1)*chunk)
                           of 0 .. pos[b]: O_part[b,h,s] (normalised, fp32) and lse[b,h,s]
-    merge,  task (b,h):   out[b, 8h:8h+8] = the lse-weighted mean of O_part[b,h,:] (bf16)
+    merge,  task (b,h):   out[b, h*Gb : h*Gb+Gb] = the lse-weighted mean of O_part[b,h,:] (bf16)
 
-Layouts. ``K_cache, V_cache: [B, 4, max_len, 128]`` (kv-head major, "HND"): a split task's
-chunk is one contiguous run of ``chunk * 256`` bytes, read as whole DRAM pages (and a later TMA
-tile can load it as one box); with ``[B, max_len, 4, 128]`` the same rows would be 256-byte
-pieces 1 KB apart. The append writes one 256-byte row per head in either layout.
-``O_part: [B, 4, S, 8, 128]`` fp32 and ``lse: [B, 4, S, 8]`` fp32, ``S = ceil(max_len /
-chunk)``; lse is in base 2 (scores are pre-scaled by log2(e), so every exponential is one
+Layouts. ``K_cache, V_cache: [B, Hk, max_len, D]`` (kv-head major, "HND"): a split task's
+chunk is one contiguous run of ``chunk * 2D`` bytes, read as whole DRAM pages (and a later TMA
+tile can load it as one box); with ``[B, max_len, Hk, D]`` the same rows would be 2D-byte
+pieces ``2 Hk D`` bytes apart. The append writes one row per head in either layout.
+``O_part: [B, Hq/Gb, S, Gb, D]`` fp32 and ``lse: [B, Hq/Gb, S, Gb]`` fp32, ``S = ceil(max_len
+/ chunk)``; lse is in base 2 (scores are pre-scaled by log2(e), so every exponential is one
 ``ex2``): ``lse = log2(sum_t exp2(x_t))`` over the chunk. B and max_len are symbolic; the
 lengths are run-time data.
+
+Why blocks of at most 8 heads: a thread keeps ``Gb`` heads' q and accumulators in fp32
+registers (``17 Gb`` of them); past 8 heads they spill. A group of 16 (Qwen3-235B-A22B's 64 on
+4) is two blocks, whose tasks read the same K and V rows, so that cache is read twice.
 
 The cache is state: the append writes into ``K_cache`` and ``V_cache`` in place (they are
 inputs that the tile ``updates``, see ``DeviceFunc``), and a split task reads the row it wrote,
@@ -24,20 +32,24 @@ when they run as separate launches. Bounds: a length outside ``[0, max_len)`` (n
 step's token) writes nothing, sets ``pos[b] = -1``, and the merge writes NaN for all of that
 sequence's output, so a full cache is loud, never a wild write nor a silently shorter context.
 
-Inside a split task (128 threads; half-warp ``rg = tx // 16`` owns rows ``rg, rg + 8, ...`` of
-the chunk, lane ``c = tx % 16`` owns dims ``8c .. 8c+7`` of every row)::
+Inside a split task (128 threads; ``lanes = D / 8`` threads own a row, 16 for D = 128: a
+group of lanes ``rg = tx // lanes`` owns rows ``rg, rg + 128/lanes, ...`` of the chunk, lane
+``c = tx % lanes`` owns dims ``8c .. 8c+7`` of every row)::
 
-    q[8 heads, 8 dims] -> fp32 registers, pre-scaled by log2(e) / sqrt(128)
-    K rows: one 16-byte load per thread and row (a half-warp reads one 256-byte row), UNROLL
-            rows in flight; 8 partial dots per row (the GQA sharing: each loaded K element
-            serves the 8 heads), a 16-lane shuffle sum -> scores[8, chunk] in shared memory
-    per head (2 per warp): m = max, p = exp2(score - m), l = sum p   (exact over the chunk)
-    V rows: the same loads; acc[8 heads, 8 dims] += p * v in fp32 registers
-    half-warps, then warps, summed through shared memory; O_part = acc / l, lse = m + log2(l)
+    q[Gb heads, 8 dims] -> fp32 registers, pre-scaled by log2(e) / sqrt(D)
+    K rows: one 16-byte load per thread and row (``lanes`` threads read one row), UNROLL
+            rows in flight; Gb partial dots per row (the GQA sharing: each loaded K element
+            serves the Gb heads), a shuffle sum over the lanes -> scores[Gb, chunk] in shared
+            memory
+    per head (a warp's): m = max, p = exp2(score - m), l = sum p   (exact over the chunk)
+    V rows: the same loads; acc[Gb heads, 8 dims] += p * v in fp32 registers
+    row groups of a warp, then warps, summed through shared memory; O_part = acc / l,
+    lse = m + log2(l)
 
-fp32 FMA on CUDA cores, not tensor cores: decode attention moves 2 x 256 bytes per token for
-16 x 128 FLOP (8 heads, QK and PV), about 4 FLOP per byte, far below where mma.sync would pay;
-the FMA path keeps the numerics simple to bound and the thread layout identical for K and V.
+fp32 FMA on CUDA cores, not tensor cores: decode attention moves 2 x 2D bytes per token for
+``2 Gb D`` FLOP (QK and PV), about 4 FLOP per byte at 8 heads, far below where mma.sync would
+pay; the FMA path keeps the numerics simple to bound and the thread layout identical for K and
+V.
 
 Empty splits: a task whose chunk starts at or beyond the sequence's ``pos[b] + 1`` tokens (every
 task of a sequence with ``pos[b] = -1``) writes ``O_part = 0`` and ``lse = -inf``: its merge
@@ -48,7 +60,7 @@ Numeric contract (bf16 inputs, fp32 math with TVM's fast math: ``ex2.approx``, `
 approximate division), against float64 attention of the same bf16 values (``error_bound``).
 With ``x_t`` the exact base-2 score of token t and ``A = sum_t p_t |v_t| / sum_t p_t``:
 
-* a score: q scaled by an fp32 constant, D = 128 exact-input products rounded and summed in fp32:
+* a score: q scaled by an fp32 constant, D exact-input products rounded and summed in fp32:
   ``|dx_t| <= (D + 3) 2**-24 log2(e)/sqrt(D) sum_i |q_i k_ti|``;
 * a weight ``exp2(x - m)``: relative ``ln2 (|dx_t| + 2**-23 (|x_t| + max|x|)) + 2**-21``
   (the subtraction, ex2.approx); a split's lse adds ``ln2 (2**-22 + 2**-23 |lse|)`` (lg2.approx,
@@ -62,6 +74,7 @@ Each term is rounded up; ``error_bound`` sums them per output element.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -73,54 +86,119 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
-GROUP = Q_HEADS // KV_HEADS  # query heads per KV head
 THREADS = 128
-VEC = 8  # bf16 per 16-byte load
-LANES = HEAD_DIM // VEC  # threads that hold one row: a half-warp
-ROW_GROUPS = THREADS // LANES  # rows a CTA loads at once
 WARPS = THREADS // 32
-SCALE_LOG2 = math.log2(math.e) / math.sqrt(HEAD_DIM)  # scores in base 2: exp2 is one ex2
+VEC = 8  # bf16 per 16-byte load
+MAX_BLOCK = 8  # query heads a split task takes at most: their fp32 registers
+HEAD_DIMS = (16, 32, 64, 128, 256)
 NEG_INF = float("-inf")
 BF16 = ml_dtypes.bfloat16
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionHeads:
+    """The heads of one attention layer: ``q_heads`` query heads on ``kv_heads`` KV heads of
+    ``head_dim`` each, and the block of query heads that a split or merge task takes."""
+
+    q_heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+
+    def __post_init__(self):
+        if min(self.q_heads, self.kv_heads, self.head_dim) < 1 or self.q_heads % self.kv_heads:
+            raise EtcError(f"attention heads {self}: the query heads must be a positive "
+                           f"multiple of the KV heads")
+        if self.head_dim not in HEAD_DIMS:
+            raise EtcError(f"attention heads {self}: head_dim must be one of {HEAD_DIMS} "
+                           f"({VEC} dims a lane, a row's lanes within one warp, at least two)")
+
+    @property
+    def group(self) -> int:
+        """Query heads that share one KV head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def lanes(self) -> int:
+        """Threads that hold one row of K or V, one 16-byte vector each."""
+        return self.head_dim // VEC
+
+    @property
+    def row_groups(self) -> int:
+        """Rows a CTA loads at once."""
+        return THREADS // self.lanes
+
+    @property
+    def block(self) -> int:
+        """Query heads a task takes: the largest divisor of the group that the registers hold
+        and the lanes of a row can each store one score of."""
+        most = min(MAX_BLOCK, self.lanes)
+        return max(d for d in range(1, most + 1) if self.group % d == 0)
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of query heads: the second grid dimension of the split and merge tiles."""
+        return self.q_heads // self.block
+
+    @property
+    def scale_log2(self) -> float:
+        """The score scale in base 2 (every exponential one ex2)."""
+        return math.log2(math.e) / math.sqrt(self.head_dim)
+
+    @property
+    def suffix(self) -> str:
+        return f"{self.q_heads}q{self.kv_heads}k_d{self.head_dim}"
+
+    def kv_head(self, block):
+        """The KV head that query-head block ``block`` (an int or a TIR expression) reads."""
+        per_kv = self.group // self.block
+        return block if per_kv == 1 else block // per_kv
+
+
+QWEN3_30B_A3B = AttentionHeads()
+
+
 def num_splits(max_len, chunk: int):
-    """Split tasks per (sequence, KV head): enough chunks to cover the cache."""
+    """Split tasks per (sequence, head block): enough chunks to cover the cache."""
     return (max_len + chunk - 1) // chunk
 
 
 @functools.cache
-def make_kv_append_tile() -> DeviceFunc:
-    """The tile ``kv_append``: task b writes this step's K and V rows of sequence b, all 4 KV
-    heads, at ``seq_lens[b]``; one 16-byte vector per thread (64 for K, 64 for V)."""
+def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+    """The tile ``kv_append_<heads>``: task b writes this step's K and V rows of sequence b,
+    all KV heads, at ``seq_lens[b]``; one 16-byte vector per thread and step (the K vectors
+    first, then the V vectors)."""
+    Hk, D, lanes = heads.kv_heads, heads.head_dim, heads.lanes
+    half = Hk * lanes  # vectors per cache
+    rounds = (2 * half + THREADS - 1) // THREADS
+    whole = 2 * half % THREADS == 0  # every thread of the last round has a vector
     B, L = tirx.Var("B", "int32"), tirx.Var("L", "int32")
 
     @T.prim_func
-    def kv_append(b: T.int32, k_new: T.Buffer((B, KV_HEADS, HEAD_DIM), "bfloat16"),
-                  v_new: T.Buffer((B, KV_HEADS, HEAD_DIM), "bfloat16"),
+    def kv_append(b: T.int32, k_new: T.Buffer((B, Hk, D), "bfloat16"),
+                  v_new: T.Buffer((B, Hk, D), "bfloat16"),
                   seq_lens: T.Buffer((B,), "int32"),
-                  K_cache: T.Buffer((B, KV_HEADS, L, HEAD_DIM), "bfloat16"),
-                  V_cache: T.Buffer((B, KV_HEADS, L, HEAD_DIM), "bfloat16"),
+                  K_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
+                  V_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
                   pos: T.Buffer((B,), "int32")):
         T.device_entry()
         tx = T.thread_id([THREADS])
         at = T.local_scalar("int32")
         at = seq_lens[b]
-        half = T.meta_var(KV_HEADS * LANES)  # vectors per cache: K by tx < half, V by the rest
-        h = T.meta_var(tx % half // LANES)
-        col = T.meta_var(tx % LANES * VEC)
         if at >= 0 and at < L:
-            if tx < half:
-                for e in T.vectorized(VEC):
-                    K_cache[b, h, at, col + e] = k_new[b, h, col + e]
-            else:
-                for e in T.vectorized(VEC):
-                    V_cache[b, h, at, col + e] = v_new[b, h, col + e]
+            for r in T.unroll(rounds):
+                v = T.meta_var(r * THREADS + tx)
+                h = T.meta_var(v % half // lanes)
+                col = T.meta_var(v % lanes * VEC)
+                if v < half:
+                    for e in T.vectorized(VEC):
+                        K_cache[b, h, at, col + e] = k_new[b, h, col + e]
+                elif whole or v < 2 * half:
+                    for e in T.vectorized(VEC):
+                        V_cache[b, h, at, col + e] = v_new[b, h, col + e]
         if tx == 0:
             pos[b] = T.if_then_else(at >= 0 and at < L, at, -1)
 
-    tile = device_func(kv_append.with_attr("global_symbol", "kv_append"),
+    tile = device_func(kv_append.with_attr("global_symbol", f"kv_append_{heads.suffix}"),
                        updates=("K_cache", "V_cache"))
 
     @tile.set_reference
@@ -136,138 +214,186 @@ def make_kv_append_tile() -> DeviceFunc:
     return tile
 
 
+@T.meta_class
+class HeadOutputs:
+    """The ``Gb x lanes`` 16-byte output vectors of a head block over the CTA's threads: in
+    round r thread tx takes vector ``r*128 + tx``, head ``// lanes``, dims ``8 (% lanes) ..``;
+    one round at Qwen3's 8 heads of 128 dims."""
+
+    def __init__(self, heads: AttentionHeads, tx):
+        self.lanes = heads.lanes
+        self.count = heads.block * heads.lanes
+        self.rounds = (self.count + THREADS - 1) // THREADS
+        self.tx = tx
+
+    def vector(self, r):
+        return r * THREADS + self.tx
+
+    def head(self, r):
+        return self.vector(r) // self.lanes
+
+    def col(self, r):
+        return self.vector(r) % self.lanes * VEC
+
+    def first_lane(self, r):
+        """Whether round r's vector is the first of its head."""
+        return self.vector(r) % self.lanes == 0
+
+    def inside(self, r):
+        """Whether round r of this thread has a vector (Python True where every one does)."""
+        return self.count % THREADS == 0 or self.vector(r) < self.count
+
+
 @functools.cache
-def make_decode_split_tile(chunk: int = 256, unroll: int = 4) -> DeviceFunc:
-    """The tile ``decode_split_c<chunk>``: task (b, h, s), the partial attention of the 8 query
-    heads of KV head h over the s-th chunk of sequence b's ``pos[b] + 1`` tokens.
+def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
+                           heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+    """The tile ``decode_split_<heads>_c<chunk>``: task (b, h, s), the partial attention of
+    query-head block h over the s-th chunk of sequence b's ``pos[b] + 1`` tokens.
 
     ``unroll`` rows per thread are loaded before the first is used (loads in flight).
     """
-    if chunk % (ROW_GROUPS * unroll) or chunk % 32:
-        raise EtcError(f"decode split tile: chunk must be a multiple of {ROW_GROUPS} x unroll "
-                       f"and of 32, got chunk={chunk}, unroll={unroll}")
-    steps = chunk // ROW_GROUPS // unroll
+    G, D, lanes, row_groups = heads.block, heads.head_dim, heads.lanes, heads.row_groups
+    if chunk < 1 or chunk % (row_groups * unroll) or chunk % 32:
+        raise EtcError(f"decode split tile: chunk must be a multiple of {row_groups} x unroll "
+                       f"(the rows {THREADS} threads load at once at head_dim {D}) and of 32, "
+                       f"got chunk={chunk}, unroll={unroll}")
+    steps = chunk // row_groups // unroll
+    heads_per_warp = (G + WARPS - 1) // WARPS
+    every_warp_full = G % WARPS == 0
+    shuffles = int(math.log2(32 // lanes))  # row groups of a warp, summed by xor shuffles
+    scale = heads.scale_log2
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
     def load_rows(kv, Cache, b, h, start, it, rg, col, count):
-        # ``unroll`` rows of this half-warp, one 16-byte load each; rows past count stay unread
+        # ``unroll`` rows of this row group, one 16-byte load each; rows past count stay unread
         for u in T.unroll(unroll):
-            if (it * unroll + u) * ROW_GROUPS + rg < count:
+            if (it * unroll + u) * row_groups + rg < count:
                 for e in T.vectorized(VEC):
-                    kv[u, e] = Cache[b, h, start + (it * unroll + u) * ROW_GROUPS + rg, col + e]
+                    kv[u, e] = Cache[b, heads.kv_head(h), start + (it * unroll + u) * row_groups
+                                     + rg, col + e]
 
     @T.prim_func
     def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                     q: T.Buffer((B, Q_HEADS, HEAD_DIM), "bfloat16"),
-                     K_cache: T.Buffer((B, KV_HEADS, L, HEAD_DIM), "bfloat16"),
-                     V_cache: T.Buffer((B, KV_HEADS, L, HEAD_DIM), "bfloat16"),
+                     q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                     K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                     V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
                      pos: T.Buffer((B,), "int32"),
-                     O_part: T.Buffer((B, KV_HEADS, S, GROUP, HEAD_DIM), "float32"),
-                     lse: T.Buffer((B, KV_HEADS, S, GROUP), "float32")):
+                     O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                     lse: T.Buffer((B, heads.blocks, S, G), "float32")):
         T.device_entry()
         tx = T.thread_id([THREADS])
         warp = T.warp_id([WARPS])
         lane = T.lane_id([32])
-        scores = T.alloc_shared((GROUP, chunk), "float32")
-        partial = T.alloc_shared((WARPS, GROUP, HEAD_DIM), "float32")
-        stats = T.alloc_shared((2, GROUP), "float32")  # per head: max, sum
-        qr = T.alloc_local((GROUP, VEC), "float32")
+        scores = T.alloc_shared((G, chunk), "float32")
+        partial = T.alloc_shared((WARPS, G, D), "float32")
+        stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
+        qr = T.alloc_local((G, VEC), "float32")
         qv = T.alloc_local((VEC,), "bfloat16")
         kv = T.alloc_local((unroll, VEC), "bfloat16")
-        dot = T.alloc_local((GROUP,), "float32")
-        acc = T.alloc_local((GROUP, VEC), "float32")
+        dot = T.alloc_local((G,), "float32")
+        acc = T.alloc_local((G, VEC), "float32")
         red = T.alloc_local((2,), "float32")
         count = T.local_scalar("int32")
-        rg = T.meta_var(tx // LANES)
-        c = T.meta_var(tx % LANES)
-        col = T.meta_var(tx % LANES * VEC)
+        outs = HeadOutputs(heads, tx)
+        rg = T.meta_var(tx // lanes)
+        c = T.meta_var(tx % lanes)
+        col = T.meta_var(tx % lanes * VEC)
         start = T.meta_var(s * chunk)
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
         count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
         if count <= 0:
-            for half in T.unroll(2):
-                for e in T.vectorized(VEC // 2):
-                    O_part[b, h, s, rg, col + half * (VEC // 2) + e] = T.float32(0)
-            if tx < GROUP:
+            for r in T.unroll(outs.rounds):
+                if outs.inside(r):
+                    for half in T.unroll(2):
+                        for e in T.vectorized(VEC // 2):
+                            O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] \
+                                = T.float32(0)
+            if tx < G:
                 lse[b, h, s, tx] = T.float32(NEG_INF)
         else:
-            for g in T.unroll(GROUP):
+            for g in T.unroll(G):
                 for e in T.vectorized(VEC):
-                    qv[e] = q[b, h * GROUP + g, col + e]
+                    qv[e] = q[b, h * G + g, col + e]
                 for e in T.unroll(VEC):
-                    qr[g, e] = T.Cast("float32", qv[e]) * T.float32(SCALE_LOG2)
-            # scores = q . k for the 8 heads; each K element loaded once serves all 8
+                    qr[g, e] = T.Cast("float32", qv[e]) * T.float32(scale)
+            # scores = q . k for the block's heads; each K element loaded once serves them all
             for it in T.serial(steps):
                 load_rows(kv, K_cache, b, h, start, it, rg, col, count)
                 for u in T.unroll(unroll):
-                    for g in T.unroll(GROUP):
+                    for g in T.unroll(G):
                         dot[g] = T.float32(0)
                         for e in T.unroll(VEC):
                             dot[g] = dot[g] + qr[g, e] * T.Cast("float32", kv[u, e])
-                        dot[g] = T.cuda.warp_sum(dot[g], LANES)
-                    if (it * unroll + u) * ROW_GROUPS + rg < count:
-                        for g in T.unroll(GROUP):
+                        dot[g] = T.cuda.warp_sum(dot[g], lanes)
+                    if (it * unroll + u) * row_groups + rg < count:
+                        for g in T.unroll(G):
                             if c == g:
-                                scores[g, (it * unroll + u) * ROW_GROUPS + rg] = dot[g]
+                                scores[g, (it * unroll + u) * row_groups + rg] = dot[g]
             T.cuda.cta_sync()
-            # softmax statistics of the chunk, two heads per warp
-            for k in T.unroll(GROUP // WARPS):
-                red[0] = T.float32(NEG_INF)
-                for j in T.serial(chunk // 32):
-                    if j * 32 + lane < count:
-                        red[0] = T.max(red[0], scores[warp * 2 + k, j * 32 + lane])
-                red[0] = T.cuda.warp_max(red[0])
-                red[1] = T.float32(0)
-                for j in T.serial(chunk // 32):
-                    if j * 32 + lane < count:
-                        scores[warp * 2 + k, j * 32 + lane] = T.exp2(
-                            scores[warp * 2 + k, j * 32 + lane] - red[0])
-                        red[1] = red[1] + scores[warp * 2 + k, j * 32 + lane]
-                red[1] = T.cuda.warp_sum(red[1])
-                if lane == 0:
-                    stats[0, warp * 2 + k] = red[0]
-                    stats[1, warp * 2 + k] = red[1]
+            # softmax statistics of the chunk, a warp's heads_per_warp heads
+            for k in T.unroll(heads_per_warp):
+                g = T.meta_var(warp * heads_per_warp + k)
+                if every_warp_full or g < G:
+                    red[0] = T.float32(NEG_INF)
+                    for j in T.serial(chunk // 32):
+                        if j * 32 + lane < count:
+                            red[0] = T.max(red[0], scores[g, j * 32 + lane])
+                    red[0] = T.cuda.warp_max(red[0])
+                    red[1] = T.float32(0)
+                    for j in T.serial(chunk // 32):
+                        if j * 32 + lane < count:
+                            scores[g, j * 32 + lane] = T.exp2(scores[g, j * 32 + lane] - red[0])
+                            red[1] = red[1] + scores[g, j * 32 + lane]
+                    red[1] = T.cuda.warp_sum(red[1])
+                    if lane == 0:
+                        stats[0, g] = red[0]
+                        stats[1, g] = red[1]
             T.cuda.cta_sync()
             # acc = p @ v over this thread's rows and dims
-            for g in T.unroll(GROUP):
+            for g in T.unroll(G):
                 for e in T.unroll(VEC):
                     acc[g, e] = T.float32(0)
             for it in T.serial(steps):
                 load_rows(kv, V_cache, b, h, start, it, rg, col, count)
                 for u in T.unroll(unroll):
-                    if (it * unroll + u) * ROW_GROUPS + rg < count:
-                        for g in T.unroll(GROUP):
+                    if (it * unroll + u) * row_groups + rg < count:
+                        for g in T.unroll(G):
                             for e in T.unroll(VEC):
                                 acc[g, e] = acc[g, e] + scores[
-                                    g, (it * unroll + u) * ROW_GROUPS + rg] * T.Cast(
+                                    g, (it * unroll + u) * row_groups + rg] * T.Cast(
                                     "float32", kv[u, e])
-            # the two half-warps of a warp, then the warps through shared memory
-            for g in T.unroll(GROUP):
-                for e in T.unroll(VEC):
-                    acc[g, e] = acc[g, e] + T.tvm_warp_shuffle_xor(
-                        T.uint32(0xFFFFFFFF), acc[g, e], 16, 32, 32)
-            if lane < LANES:
-                for g in T.unroll(GROUP):
+            # the row groups of a warp, then the warps through shared memory
+            for j in T.unroll(shuffles):
+                for g in T.unroll(G):
+                    for e in T.unroll(VEC):
+                        acc[g, e] = acc[g, e] + T.tvm_warp_shuffle_xor(
+                            T.uint32(0xFFFFFFFF), acc[g, e], lanes << j, 32, 32)
+            if lane < lanes:
+                for g in T.unroll(G):
                     for half in T.unroll(2):
                         for e in T.vectorized(VEC // 2):
                             partial[warp, g, col + half * (VEC // 2) + e] = \
                                 acc[g, half * (VEC // 2) + e]
             T.cuda.cta_sync()
-            # thread tx finishes head tx // 16, dims 8 (tx % 16) ..
-            for e in T.unroll(VEC):
-                acc[0, e] = partial[0, rg, col + e]
-                for w in T.unroll(WARPS - 1):
-                    acc[0, e] = acc[0, e] + partial[w + 1, rg, col + e]
-            for half in T.unroll(2):
-                for e in T.vectorized(VEC // 2):
-                    O_part[b, h, s, rg, col + half * (VEC // 2) + e] = \
-                        acc[0, half * (VEC // 2) + e] / stats[1, rg]
-            if c == 0:
-                lse[b, h, s, rg] = stats[0, rg] + T.log2(stats[1, rg])
+            for r in T.unroll(outs.rounds):
+                if outs.inside(r):
+                    for e in T.unroll(VEC):
+                        acc[0, e] = partial[0, outs.head(r), outs.col(r) + e]
+                        for w in T.unroll(WARPS - 1):
+                            acc[0, e] = acc[0, e] + partial[w + 1, outs.head(r), outs.col(r) + e]
+                    for half in T.unroll(2):
+                        for e in T.vectorized(VEC // 2):
+                            O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] \
+                                = acc[0, half * (VEC // 2) + e] / stats[1, outs.head(r)]
+                    if outs.first_lane(r):
+                        lse[b, h, s, outs.head(r)] = stats[0, outs.head(r)] + T.log2(
+                            stats[1, outs.head(r)])
 
-    tile = device_func(decode_split.with_attr("global_symbol", f"decode_split_c{chunk}"),
-                       cost=chunk / 64, requires=[(L <= S * chunk, f"L at most S x {chunk}")])
+    name = f"decode_split_{heads.suffix}_c{chunk}"
+    tile = device_func(decode_split.with_attr("global_symbol", name),
+                       cost=chunk * D / (64 * 128),
+                       requires=[(L <= S * chunk, f"L at most S x {chunk}")])
 
     @tile.set_reference
     def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
@@ -277,31 +403,33 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4) -> DeviceFunc:
             O_part[b, h, s] = 0
             lse[b, h, s] = NEG_INF
             return
-        heads = slice(h * GROUP, (h + 1) * GROUP)
-        qs = q[b, heads].astype(np.float32) * np.float32(SCALE_LOG2)
-        x = qs @ K_cache[b, h, rows].astype(np.float32).T  # (8, tokens)
+        qs = q[b, h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)
+        kvh = heads.kv_head(h)
+        x = qs @ K_cache[b, kvh, rows].astype(np.float32).T  # (Gb, tokens)
         m = x.max(axis=1, keepdims=True)
         p = np.exp2(x - m)
         total = p.sum(axis=1, dtype=np.float32)
-        O_part[b, h, s] = (p @ V_cache[b, h, rows].astype(np.float32)) / total[:, None]
+        O_part[b, h, s] = (p @ V_cache[b, kvh, rows].astype(np.float32)) / total[:, None]
         lse[b, h, s] = m[:, 0] + np.log2(total)
 
     return tile
 
 
 @functools.cache
-def make_decode_merge_tile() -> DeviceFunc:
-    """The tile ``decode_merge``: task (b, h) rescales the splits of KV head h's 8 query heads
-    by ``exp2(lse_s - max lse)`` and writes their normalised sum as bf16; thread tx owns head
-    ``tx // 16``, dims ``8 (tx % 16) ..`` (two 16-byte fp32 loads per split, one bf16 store)."""
+def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+    """The tile ``decode_merge_<heads>``: task (b, h) rescales the splits of query-head block
+    h by ``exp2(lse_s - max lse)`` and writes their normalised sum as bf16; a thread owns one
+    head's 8 dims a round (``HeadOutputs``: two 16-byte fp32 loads per split, one bf16
+    store)."""
+    G, D = heads.block, heads.head_dim
     B, S = tirx.Var("B", "int32"), tirx.Var("S", "int32")
 
     @T.prim_func
     def decode_merge(b: T.int32, h: T.int32,
-                     O_part: T.Buffer((B, KV_HEADS, S, GROUP, HEAD_DIM), "float32"),
-                     lse: T.Buffer((B, KV_HEADS, S, GROUP), "float32"),
+                     O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                     lse: T.Buffer((B, heads.blocks, S, G), "float32"),
                      pos: T.Buffer((B,), "int32"),
-                     out: T.Buffer((B, Q_HEADS, HEAD_DIM), "bfloat16")):
+                     out: T.Buffer((B, heads.q_heads, D), "bfloat16")):
         T.device_entry()
         tx = T.thread_id([THREADS])
         acc = T.alloc_local((VEC,), "float32")
@@ -310,41 +438,44 @@ def make_decode_merge_tile() -> DeviceFunc:
         top = T.local_scalar("float32")
         weight = T.local_scalar("float32")
         total = T.local_scalar("float32")
-        g = T.meta_var(tx // LANES)
-        col = T.meta_var(tx % LANES * VEC)
-        top = T.float32(NEG_INF)
-        for s in T.serial(S):
-            top = T.max(top, lse[b, h, s, g])
-        total = T.float32(0)
-        for e in T.unroll(VEC):
-            acc[e] = T.float32(0)
-        for s in T.serial(S):
-            weight = T.exp2(lse[b, h, s, g] - top)  # 0 for an empty split (lse = -inf)
-            total = total + weight
-            for e in T.vectorized(VEC // 2):
-                part[e] = O_part[b, h, s, g, col + e]
-            for e in T.vectorized(VEC // 2):
-                part[VEC // 2 + e] = O_part[b, h, s, g, col + VEC // 2 + e]
-            for e in T.unroll(VEC):
-                acc[e] = acc[e] + weight * part[e]
-        for e in T.unroll(VEC):
-            res[e] = T.Cast("bfloat16", T.if_then_else(pos[b] >= 0, acc[e] / total,
-                                                      T.float32(float("nan"))))
-        for e in T.vectorized(VEC):
-            out[b, h * GROUP + g, col + e] = res[e]
+        outs = HeadOutputs(heads, tx)
+        for r in T.unroll(outs.rounds):
+            if outs.inside(r):
+                g = T.meta_var(outs.head(r))
+                col = T.meta_var(outs.col(r))
+                top = T.float32(NEG_INF)
+                for s in T.serial(S):
+                    top = T.max(top, lse[b, h, s, g])
+                total = T.float32(0)
+                for e in T.unroll(VEC):
+                    acc[e] = T.float32(0)
+                for s in T.serial(S):
+                    weight = T.exp2(lse[b, h, s, g] - top)  # 0 for an empty split (lse = -inf)
+                    total = total + weight
+                    for e in T.vectorized(VEC // 2):
+                        part[e] = O_part[b, h, s, g, col + e]
+                    for e in T.vectorized(VEC // 2):
+                        part[VEC // 2 + e] = O_part[b, h, s, g, col + VEC // 2 + e]
+                    for e in T.unroll(VEC):
+                        acc[e] = acc[e] + weight * part[e]
+                for e in T.unroll(VEC):
+                    res[e] = T.Cast("bfloat16", T.if_then_else(pos[b] >= 0, acc[e] / total,
+                                                              T.float32(float("nan"))))
+                for e in T.vectorized(VEC):
+                    out[b, h * G + g, col + e] = res[e]
 
-    tile = device_func(decode_merge.with_attr("global_symbol", "decode_merge"))
+    tile = device_func(decode_merge.with_attr("global_symbol", f"decode_merge_{heads.suffix}"))
 
     @tile.set_reference
     def _(b, h, O_part, lse, pos, out):
-        heads = slice(h * GROUP, (h + 1) * GROUP)
+        block = slice(h * G, (h + 1) * G)
         if pos[b] < 0:
-            out[b, heads] = np.nan
+            out[b, block] = np.nan
             return
-        weight = np.exp2(lse[b, h] - lse[b, h].max(axis=0))  # (S, 8)
+        weight = np.exp2(lse[b, h] - lse[b, h].max(axis=0))  # (S, Gb)
         total = weight.sum(axis=0, dtype=np.float32)
         value = np.einsum("sg,sgd->gd", weight, O_part[b, h]) / total[:, None]
-        out[b, heads] = value.astype(out.dtype)
+        out[b, block] = value.astype(out.dtype)
 
     return tile
 
@@ -360,27 +491,29 @@ def cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens):
 
 def attention_float64(q, k_new, v_new, K_cache, V_cache, seq_lens):
     """Decode attention in float64 with this step's token appended: ``(out, A, x)`` with
-    ``out`` (B, 32, 128), the weighted mean ``A`` of |v| (B, 32, 128) and, per head, the
-    base-2 scores' bounds ``(max |x|, max score error)`` (B, 32, 2). NaN rows for sequences
-    whose length leaves no room."""
+    ``out`` (B, Hq, D), the weighted mean ``A`` of |v| (B, Hq, D) and, per head, the
+    base-2 scores' bounds ``(max |x|, max score error)`` (B, Hq, 2). NaN rows for sequences
+    whose length leaves no room. The heads are the arrays' own."""
     K, V = cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
-    B = q.shape[0]
-    out = np.full((B, Q_HEADS, HEAD_DIM), np.nan)
-    mean_abs = np.full((B, Q_HEADS, HEAD_DIM), np.nan)
-    scores = np.full((B, Q_HEADS, 2), np.nan)
+    B, Hq, D = q.shape
+    group = Hq // K.shape[1]
+    scale = math.log2(math.e) / math.sqrt(D)
+    out = np.full((B, Hq, D), np.nan)
+    mean_abs = np.full((B, Hq, D), np.nan)
+    scores = np.full((B, Hq, 2), np.nan)
     qd = q.astype(np.float64)
     for b in range(B):
         if not 0 <= seq_lens[b] < K.shape[2]:
             continue
         n = int(seq_lens[b]) + 1
-        for g in range(Q_HEADS):
-            k = K[b, g // GROUP, :n].astype(np.float64)
-            v = V[b, g // GROUP, :n].astype(np.float64)
-            x = (k @ qd[b, g]) * SCALE_LOG2
+        for g in range(Hq):
+            k = K[b, g // group, :n].astype(np.float64)
+            v = V[b, g // group, :n].astype(np.float64)
+            x = (k @ qd[b, g]) * scale
             p = np.exp2(x - x.max())
             out[b, g] = p @ v / p.sum()
             mean_abs[b, g] = p @ np.abs(v) / p.sum()
-            dx = (HEAD_DIM + 3) * 2.0 ** -24 * SCALE_LOG2 * (np.abs(k) @ np.abs(qd[b, g]))
+            dx = (D + 3) * 2.0 ** -24 * scale * (np.abs(k) @ np.abs(qd[b, g]))
             scores[b, g] = np.abs(x).max(), dx.max()
     return out, mean_abs, scores
 
