@@ -172,12 +172,12 @@ def torch_route(x, w_router, top_k=8):
     return ids.int(), torch.softmax(values, dim=1)
 
 
-def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B):
+def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=((256, 4),)):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
-    attention (batches x contexts: the K and V rows it reads; ``heads``), the q/k RMSNorm +
-    RoPE and the MoE router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
+    attention (batches x contexts: the K and V rows it reads; ``heads``; split tasks of each
+    ``(chunk, unroll)`` of ``splits``), the q/k RMSNorm + RoPE and the MoE router (``rows``
+    tokens) at Qwen3-30B-A3B sizes."""
     Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
-    graph = decode_attention_graph(heads=heads)
     for B in batches:
         for L in contexts:
             def inputs(rng, B=B, L=L):
@@ -185,10 +185,13 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B):
                     return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
                 return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
                         normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
-            label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
-                                      else f" {heads.suffix}")
-            yield Case("attention", label, graph, {"B": B, "L": L}, inputs,
-                       torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
+            for chunk, unroll in splits:
+                label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
+                                          else f" {heads.suffix}") \
+                    + ("" if len(splits) == 1 else f" c{chunk} u{unroll}")
+                yield Case("attention", label, decode_attention_graph(chunk, heads, unroll),
+                           {"B": B, "L": L}, inputs, torch_decode_attention,
+                           2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
     qwen3 = attention.QWEN3_30B_A3B
     Hq, Hk, D = qwen3.q_heads, qwen3.kv_heads, qwen3.head_dim
     moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
@@ -398,6 +401,10 @@ def main() -> None:
     parser.add_argument("--attention-heads", type=int, nargs=3, default=[32, 4, 128],
                         metavar=("HQ", "HK", "D"),
                         help="query heads, KV heads and head dim of the decode attention rows")
+    parser.add_argument("--attention-splits", nargs="+", default=["256x4"],
+                        metavar="CHUNKxUNROLL",
+                        help="the split tasks' tokens and rows loaded ahead a thread, one "
+                        "attention row each")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
     parser.add_argument("--gemm-stages", type=int, nargs="+", default=[4],
@@ -420,7 +427,9 @@ def main() -> None:
           f"{'torch rate':>10} {'unit':>7} {'torch/etc':>9}", flush=True)
     for case in (*cases(args.rows, args.hidden, args.vocab),
                  *decode_cases(args.rows, args.batches, args.contexts,
-                               attention.AttentionHeads(*args.attention_heads)),
+                               attention.AttentionHeads(*args.attention_heads),
+                               [tuple(int(v) for v in s.split("x"))
+                                for s in args.attention_splits]),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:

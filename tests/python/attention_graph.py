@@ -35,10 +35,11 @@ OTHER_HEADS = {
 
 
 @functools.cache
-def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B):
+def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B,
+                           unroll: int = 4):
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16)."""
     append = attention.make_kv_append_tile(heads)
-    split = attention.make_decode_split_tile(chunk, heads=heads)
+    split = attention.make_decode_split_tile(chunk, unroll, heads=heads)
     merge = attention.make_decode_merge_tile(heads)
     Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block
 
