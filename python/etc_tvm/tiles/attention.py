@@ -146,6 +146,7 @@ class AttentionHeads:
 
     @property
     def suffix(self) -> str:
+        """What the tiles' names carry of the heads: ``<Hq>q<Hk>k_d<D>``."""
         return f"{self.q_heads}q{self.kv_heads}k_d{self.head_dim}"
 
     def kv_head(self, block):
