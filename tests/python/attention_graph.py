@@ -36,34 +36,54 @@ OTHER_HEADS = {
 
 @functools.cache
 def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B,
-                           unroll: int = 4):
-    """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16)."""
-    append = attention.make_kv_append_tile(heads)
-    split = attention.make_decode_split_tile(chunk, unroll, heads=heads)
+                           unroll: int = 4, page: int | None = None):
+    """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16); with
+    ``page``, ``decode_attention(q, k_new, v_new, K_pages, V_pages, block_table, seq_lens)``
+    over a paged cache."""
+    append = attention.make_kv_append_tile(heads, page)
+    split = attention.make_decode_split_tile(chunk, unroll, heads=heads, page=page)
     merge = attention.make_decode_merge_tile(heads)
     Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block
 
-    @graph_func
-    def decode_attention(q: Tensor(("B", Hq, D), "bfloat16"),
-                         k_new: Tensor(("B", Hk, D), "bfloat16"),
-                         v_new: Tensor(("B", Hk, D), "bfloat16"),
-                         K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
-                         V_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
-                         seq_lens: Tensor(("B",), "int32")):
-        B, L = q.shape[0], K_cache.shape[2]
-        S = attention.num_splits(L, chunk)
+    def attend(q, caches, append_args, capacity):
+        # append -> split -> merge; caches: what the split reads besides q and pos
+        B = q.shape[0]
+        S = attention.num_splits(capacity, chunk)
         appended = ETensor((B,), name="appended")
         split_done = ETensor((B, heads.blocks), name="split_done")
-        pos = call_device(append, tile_num=(B,), args=[k_new, v_new, seq_lens, K_cache, V_cache],
+        pos = call_device(append, tile_num=(B,), args=append_args,
                           out=Tensor((B,), "int32", name="pos"), out_edges={appended: "b->b"})
         O_part, lse = call_device(
-            split, tile_num=(B, heads.blocks, S), args=[q, K_cache, V_cache, pos],
+            split, tile_num=(B, heads.blocks, S), args=[q, *caches, pos],
             out=[Tensor((B, heads.blocks, S, Gb, D), name="O_part"),
                  Tensor((B, heads.blocks, S, Gb), name="lse")],
             in_edges={appended: "bhs->b"}, out_edges={split_done: "bhs->bh"})
         return call_device(merge, tile_num=(B, heads.blocks), args=[O_part, lse, pos],
                            out=Tensor((B, Hq, D), "bfloat16", name="out"),
                            in_edges={split_done: "bh->bh"})
+
+    if page is None:
+        @graph_func
+        def decode_attention(q: Tensor(("B", Hq, D), "bfloat16"),
+                             k_new: Tensor(("B", Hk, D), "bfloat16"),
+                             v_new: Tensor(("B", Hk, D), "bfloat16"),
+                             K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
+                             V_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
+                             seq_lens: Tensor(("B",), "int32")):
+            return attend(q, [K_cache, V_cache], [k_new, v_new, seq_lens, K_cache, V_cache],
+                          K_cache.shape[2])
+    else:
+        @graph_func
+        def decode_attention(q: Tensor(("B", Hq, D), "bfloat16"),
+                             k_new: Tensor(("B", Hk, D), "bfloat16"),
+                             v_new: Tensor(("B", Hk, D), "bfloat16"),
+                             K_pages: Tensor(("P", Hk, page, D), "bfloat16"),
+                             V_pages: Tensor(("P", Hk, page, D), "bfloat16"),
+                             block_table: Tensor(("B", "NP"), "int32"),
+                             seq_lens: Tensor(("B",), "int32")):
+            return attend(q, [K_pages, V_pages, block_table],
+                          [k_new, v_new, seq_lens, block_table, K_pages, V_pages],
+                          block_table.shape[1] * page)
 
     return decode_attention
 
@@ -84,3 +104,30 @@ def make_inputs(max_len: int, lengths, seed: str = "", heads: AttentionHeads = Q
         K_cache[b, :, max(n, 0):] = np.nan
         V_cache[b, :, max(n, 0):] = np.nan
     return q, k_new, v_new, K_cache, V_cache, np.asarray(lengths, np.int32)
+
+
+def make_paged_inputs(max_len: int, lengths, page: int, seed: str = "",
+                      heads: AttentionHeads = QWEN3_30B_A3B):
+    """``(paged, contiguous)``: ``make_inputs``' draw as ``(q, k_new, v_new, K_pages, V_pages,
+    block_table, seq_lens)`` and as the contiguous inputs that hold the same rows (the float64
+    reference's). Each sequence has ``max_len / page`` table entries over pages dealt at
+    random from the pool (two spare); an entry past the tokens that the step covers is -1,
+    so a read of it shows, and so do the NaN rows of every page slot that holds no token."""
+    if max_len % page:
+        raise ValueError(f"max_len {max_len} must be whole pages of {page}")
+    contiguous = make_inputs(max_len, lengths, seed, heads)
+    q, k_new, v_new, K_cache, V_cache, seq_lens = contiguous
+    B, NP = len(lengths), max_len // page
+    rng = np.random.default_rng(zlib.crc32(f"pages/{max_len}/{page}/{seed}".encode()))
+    ids = rng.permutation(B * NP + 2)
+    shape = (B * NP + 2, heads.kv_heads, page, heads.head_dim)
+    K_pages, V_pages = np.full(shape, np.nan, BF16), np.full(shape, np.nan, BF16)
+    block_table = np.full((B, NP), -1, np.int32)
+    for b, n in enumerate(lengths):
+        for i in range(NP):
+            pid = ids[b * NP + i]
+            K_pages[pid] = K_cache[b, :, i * page:(i + 1) * page]
+            V_pages[pid] = V_cache[b, :, i * page:(i + 1) * page]
+            if i * page <= min(n, max_len - 1):
+                block_table[b, i] = pid
+    return (q, k_new, v_new, K_pages, V_pages, block_table, seq_lens), contiguous

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from etc_tvm import EtcError, Tensor, call_device, graph_func
+from etc_tvm import EtcError, ExecutionError, Tensor, call_device, graph_func
 from etc_tvm.build import build
 from etc_tvm.executor import DynamicQueueOrder, RandomOrder, ReadyQueueOrder, StaticOrder, \
     execute
@@ -15,7 +15,8 @@ from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import attention
 from etc_tvm.tiles.attention import QWEN3_30B_A3B, AttentionHeads
 
-from attention_graph import MIXES, OTHER_HEADS, decode_attention_graph, make_inputs
+from attention_graph import (MIXES, OTHER_HEADS, decode_attention_graph, make_inputs,
+                             make_paged_inputs)
 from cubin import build_cubin, count, sass
 from test_tiles import assert_within
 
@@ -288,6 +289,68 @@ def test_other_heads_tiles_and_megakernel_compile_without_spills(model, tmp_path
     source = build(decode_attention_graph(256, heads), {"B": 4, "L": 1000}, strategy="static",
                    num_sms=132).cuda_source()
     build_cubin(source, tmp_path)
+
+
+# ------------------------------------------------------------------ paged caches
+@pytest.mark.parametrize("order", ["ready", "random0", "static7"])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_paged_cache_gives_the_contiguous_caches_bits(mix, order):
+    """Pages dealt at random from a pool, table entries past the tokens -1 (a read of one
+    would raise): the same bits as the contiguous cache, within its bound."""
+    max_len, lengths = MIXES[mix]
+    paged, contiguous = make_paged_inputs(max_len, lengths, page=4)
+    graph = decode_attention_graph(128, page=4)
+    dims = {"B": len(lengths), "NP": max_len // 4, "P": len(paged[3])}
+    out = execute(graph, *paged, order=ORDERS[order](TaskGraph.build(graph, dims)))
+    want, bound = attention.error_bound(*contiguous, chunk=128)
+    assert_within(out, want, bound)
+    np.testing.assert_array_equal(out.view(np.uint16), execute(
+        decode_attention_graph(128), *contiguous).view(np.uint16))
+
+
+def test_paged_append_writes_the_slot_of_its_page():
+    paged, contiguous = make_paged_inputs(64, [0, 7, 63, 64, -1], page=8)
+    q, k_new, v_new, K_pages, V_pages, block_table, seq_lens = paged
+    K, V, pos = K_pages.copy(), V_pages.copy(), np.full(5, -7, np.int32)
+    append = attention.make_kv_append_tile(page=8)
+    for b in range(5):
+        append.reference(b, k_new, v_new, seq_lens, block_table, K, V, pos)
+    np.testing.assert_array_equal(pos, [0, 7, 63, -1, -1])
+    for b, at in enumerate([0, 7, 63]):
+        np.testing.assert_array_equal(K[block_table[b, at // 8], :, at % 8].view(np.uint16),
+                                      k_new[b].view(np.uint16))
+        np.testing.assert_array_equal(V[block_table[b, at // 8], :, at % 8].view(np.uint16),
+                                      v_new[b].view(np.uint16))
+    changed = np.nonzero((K.view(np.uint16) != K_pages.view(np.uint16)).any(axis=(1, 2, 3)))[0]
+    assert sorted(changed) == sorted(block_table[b, at // 8] for b, at in enumerate([0, 7, 63]))
+
+
+@pytest.mark.parametrize("where, tile", [((2, 3), "decode_split"), ((2, 31), "kv_append")])
+def test_a_page_id_outside_the_pool_is_an_error_that_names_it(where, tile):
+    paged, _ = make_paged_inputs(128, [10, 0, 124, 40], page=4)
+    paged[5][where] = 999  # page 31 of sequence 2 holds the token its append writes
+    with pytest.raises(ExecutionError, match=rf"{tile}\w*: block_table\[{where[0]}, "
+                       rf"{where[1]}\] = 999 is no page of 0\.\.129"):
+        execute(decode_attention_graph(128, page=4), *paged)
+
+
+def test_pages_must_divide_the_chunk():
+    with pytest.raises(EtcError, match="divides the split tasks' chunk"):
+        attention.make_decode_split_tile(256, page=48)
+    with pytest.raises(EtcError, match="positive number of tokens"):
+        attention.make_kv_append_tile(page=0)
+
+
+def test_paged_megakernel_compiles_with_16_byte_loads_and_its_page_check(tmp_path):
+    """The split tile reads its chunk's page ids once into shared memory (one table load a
+    page, checked) and its rows by 16-byte loads; no register spilled."""
+    for tile in (attention.make_kv_append_tile(page=16),
+                 attention.make_decode_split_tile(256, page=16)):
+        assert tile.checks == (attention.PAGE_CHECK,)
+    compiled = build(decode_attention_graph(256, page=16), {"B": 4, "NP": 64, "P": 258},
+                     strategy="static", num_sms=132)
+    code = sass(build_cubin(compiled.cuda_source(), tmp_path)[0])
+    assert len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", code)) >= 2 * 4 + 2
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

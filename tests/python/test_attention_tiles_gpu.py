@@ -11,11 +11,13 @@ import zlib
 import numpy as np
 import pytest
 
+from etc_tvm import ExecutionError
+
 from etc_tvm.build import build
 from etc_tvm.tiles import attention
 from etc_tvm.tiles.attention import QWEN3_30B_A3B
 
-from attention_graph import OTHER_HEADS, decode_attention_graph, make_inputs
+from attention_graph import OTHER_HEADS, decode_attention_graph, make_inputs, make_paged_inputs
 from test_attention_tiles import one_call_graphs
 from test_tiles import assert_within
 
@@ -114,6 +116,35 @@ def test_other_heads(model):
     assert_within(first, want, bound)
     for _ in range(99):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+@pytest.mark.parametrize("B, max_len, page", [(4, 4096, 16), (32, 4096, 16), (4, 1000, 8)])
+def test_paged_cache(B, max_len, page, strategy):
+    """A paged cache (pages dealt at random, table entries past the tokens -1): within the
+    contiguous cache's bound, the new rows in their pages on the device; then a page id
+    outside the pool stops the kernel with an error that names it."""
+    import tvm
+
+    paged, contiguous = make_paged_inputs(max_len, lengths(B, max_len), page, seed="paged")
+    q, k_new, v_new, K_pages, V_pages, block_table, seq_lens = paged
+    run = build(decode_attention_graph(CHUNK, page=page),
+                {"B": B, "NP": max_len // page, "P": len(K_pages)}, strategy=strategy)
+    K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in (K_pages, V_pages))
+    out = run(q, k_new, v_new, K_dev, V_dev, block_table, seq_lens)
+    want, bound = float64_reference(contiguous)
+    assert_within(out, want, bound)
+    for b, at in enumerate(seq_lens):
+        if 0 <= at < max_len:
+            np.testing.assert_array_equal(
+                K_dev.numpy()[block_table[b, at // page], :, at % page].view(np.uint16),
+                k_new[b].view(np.uint16))
+    bad = block_table.copy()
+    bad[B - 1, 0] = len(K_pages) + 5
+    with pytest.raises(ExecutionError, match=r"block_table holds the page id "
+                       rf"{len(K_pages) + 5}, outside the pages of the cache"):
+        run(q, k_new, v_new, K_pages, V_pages, bad, seq_lens)
+    assert_within(run(*paged), want, bound)
 
 
 def test_megakernel_updates_the_device_cache_in_place():

@@ -21,6 +21,15 @@ pieces ``2 Hk D`` bytes apart. The append writes one row per head in either layo
 ``ex2``): ``lse = log2(sum_t exp2(x_t))`` over the chunk. B and max_len are symbolic; the
 lengths are run-time data.
 
+Paged caches (``page`` tokens a page, the tiles' ``_p<page>``): ``K_pages, V_pages: [P, Hk,
+page, D]`` (a pool of pages, each kv-head major as above) and ``block_table: [B, NP]``, whose
+entry i is the page that holds sequence b's tokens ``i*page .. i*page + page - 1``; the cache
+holds ``NP * page`` tokens a sequence. The append writes slot ``len % page`` of entry
+``len // page``; a split task (its chunk whole pages) reads its chunk's entries once into
+shared memory, only those that hold tokens of the sequence (the others may hold anything),
+and a page id outside ``0 .. P-1`` stops the kernel with ``PAGE_CHECK`` naming the task and
+the id (``checked_pages`` on the reference executor). The merge is the same.
+
 Why blocks of at most 8 heads: a thread keeps ``Gb`` heads' q and accumulators in fp32
 registers (``17 Gb`` of them); past 8 heads they spill. A group of 16 (Qwen3-235B-A22B's 64 on
 4) is two blocks, whose tasks read the same K and V rows, so that cache is read twice.
@@ -83,8 +92,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..device_func import DeviceFunc, device_func
-from ..errors import EtcError
+from ..device_func import DeviceFunc, device_func, input_check
+from ..errors import EtcError, ExecutionError
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -163,56 +172,147 @@ def num_splits(max_len, chunk: int):
     return (max_len + chunk - 1) // chunk
 
 
+def check_page(page, chunk: int | None = None) -> None:
+    """Raise unless ``page`` (None: a contiguous cache) is tokens a page that a split task's
+    ``chunk`` holds whole pages of."""
+    if page is not None and (page < 1 or chunk is not None and chunk % page):
+        raise EtcError(f"paged KV cache: a page must be a positive number of tokens that "
+                       f"divides the split tasks' chunk, got page={page}, chunk={chunk}")
+
+
+PAGE_CHECK = "block_table holds the page id {value}, outside the pages of the cache"
+
+
+def checked_pages(block_table, b: int, tokens, page: int, num_pages: int, tile: str):
+    """The page id of each of sequence b's ``tokens`` (a slice); an id outside the cache's
+    ``num_pages`` pages is an error that names it and where (``PAGE_CHECK`` on the device)."""
+    slots = np.arange(tokens.start, tokens.stop) // page
+    ids = block_table[b, slots]
+    bad = np.nonzero((ids < 0) | (ids >= num_pages))[0]
+    if bad.size:
+        raise ExecutionError(f"{tile}: block_table[{b}, {int(slots[bad[0]])}] = "
+                             f"{int(ids[bad[0]])} is no page of 0..{num_pages - 1}")
+    return ids
+
+
 @functools.cache
-def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
+                        page: int | None = None) -> DeviceFunc:
     """The tile ``kv_append_<heads>``: task b writes this step's K and V rows of sequence b,
     all KV heads, at ``seq_lens[b]``; one 16-byte vector per thread and step (the K vectors
-    first, then the V vectors)."""
+    first, then the V vectors). ``page``: into a paged cache (``_p<page>``), at slot
+    ``seq_lens[b] % page`` of page ``block_table[b, seq_lens[b] // page]``."""
+    check_page(page)
     Hk, D, lanes = heads.kv_heads, heads.head_dim, heads.lanes
     half = Hk * lanes  # vectors per cache
     rounds = (2 * half + THREADS - 1) // THREADS
     whole = 2 * half % THREADS == 0  # every thread of the last round has a vector
     B, L = tirx.Var("B", "int32"), tirx.Var("L", "int32")
 
+    @T.inline
+    def write_row(k_new, v_new, b, K, V, major, row, tx):
+        # this step's rows, K[major, h, row] and V[major, h, row] for every KV head h
+        for r in T.unroll(rounds):
+            v = T.meta_var(r * THREADS + tx)
+            h = T.meta_var(v % half // lanes)
+            col = T.meta_var(v % lanes * VEC)
+            if v < half:
+                for e in T.vectorized(VEC):
+                    K[major, h, row, col + e] = k_new[b, h, col + e]
+            elif whole or v < 2 * half:
+                for e in T.vectorized(VEC):
+                    V[major, h, row, col + e] = v_new[b, h, col + e]
+
+    if page is None:
+        @T.prim_func
+        def kv_append(b: T.int32, k_new: T.Buffer((B, Hk, D), "bfloat16"),
+                      v_new: T.Buffer((B, Hk, D), "bfloat16"),
+                      seq_lens: T.Buffer((B,), "int32"),
+                      K_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
+                      V_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
+                      pos: T.Buffer((B,), "int32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            at = T.local_scalar("int32")
+            at = seq_lens[b]
+            if at >= 0 and at < L:
+                write_row(k_new, v_new, b, K_cache, V_cache, b, at, tx)
+            if tx == 0:
+                pos[b] = T.if_then_else(at >= 0 and at < L, at, -1)
+
+        tile = device_func(kv_append.with_attr("global_symbol", f"kv_append_{heads.suffix}"),
+                           updates=("K_cache", "V_cache"))
+
+        @tile.set_reference
+        def _(b, k_new, v_new, seq_lens, K_cache, V_cache, pos):
+            at = int(seq_lens[b])
+            if 0 <= at < K_cache.shape[2]:
+                K_cache[b, :, at] = k_new[b]
+                V_cache[b, :, at] = v_new[b]
+                pos[b] = at
+            else:
+                pos[b] = -1
+
+        return tile
+
+    NP, P = tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+
     @T.prim_func
-    def kv_append(b: T.int32, k_new: T.Buffer((B, Hk, D), "bfloat16"),
-                  v_new: T.Buffer((B, Hk, D), "bfloat16"),
-                  seq_lens: T.Buffer((B,), "int32"),
-                  K_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
-                  V_cache: T.Buffer((B, Hk, L, D), "bfloat16"),
-                  pos: T.Buffer((B,), "int32")):
+    def kv_append_paged(b: T.int32, k_new: T.Buffer((B, Hk, D), "bfloat16"),
+                        v_new: T.Buffer((B, Hk, D), "bfloat16"),
+                        seq_lens: T.Buffer((B,), "int32"),
+                        block_table: T.Buffer((B, NP), "int32"),
+                        K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                        V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                        pos: T.Buffer((B,), "int32")):
         T.device_entry()
         tx = T.thread_id([THREADS])
         at = T.local_scalar("int32")
+        pid = T.local_scalar("int32")
         at = seq_lens[b]
-        if at >= 0 and at < L:
-            for r in T.unroll(rounds):
-                v = T.meta_var(r * THREADS + tx)
-                h = T.meta_var(v % half // lanes)
-                col = T.meta_var(v % lanes * VEC)
-                if v < half:
-                    for e in T.vectorized(VEC):
-                        K_cache[b, h, at, col + e] = k_new[b, h, col + e]
-                elif whole or v < 2 * half:
-                    for e in T.vectorized(VEC):
-                        V_cache[b, h, at, col + e] = v_new[b, h, col + e]
+        pid = -1  # no room: a length past the table's pages, or a bad page id (reported)
+        if at >= 0 and at < NP * page:
+            pid = block_table[b, at // page]
+            if input_check(pid, P) == 0:
+                pid = -1
+        if pid >= 0:
+            write_row(k_new, v_new, b, K_pages, V_pages, pid, at % page, tx)
         if tx == 0:
-            pos[b] = T.if_then_else(at >= 0 and at < L, at, -1)
+            pos[b] = T.if_then_else(pid >= 0, at, -1)
 
-    tile = device_func(kv_append.with_attr("global_symbol", f"kv_append_{heads.suffix}"),
-                       updates=("K_cache", "V_cache"))
+    name = f"kv_append_{heads.suffix}_p{page}"
+    tile = device_func(kv_append_paged.with_attr("global_symbol", name),
+                       updates=("K_pages", "V_pages"), checks=(PAGE_CHECK,))
 
     @tile.set_reference
-    def _(b, k_new, v_new, seq_lens, K_cache, V_cache, pos):
+    def _(b, k_new, v_new, seq_lens, block_table, K_pages, V_pages, pos):
         at = int(seq_lens[b])
-        if 0 <= at < K_cache.shape[2]:
-            K_cache[b, :, at] = k_new[b]
-            V_cache[b, :, at] = v_new[b]
+        if 0 <= at < block_table.shape[1] * page:
+            pid = int(checked_pages(block_table, b, slice(at, at + 1), page, len(K_pages),
+                                    name)[0])
+            K_pages[pid, :, at % page] = k_new[b]
+            V_pages[pid, :, at % page] = v_new[b]
             pos[b] = at
         else:
             pos[b] = -1
 
     return tile
+
+
+@T.inline
+def load_pages(pages, block_table, b, s, pos, num_pages, page: int, tx):
+    # pages[i] = the id of the chunk's i-th page, checked; a page past the sequence's tokens
+    # is not read (its table entry may hold anything) and stays 0, as does a bad id
+    NP = T.meta_var(block_table.shape[1])
+    per_chunk = T.meta_var(pages.shape[0])
+    for i in T.serial((per_chunk + THREADS - 1) // THREADS):
+        if i * THREADS + tx < per_chunk:
+            slot = T.meta_var(s * per_chunk + i * THREADS + tx)
+            pages[i * THREADS + tx] = 0
+            if slot * page < T.min(T.max(pos[b] + 1, 0), NP * page):
+                if input_check(block_table[b, slot], num_pages) == 1:
+                    pages[i * THREADS + tx] = block_table[b, slot]
+    T.cuda.cta_sync()
 
 
 @T.meta_class
@@ -247,17 +347,21 @@ class HeadOutputs:
 
 @functools.cache
 def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
-                           heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+                           heads: AttentionHeads = QWEN3_30B_A3B,
+                           page: int | None = None) -> DeviceFunc:
     """The tile ``decode_split_<heads>_c<chunk>``: task (b, h, s), the partial attention of
     query-head block h over the s-th chunk of sequence b's ``pos[b] + 1`` tokens.
 
     ``unroll`` rows per thread are loaded before the first is used (loads in flight).
+    ``page``: the cache is paged (``_p<page>``; see "Paged caches" in the module docstring),
+    ``chunk`` a multiple of it.
     """
     G, D, lanes, row_groups = heads.block, heads.head_dim, heads.lanes, heads.row_groups
     if chunk < 1 or chunk % (row_groups * unroll) or chunk % 32:
         raise EtcError(f"decode split tile: chunk must be a multiple of {row_groups} x unroll "
                        f"(the rows {THREADS} threads load at once at head_dim {D}) and of 32, "
                        f"got chunk={chunk}, unroll={unroll}")
+    check_page(page, chunk)
     steps = chunk // row_groups // unroll
     heads_per_warp = (G + WARPS - 1) // WARPS
     every_warp_full = G % WARPS == 0
@@ -266,26 +370,17 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
-    def load_rows(kv, Cache, b, h, start, it, rg, col, count):
+    def load_rows(kv, rows, it, rg, col, count):
         # ``unroll`` rows of this row group, one 16-byte load each; rows past count stay unread
         for u in T.unroll(unroll):
             if (it * unroll + u) * row_groups + rg < count:
                 for e in T.vectorized(VEC):
-                    kv[u, e] = Cache[b, heads.kv_head(h), start + (it * unroll + u) * row_groups
-                                     + rg, col + e]
+                    kv[u, e] = rows((it * unroll + u) * row_groups, rg, col + e)
 
-    @T.prim_func
-    def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                     q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                     K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                     V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                     pos: T.Buffer((B,), "int32"),
-                     O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                     lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-        T.device_entry()
-        tx = T.thread_id([THREADS])
-        warp = T.warp_id([WARPS])
-        lane = T.lane_id([32])
+    @T.inline
+    def split_task(b, h, s, q, K_rows, V_rows, pos, capacity, O_part, lse, tx, warp, lane):
+        # K_rows(first, rg, c), V_rows: element c of the chunk's row first + rg; capacity: the
+        # tokens the cache holds
         scores = T.alloc_shared((G, chunk), "float32")
         partial = T.alloc_shared((WARPS, G, D), "float32")
         stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
@@ -302,7 +397,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         col = T.meta_var(tx % lanes * VEC)
         start = T.meta_var(s * chunk)
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
-        count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
+        count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - start, chunk)
         if count <= 0:
             for r in T.unroll(outs.rounds):
                 if outs.inside(r):
@@ -320,7 +415,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                     qr[g, e] = T.Cast("float32", qv[e]) * T.float32(scale)
             # scores = q . k for the block's heads; each K element loaded once serves them all
             for it in T.serial(steps):
-                load_rows(kv, K_cache, b, h, start, it, rg, col, count)
+                load_rows(kv, K_rows, it, rg, col, count)
                 for u in T.unroll(unroll):
                     for g in T.unroll(G):
                         dot[g] = T.float32(0)
@@ -356,7 +451,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                 for e in T.unroll(VEC):
                     acc[g, e] = T.float32(0)
             for it in T.serial(steps):
-                load_rows(kv, V_cache, b, h, start, it, rg, col, count)
+                load_rows(kv, V_rows, it, rg, col, count)
                 for u in T.unroll(unroll):
                     if (it * unroll + u) * row_groups + rg < count:
                         for g in T.unroll(G):
@@ -391,27 +486,96 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                         lse[b, h, s, outs.head(r)] = stats[0, outs.head(r)] + T.log2(
                             stats[1, outs.head(r)])
 
-    name = f"decode_split_{heads.suffix}_c{chunk}"
-    tile = device_func(decode_split.with_attr("global_symbol", name),
-                       cost=chunk * D / (64 * 128),
-                       requires=[(L <= S * chunk, f"L at most S x {chunk}")])
+    if page is None:
+        @T.prim_func
+        def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         pos: T.Buffer((B,), "int32"),
+                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            split_task(b, h, s, q,
+                       lambda first, rg, c: K_cache[b, heads.kv_head(h), s * chunk + first + rg,
+                                                    c],
+                       lambda first, rg, c: V_cache[b, heads.kv_head(h), s * chunk + first + rg,
+                                                    c],
+                       pos, L, O_part, lse, tx, warp, lane)
 
-    @tile.set_reference
-    def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
-        length = min(max(int(pos[b]) + 1, 0), K_cache.shape[2])
+        capacity, checks, held = L, (), "L"
+    else:
+        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+
+        @T.prim_func
+        def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                         K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                         V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                         block_table: T.Buffer((B, NP), "int32"),
+                         pos: T.Buffer((B,), "int32"),
+                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            pages = T.alloc_shared((chunk // page,), "int32")
+            load_pages(pages, block_table, b, s, pos, P, page, tx)
+            split_task(b, h, s, q,
+                       lambda first, rg, c: K_pages[pages[(first + rg) // page],
+                                                    heads.kv_head(h), (first + rg) % page, c],
+                       lambda first, rg, c: V_pages[pages[(first + rg) // page],
+                                                    heads.kv_head(h), (first + rg) % page, c],
+                       pos, NP * page, O_part, lse, tx, warp, lane)
+
+        capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
+
+    name = f"decode_split_{heads.suffix}_c{chunk}" + ("" if page is None else f"_p{page}")
+    tile = device_func(decode_split.with_attr("global_symbol", name),
+                       cost=chunk * D / (64 * 128), checks=checks,
+                       requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
+
+    def reference(b, h, s, q, K_rows, V_rows, pos, O_part, lse, capacity):
+        # K_rows(rows), V_rows: the rows of sequence b's KV head of block h, as float32
+        length = min(max(int(pos[b]) + 1, 0), capacity)
         rows = slice(s * chunk, min((s + 1) * chunk, length))
         if rows.start >= length:
             O_part[b, h, s] = 0
             lse[b, h, s] = NEG_INF
             return
         qs = q[b, h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)
-        kvh = heads.kv_head(h)
-        x = qs @ K_cache[b, kvh, rows].astype(np.float32).T  # (Gb, tokens)
+        x = qs @ K_rows(rows).T  # (Gb, tokens)
         m = x.max(axis=1, keepdims=True)
         p = np.exp2(x - m)
         total = p.sum(axis=1, dtype=np.float32)
-        O_part[b, h, s] = (p @ V_cache[b, kvh, rows].astype(np.float32)) / total[:, None]
+        O_part[b, h, s] = (p @ V_rows(rows)) / total[:, None]
         lse[b, h, s] = m[:, 0] + np.log2(total)
+
+    if page is None:
+        @tile.set_reference
+        def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
+            kvh = heads.kv_head(h)
+            reference(b, h, s, q, lambda rows: K_cache[b, kvh, rows].astype(np.float32),
+                      lambda rows: V_cache[b, kvh, rows].astype(np.float32), pos, O_part, lse,
+                      K_cache.shape[2])
+    else:
+        @tile.set_reference
+        def _(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
+            kvh = heads.kv_head(h)
+
+            def gathered(pages):
+                def rows_of(rows):
+                    ids = checked_pages(block_table, b, rows, page, len(pages), name)
+                    return pages[ids, kvh, np.arange(rows.start, rows.stop) % page] \
+                        .astype(np.float32)
+                return rows_of
+
+            reference(b, h, s, q, gathered(K_pages), gathered(V_pages), pos, O_part, lse,
+                      block_table.shape[1] * page)
 
     return tile
 
