@@ -173,8 +173,8 @@ def num_splits(max_len, chunk: int):
 
 
 def check_page(page, chunk: int | None = None) -> None:
-    """Raise unless ``page`` (None: a contiguous cache) is tokens a page that a split task's
-    ``chunk`` holds whole pages of."""
+    """Raise unless ``page`` (tokens a page; None for a contiguous cache) is positive and
+    divides ``chunk``, so that a split task takes whole pages."""
     if page is not None and (page < 1 or chunk is not None and chunk % page):
         raise EtcError(f"paged KV cache: a page must be a positive number of tokens that "
                        f"divides the split tasks' chunk, got page={page}, chunk={chunk}")
