@@ -59,7 +59,9 @@ class Case(NamedTuple):
     (or FLOPs) over the time gives the rate in ``unit``; ``pick``, where an output holds rows
     that only one side writes (a grouped GEMM's padding and unused tiles), selects the rows
     both compare; ``copies``, where the inputs are a few bytes, how many input copies the
-    calls rotate through (else enough to exceed the L2 twice)."""
+    calls rotate through (else enough to exceed the L2 twice); ``torch_inputs``, where
+    PyTorch takes the operation's operands in another form, them from ours (on the host,
+    outside the timing: a paged cache as the contiguous one it holds)."""
     tile: str
     label: str
     graph: object
@@ -70,6 +72,7 @@ class Case(NamedTuple):
     unit: str
     pick: Callable | None = None
     copies: int | None = None
+    torch_inputs: Callable | None = None
 
 
 def mma_split_for(K: int, N: int) -> int:
@@ -172,26 +175,57 @@ def torch_route(x, w_router, top_k=8):
     return ids.int(), torch.softmax(values, dim=1)
 
 
-def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=((256, 4),)):
+def paged(arrays, page: int, rng):
+    """Decode attention's inputs over a contiguous cache as ``(q, k_new, v_new, K_pages,
+    V_pages, block_table, seq_lens)``: each sequence's rows in pages dealt at random."""
+    q, k_new, v_new, K_cache, V_cache, seq_lens = arrays
+    B, Hk, L, D = K_cache.shape
+    ids = rng.permutation(B * L // page).astype(np.int32).reshape(B, L // page)
+    pages = np.empty((B * L // page, Hk, page, D), BF16), np.empty((B * L // page, Hk, page, D),
+                                                                   BF16)
+    for cache, pool in zip((K_cache, V_cache), pages):
+        pool[ids.ravel()] = cache.reshape(B, Hk, L // page, page, D).transpose(0, 2, 1, 3, 4) \
+            .reshape(-1, Hk, page, D)
+    return [q, k_new, v_new, *pages, ids, seq_lens]
+
+
+def contiguous(arrays):
+    """``paged``'s arrays back as the contiguous cache they hold (PyTorch's operands)."""
+    q, k_new, v_new, K_pages, V_pages, block_table, seq_lens = arrays
+    B, NP = block_table.shape
+    _, Hk, page, D = K_pages.shape
+    caches = [pool[block_table.ravel()].reshape(B, NP, Hk, page, D).transpose(0, 2, 1, 3, 4)
+              .reshape(B, Hk, NP * page, D) for pool in (K_pages, V_pages)]
+    return [q, k_new, v_new, *caches, seq_lens]
+
+
+def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=((256, 4),),
+                 page=None):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
     attention (batches x contexts: the K and V rows it reads; ``heads``; split tasks of each
-    ``(chunk, unroll)`` of ``splits``), the q/k RMSNorm + RoPE and the MoE router (``rows``
-    tokens) at Qwen3-30B-A3B sizes."""
+    ``(chunk, unroll)`` of ``splits``; with ``page``, our side over a paged cache, PyTorch's
+    over the contiguous cache that holds the same rows), the q/k RMSNorm + RoPE and the MoE
+    router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
     Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
     for B in batches:
         for L in contexts:
             def inputs(rng, B=B, L=L):
                 def normal(*shape):
                     return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
-                return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
-                        normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
+                arrays = [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
+                          normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
+                return arrays if page is None else paged(arrays, page, rng)
+            dims = {"B": B, "L": L} if page is None else {"B": B, "NP": L // page,
+                                                          "P": B * L // page}
             for chunk, unroll in splits:
                 label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
                                           else f" {heads.suffix}") \
+                    + ("" if page is None else f" p{page}") \
                     + ("" if len(splits) == 1 else f" c{chunk} u{unroll}")
-                yield Case("attention", label, decode_attention_graph(chunk, heads, unroll),
-                           {"B": B, "L": L}, inputs, torch_decode_attention,
-                           2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s")
+                yield Case("attention", label,
+                           decode_attention_graph(chunk, heads, unroll, page), dims, inputs,
+                           torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D),
+                           "TB/s", torch_inputs=None if page is None else contiguous)
     qwen3 = attention.QWEN3_30B_A3B
     Hq, Hk, D = qwen3.q_heads, qwen3.kv_heads, qwen3.head_dim
     moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
@@ -376,7 +410,7 @@ def measure(case: Case, rng, reps, strategy: str = "unfused"):
     copies = case.copies or max(1, -(-2 * L2_BYTES // sum(x.nbytes for x in host[0])))
     host += [case.inputs(rng) for _ in range(copies - 1)]
     on_tvm = [[tvm.runtime.tensor(x, dev) for x in arrays] for arrays in host]
-    on_torch = [[to_torch(x) for x in arrays] for arrays in host]
+    on_torch = [[to_torch(x) for x in (case.torch_inputs or list)(arrays)] for arrays in host]
     compiled = build(case.graph, case.dims, strategy=strategy)
     pick = case.pick or (lambda out: out)
     got = flat(pick(compiled(*host[0])))
@@ -405,6 +439,9 @@ def main() -> None:
                         metavar="CHUNKxUNROLL",
                         help="the split tasks' tokens and rows loaded ahead a thread, one "
                         "attention row each")
+    parser.add_argument("--attention-page", type=int,
+                        help="tokens a page: the decode attention rows over a paged cache "
+                        "(pages dealt at random; PyTorch over the contiguous cache)")
     parser.add_argument("--gemm", nargs="*", default=["4096x4096x4096", "8192x8192x8192"],
                         help="M x K x N of the compute-bound GEMM rows")
     parser.add_argument("--gemm-stages", type=int, nargs="+", default=[4],
@@ -429,7 +466,7 @@ def main() -> None:
                  *decode_cases(args.rows, args.batches, args.contexts,
                                attention.AttentionHeads(*args.attention_heads),
                                [tuple(int(v) for v in s.split("x"))
-                                for s in args.attention_splits]),
+                                for s in args.attention_splits], args.attention_page),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:
