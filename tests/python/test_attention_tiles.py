@@ -250,7 +250,10 @@ def test_each_tile_compiles_alone_with_16_byte_loads(tile, dims, tmp_path):
     assert "LDG.E.128" in code
     if tile == "split":  # K and V rows, UNROLL rows each in flight, and q
         assert len(re.findall(r"LDG\.E\.128", code)) >= 2 * 4 + 1
-        assert "MUFU.EX2" in code and "SHFL.BFLY" in code
+        assert "MUFU.EX2" in code
+        # a K row's 8 dots summed over 16 lanes: 8 shuffles (a reduce-scatter), not 8 x 4;
+        # the V rows' sums over the row groups and warps, 64, and the softmax's, 20
+        assert count(code, "SHFL.BFLY") == 4 * 8 + 64 + 20
 
 
 def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):
@@ -270,22 +273,14 @@ def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):
 @pytest.mark.parametrize("model", sorted(OTHER_HEADS))
 def test_other_heads_tiles_and_megakernel_compile_without_spills(model, tmp_path):
     """Each tile alone and the static megakernel: 16-byte loads, no register spilled (at most
-    8 heads' q and accumulators a thread). One exception, ptxas's own trade: the split tile
-    of 7 heads alone is held to 96 registers, for a fifth CTA an SM, and keeps two values of
-    its start in local memory (8 bytes; three loads, one of them at each step of the K rows,
-    the others once)."""
+    8 heads' q and accumulators a thread)."""
     heads = OTHER_HEADS[model]
     graphs = one_call_graphs(256, heads)
     for tile, dims in (("append", {"B": 4, "L": 1000}), ("split", {"B": 4, "L": 1000}),
                        ("merge", {"B": 4, "S": 4})):
         source = build(graphs[tile], dims, strategy="unfused", num_sms=132).cuda_source()
         (tmp_path / tile).mkdir()
-        cubin, report = build_cubin(source, tmp_path / tile, allow_spills=True)
-        code = sass(cubin)
-        assert "LDG.E.128" in code
-        spilled = max(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
-        assert spilled <= (8 if heads.block == 7 and tile == "split" else 0), report
-        assert count(code, "LDL") <= 3
+        assert "LDG.E.128" in sass(build_cubin(source, tmp_path / tile)[0])
     source = build(decode_attention_graph(256, heads), {"B": 4, "L": 1000}, strategy="static",
                    num_sms=132).cuda_source()
     build_cubin(source, tmp_path)

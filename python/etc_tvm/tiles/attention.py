@@ -48,8 +48,9 @@ group of lanes ``rg = tx // lanes`` owns rows ``rg, rg + 128/lanes, ...`` of the
     q[Gb heads, 8 dims] -> fp32 registers, pre-scaled by log2(e) / sqrt(D)
     K rows: one 16-byte load per thread and row (``lanes`` threads read one row), UNROLL
             rows in flight; Gb partial dots per row (the GQA sharing: each loaded K element
-            serves the Gb heads), a shuffle sum over the lanes -> scores[Gb, chunk] in shared
-            memory
+            serves the Gb heads), summed over the lanes by a reduce-scatter (each xor shuffle
+            halves the dots a lane holds: 8 shuffles a row at 8 heads on 16 lanes, where a
+            sum of each head takes 32) -> scores[Gb, chunk] in shared memory
     per head (a warp's): m = max, p = exp2(score - m), l = sum p   (exact over the chunk)
     V rows: the same loads; acc[Gb heads, 8 dims] += p * v in fp32 registers
     row groups of a warp, then warps, summed through shared memory; O_part = acc / l,
@@ -363,6 +364,8 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                        f"got chunk={chunk}, unroll={unroll}")
     check_page(page, chunk)
     steps = chunk // row_groups // unroll
+    padded = 1 << (G - 1).bit_length()  # dots a lane reduces, zeros past the block's heads
+    share = lanes // padded  # lanes that end with the same head's score
     heads_per_warp = (G + WARPS - 1) // WARPS
     every_warp_full = G % WARPS == 0
     shuffles = int(math.log2(32 // lanes))  # row groups of a warp, summed by xor shuffles
@@ -378,6 +381,26 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                     kv[u, e] = rows((it * unroll + u) * row_groups, rg, col + e)
 
     @T.inline
+    def scatter_sum(dot, c):
+        # halve the dots a lane holds at each xor step, keeping the half its lane bit names
+        # and adding the partner's: log2(padded) steps leave lane c the row's head c // share
+        # summed over padded of the row's lanes, log2(share) more sum the rest (one shuffle a
+        # value and step, padded - 1 + log2(share) in all, where a sum of each head over all
+        # lanes takes G log2(lanes))
+        for k in T.unroll(padded.bit_length() - 1):
+            for i in T.unroll(padded // 2):
+                if i < (padded // 2 >> k):
+                    upper = T.meta_var(T.bitwise_and(c, lanes // 2 >> k) != 0)
+                    dot[i] = T.if_then_else(upper, dot[i + (padded // 2 >> k)], dot[i]) \
+                        + T.tvm_warp_shuffle_xor(
+                            T.uint32(0xFFFFFFFF),
+                            T.if_then_else(upper, dot[i], dot[i + (padded // 2 >> k)]),
+                            lanes // 2 >> k, 32, 32)
+        for k in T.unroll(share.bit_length() - 1):
+            dot[0] = dot[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), dot[0],
+                                                     share // 2 >> k, 32, 32)
+
+    @T.inline
     def split_task(b, h, s, q, K_rows, V_rows, pos, capacity, O_part, lse, tx, warp, lane):
         # K_rows(first, rg, c), V_rows: element c of the chunk's row first + rg; capacity: the
         # tokens the cache holds
@@ -387,7 +410,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         qr = T.alloc_local((G, VEC), "float32")
         qv = T.alloc_local((VEC,), "bfloat16")
         kv = T.alloc_local((unroll, VEC), "bfloat16")
-        dot = T.alloc_local((G,), "float32")
+        dot = T.alloc_local((padded,), "float32")
         acc = T.alloc_local((G, VEC), "float32")
         red = T.alloc_local((2,), "float32")
         count = T.local_scalar("int32")
@@ -417,15 +440,15 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
             for it in T.serial(steps):
                 load_rows(kv, K_rows, it, rg, col, count)
                 for u in T.unroll(unroll):
-                    for g in T.unroll(G):
+                    for g in T.unroll(padded):
                         dot[g] = T.float32(0)
-                        for e in T.unroll(VEC):
-                            dot[g] = dot[g] + qr[g, e] * T.Cast("float32", kv[u, e])
-                        dot[g] = T.cuda.warp_sum(dot[g], lanes)
-                    if (it * unroll + u) * row_groups + rg < count:
-                        for g in T.unroll(G):
-                            if c == g:
-                                scores[g, (it * unroll + u) * row_groups + rg] = dot[g]
+                        if g < G:
+                            for e in T.unroll(VEC):
+                                dot[g] = dot[g] + qr[g, e] * T.Cast("float32", kv[u, e])
+                    scatter_sum(dot, c)
+                    if (it * unroll + u) * row_groups + rg < count and c % share == 0 \
+                            and c // share < G:
+                        scores[c // share, (it * unroll + u) * row_groups + rg] = dot[0]
             T.cuda.cta_sync()
             # softmax statistics of the chunk, a warp's heads_per_warp heads
             for k in T.unroll(heads_per_warp):
