@@ -248,12 +248,13 @@ def test_each_tile_compiles_alone_with_16_byte_loads(tile, dims, tmp_path):
     source = build(one_call_graphs()[tile], dims, strategy="unfused", num_sms=132).cuda_source()
     code = sass(cubin(source, tmp_path))
     assert "LDG.E.128" in code
-    if tile == "split":  # K and V rows, UNROLL rows each in flight, and q
-        assert len(re.findall(r"LDG\.E\.128", code)) >= 2 * 4 + 1
+    if tile == "split":  # K and V rows of step 0 and of the two buffers, and q
+        assert len(re.findall(r"LDG\.E\.128", code)) == 2 * 3 * 4 + 8
         assert "MUFU.EX2" in code
-        # a K row's 8 dots summed over 16 lanes: 8 shuffles (a reduce-scatter), not 8 x 4;
-        # the V rows' sums over the row groups and warps, 64, and the softmax's, 20
-        assert count(code, "SHFL.BFLY") == 4 * 8 + 64 + 20
+        # a K row's 8 dots summed over 16 lanes: 8 shuffles (a reduce-scatter), not 8 x 4,
+        # for the 4 rows of each of the two buffers; the V rows' sums over the row groups and
+        # warps, 64, and the softmax's, 20
+        assert count(code, "SHFL.BFLY") == 2 * 4 * 8 + 64 + 20
 
 
 def test_decode_attention_megakernel_compiles_with_16_byte_loads(tmp_path):

@@ -47,12 +47,14 @@ group of lanes ``rg = tx // lanes`` owns rows ``rg, rg + 128/lanes, ...`` of the
 
     q[Gb heads, 8 dims] -> fp32 registers, pre-scaled by log2(e) / sqrt(D)
     K rows: one 16-byte load per thread and row (``lanes`` threads read one row), UNROLL
-            rows in flight; Gb partial dots per row (the GQA sharing: each loaded K element
+            rows a step, in two register buffers: step i + 1's rows load while step i's
+            are used; Gb partial dots per row (the GQA sharing: each loaded K element
             serves the Gb heads), summed over the lanes by a reduce-scatter (each xor shuffle
             halves the dots a lane holds: 8 shuffles a row at 8 heads on 16 lanes, where a
             sum of each head takes 32) -> scores[Gb, chunk] in shared memory
     per head (a warp's): m = max, p = exp2(score - m), l = sum p   (exact over the chunk)
-    V rows: the same loads; acc[Gb heads, 8 dims] += p * v in fp32 registers
+    V rows: the same loads, the first step's issued before the softmax;
+            acc[Gb heads, 8 dims] += p * v in fp32 registers
     row groups of a warp, then warps, summed through shared memory; O_part = acc / l,
     lse = m + log2(l)
 
@@ -353,7 +355,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
     """The tile ``decode_split_<heads>_c<chunk>``: task (b, h, s), the partial attention of
     query-head block h over the s-th chunk of sequence b's ``pos[b] + 1`` tokens.
 
-    ``unroll`` rows per thread are loaded before the first is used (loads in flight).
+    ``unroll``: rows a thread loads a step; the next step's are in flight while they are used.
     ``page``: the cache is paged (``_p<page>``; see "Paged caches" in the module docstring),
     ``chunk`` a multiple of it.
     """
@@ -373,12 +375,26 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
-    def load_rows(kv, rows, it, rg, col, count):
-        # ``unroll`` rows of this row group, one 16-byte load each; rows past count stay unread
+    def load_rows(kv, buf, rows, it, rg, col, count):
+        # step it's ``unroll`` rows of this row group into buffer buf, one 16-byte load each;
+        # rows past count stay unread
         for u in T.unroll(unroll):
             if (it * unroll + u) * row_groups + rg < count:
                 for e in T.vectorized(VEC):
-                    kv[u, e] = rows((it * unroll + u) * row_groups, rg, col + e)
+                    kv[buf, u, e] = rows((it * unroll + u) * row_groups, rg, col + e)
+
+    @T.inline
+    def stream_rows(kv, rows, rg, col, count, use_rows):
+        # the steps' rows through two buffers: step it + 1's loads are in flight while step
+        # it's rows are used; step 0's are loaded by the caller, ahead
+        for it2 in T.serial((steps + 1) // 2):
+            if 2 * it2 + 1 < steps:
+                load_rows(kv, 1, rows, 2 * it2 + 1, rg, col, count)
+            use_rows(0, 2 * it2)
+            if 2 * it2 + 2 < steps:
+                load_rows(kv, 0, rows, 2 * it2 + 2, rg, col, count)
+            if 2 * it2 + 1 < steps:
+                use_rows(1, 2 * it2 + 1)
 
     @T.inline
     def scatter_sum(dot, c):
@@ -409,7 +425,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
         qr = T.alloc_local((G, VEC), "float32")
         qv = T.alloc_local((VEC,), "bfloat16")
-        kv = T.alloc_local((unroll, VEC), "bfloat16")
+        kv = T.alloc_local((2, unroll, VEC), "bfloat16")
         dot = T.alloc_local((padded,), "float32")
         acc = T.alloc_local((G, VEC), "float32")
         red = T.alloc_local((2,), "float32")
@@ -437,18 +453,22 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                 for e in T.unroll(VEC):
                     qr[g, e] = T.Cast("float32", qv[e]) * T.float32(scale)
             # scores = q . k for the block's heads; each K element loaded once serves them all
-            for it in T.serial(steps):
-                load_rows(kv, K_rows, it, rg, col, count)
+            @T.inline
+            def score_rows(buf, it):
                 for u in T.unroll(unroll):
                     for g in T.unroll(padded):
                         dot[g] = T.float32(0)
                         if g < G:
                             for e in T.unroll(VEC):
-                                dot[g] = dot[g] + qr[g, e] * T.Cast("float32", kv[u, e])
+                                dot[g] = dot[g] + qr[g, e] * T.Cast("float32", kv[buf, u, e])
                     scatter_sum(dot, c)
                     if (it * unroll + u) * row_groups + rg < count and c % share == 0 \
                             and c // share < G:
                         scores[c // share, (it * unroll + u) * row_groups + rg] = dot[0]
+
+            load_rows(kv, 0, K_rows, 0, rg, col, count)
+            stream_rows(kv, K_rows, rg, col, count, score_rows)
+            load_rows(kv, 0, V_rows, 0, rg, col, count)  # in flight over the softmax
             T.cuda.cta_sync()
             # softmax statistics of the chunk, a warp's heads_per_warp heads
             for k in T.unroll(heads_per_warp):
@@ -473,15 +493,17 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
             for g in T.unroll(G):
                 for e in T.unroll(VEC):
                     acc[g, e] = T.float32(0)
-            for it in T.serial(steps):
-                load_rows(kv, V_rows, it, rg, col, count)
+            @T.inline
+            def accumulate_rows(buf, it):
                 for u in T.unroll(unroll):
                     if (it * unroll + u) * row_groups + rg < count:
                         for g in T.unroll(G):
                             for e in T.unroll(VEC):
                                 acc[g, e] = acc[g, e] + scores[
                                     g, (it * unroll + u) * row_groups + rg] * T.Cast(
-                                    "float32", kv[u, e])
+                                    "float32", kv[buf, u, e])
+
+            stream_rows(kv, V_rows, rg, col, count, accumulate_rows)
             # the row groups of a warp, then the warps through shared memory
             for j in T.unroll(shuffles):
                 for g in T.unroll(G):
