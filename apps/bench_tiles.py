@@ -203,9 +203,10 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
                  page=None):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
     attention (batches x contexts: the K and V rows it reads; ``heads``; split tasks of each
-    ``(chunk, unroll)`` of ``splits``; with ``page``, our side over a paged cache, PyTorch's
-    over the contiguous cache that holds the same rows), the q/k RMSNorm + RoPE and the MoE
-    router (``rows`` tokens) at Qwen3-30B-A3B sizes."""
+    ``(chunk, unroll)`` of ``splits``, unroll "mma" for the tensor-core tile; with ``page``,
+    our side over a paged cache, PyTorch's over the contiguous cache that holds the same
+    rows), the q/k RMSNorm + RoPE and the MoE router (``rows`` tokens) at Qwen3-30B-A3B
+    sizes."""
     Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
     for B in batches:
         for L in contexts:
@@ -221,11 +222,13 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
                 label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
                                           else f" {heads.suffix}") \
                     + ("" if page is None else f" p{page}") \
-                    + ("" if len(splits) == 1 else f" c{chunk} u{unroll}")
-                yield Case("attention", label,
-                           decode_attention_graph(chunk, heads, unroll, page), dims, inputs,
-                           torch_decode_attention, 2 * (2 * B * Hk * L * D + 2 * B * Hq * D),
-                           "TB/s", torch_inputs=None if page is None else contiguous)
+                    + ("" if len(splits) == 1 else f" c{chunk} " + (
+                        "mma" if unroll == "mma" else f"u{unroll}"))
+                graph = decode_attention_graph(chunk, heads, page=page, engine="mma") \
+                    if unroll == "mma" else decode_attention_graph(chunk, heads, unroll, page)
+                yield Case("attention", label, graph, dims, inputs, torch_decode_attention,
+                           2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s",
+                           torch_inputs=None if page is None else contiguous)
     qwen3 = attention.QWEN3_30B_A3B
     Hq, Hk, D = qwen3.q_heads, qwen3.kv_heads, qwen3.head_dim
     moe_graphs = one_call_graphs(2048, 128, 8, 768, (Hq, Hk))
@@ -437,8 +440,8 @@ def main() -> None:
                         help="query heads, KV heads and head dim of the decode attention rows")
     parser.add_argument("--attention-splits", nargs="+", default=["256x4"],
                         metavar="CHUNKxUNROLL",
-                        help="the split tasks' tokens and rows loaded ahead a thread, one "
-                        "attention row each")
+                        help="the split tasks' tokens and rows loaded ahead a thread, or "
+                        "CHUNKxmma for the tensor-core split tile; one attention row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")
@@ -465,8 +468,9 @@ def main() -> None:
     for case in (*cases(args.rows, args.hidden, args.vocab),
                  *decode_cases(args.rows, args.batches, args.contexts,
                                attention.AttentionHeads(*args.attention_heads),
-                               [tuple(int(v) for v in s.split("x"))
-                                for s in args.attention_splits], args.attention_page),
+                               [(int(c), u if u == "mma" else int(u)) for c, u in
+                                (s.split("x") for s in args.attention_splits)],
+                               args.attention_page),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:

@@ -347,6 +347,60 @@ def test_paged_megakernel_compiles_with_16_byte_loads_and_its_page_check(tmp_pat
                      strategy="static", num_sms=132)
     code = sass(build_cubin(compiled.cuda_source(), tmp_path)[0])
     assert len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", code)) >= 2 * 4 + 2
+# ------------------------------------------------------------------ the split on tensor cores
+@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_mma_graph_on_the_executor_is_within_its_bound(mix, chunk):
+    """The tensor-core split's reference rounds P to bf16 as the tile does; the fma bound
+    does not cover that, the mma bound does."""
+    max_len, lengths = MIXES[mix]
+    inputs = make_inputs(max_len, lengths)
+    out = execute(decode_attention_graph(chunk, engine="mma"), *inputs,
+                  order=RandomOrder(2))
+    want, bound = attention.error_bound(*inputs, chunk=chunk, engine="mma")
+    assert_within(out, want, bound)
+    if max(lengths) > 0:  # a single token's weight, 1, is exact in bf16
+        fma = run_tiles(chunk, *inputs)[0]
+        assert not np.array_equal(out.view(np.uint16), fma.view(np.uint16))
+
+
+def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
+    with pytest.raises(EtcError, match="multiples of 64"):
+        attention.make_decode_split_mma_tile(96)
+    with pytest.raises(EtcError, match="multiples of 64"):
+        attention.make_decode_split_mma_tile(128, AttentionHeads(32, 4, 32))
+
+
+@pytest.mark.parametrize("heads", [QWEN3_30B_A3B, OTHER_HEADS["gpt-oss-120b"],
+                                   OTHER_HEADS["gemma2-9b"], OTHER_HEADS["qwen2.5-7b"]],
+                         ids=lambda h: h.suffix)
+def test_mma_split_compiles_to_hmma_with_every_row_copied_at_once(heads, tmp_path):
+    """One task: the chunk's K and V rows in flight together (16-byte cp.async, no register
+    copy), (chunk / 16) x (D / 16) MMAs for the scores and (chunk / 16) x (D / 8) for P @ V
+    over the four warps, no shuffle but the softmax's (a max and a sum of 5 each a head of a
+    warp); and the static megakernel."""
+    chunk, D = 128, heads.head_dim
+    split = attention.make_decode_split_mma_tile(chunk, heads)
+
+    @graph_func
+    def split_only(q: Tensor(("B", heads.q_heads, D), "bfloat16"),
+                   K_cache: Tensor(("B", heads.kv_heads, "L", D), "bfloat16"),
+                   V_cache: Tensor(("B", heads.kv_heads, "L", D), "bfloat16"),
+                   pos: Tensor(("B",), "int32")):
+        B, S = q.shape[0], attention.num_splits(K_cache.shape[2], chunk)
+        return call_device(split, tile_num=(B, heads.blocks, S), args=[q, K_cache, V_cache, pos],
+                           out=[Tensor((B, heads.blocks, S, heads.block, D)),
+                                Tensor((B, heads.blocks, S, heads.block))])
+
+    source = build(split_only, {"B": 4, "L": 1000}, strategy="unfused",
+                   num_sms=132).cuda_source()
+    (tmp_path / "split").mkdir()
+    code = sass(build_cubin(source, tmp_path / "split")[0])
+    assert count(code, "HMMA.16816.F32.BF16") == (chunk // 16) * (D // 16 + D // 8) // 4
+    assert count(code, "LDGSTS.E.BYPASS.128") == 2 * chunk * D // 8 // 128
+    assert count(code, "SHFL.BFLY") == 10 * -(-heads.block // 4) and "LDG.E.128" not in code
+    build_cubin(build(decode_attention_graph(chunk, heads, engine="mma"), {"B": 4, "L": 1000},
+                      strategy="static", num_sms=132).cuda_source(), tmp_path)
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

@@ -35,8 +35,8 @@ def lengths(B: int, max_len: int) -> list:
     return (special + drawn)[:B] if B > 1 else [max_len - 1]
 
 
-def float64_reference(inputs):
-    want, bound = attention.error_bound(*inputs, chunk=CHUNK)
+def float64_reference(inputs, chunk=CHUNK, engine="fma"):
+    want, bound = attention.error_bound(*inputs, chunk=chunk, engine=engine)
     try:
         import torch
     except ImportError:
@@ -145,6 +145,29 @@ def test_paged_cache(B, max_len, page, strategy):
                        rf"{len(K_pages) + 5}, outside the pages of the cache"):
         run(q, k_new, v_new, K_pages, V_pages, bad, seq_lens)
     assert_within(run(*paged), want, bound)
+@pytest.mark.parametrize("B, max_len", CASES)
+def test_mma_split_megakernel(B, max_len):
+    """The split on tensor cores (128-token chunks) in the static megakernel, within its
+    bound (P in bf16), and 100 launches identical."""
+    compiled = build(decode_attention_graph(128, engine="mma"), {"B": B, "L": max_len},
+                     strategy="static")
+    inputs = make_inputs(max_len, lengths(B, max_len), seed="mma")
+    first = compiled(*inputs)
+    want, bound = float64_reference(inputs, 128, "mma")
+    assert_within(first, want, bound)
+    for _ in range(99 if B == 32 else 4):
+        np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-120b", "gemma2-9b", "qwen3-235b-a22b"])
+def test_mma_split_other_heads(model):
+    heads = OTHER_HEADS[model]
+    B, max_len = 8, 1000
+    compiled = build(decode_attention_graph(64, heads, engine="mma"), {"B": B, "L": max_len},
+                     strategy="unfused")
+    inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
+    want, bound = float64_reference(inputs, 64, "mma")
+    assert_within(compiled(*inputs), want, bound)
 
 
 def test_megakernel_updates_the_device_cache_in_place():

@@ -58,10 +58,12 @@ group of lanes ``rg = tx // lanes`` owns rows ``rg, rg + 128/lanes, ...`` of the
     row groups of a warp, then warps, summed through shared memory; O_part = acc / l,
     lse = m + log2(l)
 
-fp32 FMA on CUDA cores, not tensor cores: decode attention moves 2 x 2D bytes per token for
-``2 Gb D`` FLOP (QK and PV), about 4 FLOP per byte at 8 heads, far below where mma.sync would
-pay; the FMA path keeps the numerics simple to bound and the thread layout identical for K and
-V.
+fp32 FMA on CUDA cores: decode attention moves 2 x 2D bytes per token for ``2 Gb D`` FMAs
+(QK and PV), 4 a byte at 8 heads, with a shuffle sum a row on top, where the H200's CUDA cores
+issue 6 - 9 FMAs for each byte HBM delivers (31 TFMA/s against 3.4 - 4.8 TB/s): these tasks
+are near their issue bound as well as their memory bound. ``make_decode_split_mma_tile`` does
+the same split on tensor cores (the K and V rows through shared memory, the heads the m16 rows
+of the MMAs), at the price of P in bf16.
 
 Empty splits: a task whose chunk starts at or beyond the sequence's ``pos[b] + 1`` tokens (every
 task of a sequence with ``pos[b] = -1``) writes ``O_part = 0`` and ``lse = -inf``: its merge
@@ -82,6 +84,11 @@ With ``x_t`` the exact base-2 score of token t and ``A = sum_t p_t |v_t| / sum_t
   two approximate divisions ``2**-22 A``;
 * the bf16 output rounds: ``2**-8 |o|``.
 
+On tensor cores (``engine="mma"``) the fp32 sums may truncate: a score's error is ``(D 2**-22 +
+2**-23) log2(e)/sqrt(D) sum_i |q_i k_ti|``, the P @ V sums add ``4 chunk 2**-24 A``, and P's
+bf16 rounding moves each weight by ``2**-8`` relative (l sums the rounded weights, so the
+output is an exact mean under them).
+
 Each term is rounded up; ``error_bound`` sums them per output element.
 """
 from __future__ import annotations
@@ -97,6 +104,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func, input_check
 from ..errors import EtcError, ExecutionError
+from .gemm import PAD, copy_a_chunk
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -626,6 +634,201 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
 
 
 @functools.cache
+def make_decode_split_mma_tile(chunk: int = 128,
+                               heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
+    """The tile ``decode_split_mma_<heads>_c<chunk>``: the split tile's task (b, h, s) on
+    tensor cores (``mma.sync.m16n8k16``; the same outputs as ``make_decode_split_tile``).
+
+    The chunk's K and V rows go to shared memory by cp.async at the task's start, all in
+    flight at once (rows past the tokens land as zeros); the block's heads, padded to 16
+    with zeros, are the m16 rows::
+
+        S^T (chunk x 16) = K rows @ q^T      each warp a quarter of the m16 blocks of tokens
+        scores[head, token] = S^T * log2(e) / sqrt(D), the softmax of ``make_decode_split_tile``
+        P (16 x chunk) = bf16(exp2(score - m)), l = the fp32 sum of P's bf16 values
+        O (16 x D) = P @ V rows             each warp a quarter of the columns
+
+    Against the CUDA-core tile: no shuffle a row, and no K and V rows in registers. P is
+    rounded to bf16 for the MMA, and l sums the rounded values, so the output is an exact
+    mean of V under weights off by at most 2**-8 (``error_bound(engine="mma")``).
+    """
+    G, D = heads.block, heads.head_dim
+    if chunk < 1 or chunk % (16 * WARPS) or D % (16 * WARPS):
+        raise EtcError(f"decode split tile on tensor cores: chunk ({chunk}) and head_dim "
+                       f"({D}) must be multiples of {16 * WARPS} (m16 blocks of tokens and "
+                       f"16-column blocks of V for each of the {WARPS} warps)")
+    row_chunks = D // VEC  # 16-byte copies a K or V row
+    token_blocks = chunk // 16 // WARPS  # m16 blocks of tokens a warp scores
+    col_blocks = D // WARPS // 8  # n8 blocks of O's columns a warp computes
+    heads_per_warp = (G + WARPS - 1) // WARPS
+    every_warp_full = G % WARPS == 0
+    scale = heads.scale_log2
+    B, L, S = (tirx.Var(d, "int32") for d in "BLS")
+
+    @T.inline
+    def load_rows(rows_smem, Cache, b, kvh, start, count, tx):
+        # the chunk's rows, 16 bytes a copy; a row past count reads nothing and lands as zeros
+        for i in T.unroll(chunk * row_chunks // THREADS):
+            r = T.meta_var((i * THREADS + tx) // row_chunks)
+            k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
+            copy_a_chunk(rows_smem.ptr_to([r, k]),
+                         Cache.ptr_to([b, kvh, T.min(start + r, L - 1), k]),
+                         lambda row: row < count, r)
+        T.ptx.cp.async_.commit_group()
+
+    @T.prim_func
+    def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
+                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         pos: T.Buffer((B,), "int32"),
+                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+        T.device_entry()
+        tx = T.thread_id([THREADS])
+        warp = T.warp_id([WARPS])
+        lane = T.lane_id([32])
+        Ks = T.alloc_shared((chunk, D + PAD), "bfloat16")
+        Vs = T.alloc_shared((chunk, D + PAD), "bfloat16")
+        Qt = T.alloc_shared((D, 16 + PAD), "bfloat16")  # q^T, heads past the block zero
+        Ps = T.alloc_shared((16, chunk + PAD), "bfloat16")  # P, rows past the block zero
+        scores = T.alloc_shared((G, chunk), "float32")
+        stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
+        q_frag = T.alloc_local((D // 16, 4), "uint32")
+        a_frag = T.alloc_local((4,), "uint32")
+        b_frag = T.alloc_local((col_blocks, 2), "uint32")
+        st = T.alloc_local((4,), "float32")
+        acc = T.alloc_local((col_blocks, 4), "float32")
+        red = T.alloc_local((2,), "float32")
+        pb = T.local_scalar("bfloat16")
+        count = T.local_scalar("int32")
+        outs = HeadOutputs(heads, tx)
+        start = T.meta_var(s * chunk)
+        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
+        count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
+        if count <= 0:
+            for r in T.unroll(outs.rounds):
+                if outs.inside(r):
+                    for half in T.unroll(2):
+                        for e in T.vectorized(VEC // 2):
+                            O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] \
+                                = T.float32(0)
+            if tx < G:
+                lse[b, h, s, tx] = T.float32(NEG_INF)
+        else:
+            load_rows(Ks, K_cache, b, heads.kv_head(h), start, count, tx)
+            load_rows(Vs, V_cache, b, heads.kv_head(h), start, count, tx)
+            for i in T.serial((16 * D + THREADS - 1) // THREADS):
+                if i * THREADS + tx < 16 * D:
+                    g = T.meta_var((i * THREADS + tx) // D)
+                    d = T.meta_var((i * THREADS + tx) % D)
+                    Qt[d, g] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d],
+                                              T.bfloat16(0))
+            for i in T.serial(((16 - G) * chunk + THREADS - 1) // THREADS):
+                if i * THREADS + tx < (16 - G) * chunk:
+                    Ps[G + (i * THREADS + tx) // chunk, (i * THREADS + tx) % chunk] = \
+                        T.bfloat16(0)
+            T.cuda.cta_sync()
+            # q^T as the B operand of every k16 step: heads 0 - 7 (registers 0, 1), 8 - 15
+            for kk in T.unroll(D // 16):
+                T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
+                    q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
+                    Qt.ptr_to([kk * 16 + lane % 16, lane // 16 * 8]))
+            T.ptx.cp.async_.wait_group(1)
+            T.cuda.cta_sync()
+            # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8), heads (2 (lane % 4), + 1)
+            for mb in T.unroll(token_blocks):
+                m = T.meta_var(warp * token_blocks + mb)
+                for e in T.unroll(4):
+                    st[e] = T.float32(0)
+                for kk in T.unroll(D // 16):
+                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
+                        a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                        Ks.ptr_to([m * 16 + lane % 16, kk * 16 + lane // 16 * 8]))
+                    T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                        st[0], st[1], st[2], st[3], a_frag[0], a_frag[1], a_frag[2],
+                        a_frag[3], q_frag[kk, 0], q_frag[kk, 1], st[0], st[1], st[2], st[3])
+                for hv in T.unroll(4):
+                    if lane % 4 * 2 + hv % 2 < G:
+                        scores[lane % 4 * 2 + hv % 2, m * 16 + hv // 2 * 8 + lane // 4] = \
+                            st[hv] * T.float32(scale)
+            T.cuda.cta_sync()
+            # softmax statistics of the chunk, a warp's heads_per_warp heads; P in bf16
+            for k in T.unroll(heads_per_warp):
+                g = T.meta_var(warp * heads_per_warp + k)
+                if every_warp_full or g < G:
+                    red[0] = T.float32(NEG_INF)
+                    for j in T.serial(chunk // 32):
+                        if j * 32 + lane < count:
+                            red[0] = T.max(red[0], scores[g, j * 32 + lane])
+                    red[0] = T.cuda.warp_max(red[0])
+                    red[1] = T.float32(0)
+                    for j in T.serial(chunk // 32):
+                        pb = T.bfloat16(0)
+                        if j * 32 + lane < count:
+                            pb = T.Cast("bfloat16", T.exp2(scores[g, j * 32 + lane] - red[0]))
+                        Ps[g, j * 32 + lane] = pb
+                        red[1] = red[1] + T.Cast("float32", pb)
+                    red[1] = T.cuda.warp_sum(red[1])
+                    if lane == 0:
+                        stats[0, g] = red[0]
+                        stats[1, g] = red[1]
+            T.ptx.cp.async_.wait_group(0)
+            T.cuda.cta_sync()
+            # O = P @ V rows; lane holds head lane // 4 (and a padding row), columns
+            # 2 (lane % 4), + 1 of each n8 block of the warp's quarter
+            for n in T.unroll(col_blocks):
+                for e in T.unroll(4):
+                    acc[n, e] = T.float32(0)
+            for kk in T.unroll(chunk // 16):
+                T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
+                    a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                    Ps.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
+                for n2 in T.unroll(col_blocks // 2):
+                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
+                        b_frag[2 * n2, 0], b_frag[2 * n2, 1], b_frag[2 * n2 + 1, 0],
+                        b_frag[2 * n2 + 1, 1],
+                        Vs.ptr_to([kk * 16 + lane % 16,
+                                   warp * (D // WARPS) + n2 * 16 + lane // 16 * 8]))
+                for n in T.unroll(col_blocks):
+                    T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                        acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3], a_frag[0], a_frag[1],
+                        a_frag[2], a_frag[3], b_frag[n, 0], b_frag[n, 1], acc[n, 0],
+                        acc[n, 1], acc[n, 2], acc[n, 3])
+            if lane // 4 < G:
+                for n in T.unroll(col_blocks):
+                    for v in T.vectorized(2):
+                        O_part[b, h, s, lane // 4, warp * (D // WARPS) + n * 8 + lane % 4 * 2
+                               + v] = acc[n, v] / stats[1, lane // 4]
+            if tx < G:
+                lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
+
+    name = f"decode_split_mma_{heads.suffix}_c{chunk}"
+    tile = device_func(decode_split_mma.with_attr("global_symbol", name),
+                       cost=chunk * D / (64 * 128),
+                       requires=[(L <= S * chunk, f"L at most S x {chunk}")])
+
+    @tile.set_reference
+    def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
+        length = min(max(int(pos[b]) + 1, 0), K_cache.shape[2])
+        rows = slice(s * chunk, min((s + 1) * chunk, length))
+        if rows.start >= length:
+            O_part[b, h, s] = 0
+            lse[b, h, s] = NEG_INF
+            return
+        kvh = heads.kv_head(h)
+        x = (q[b, h * G:(h + 1) * G].astype(np.float32)
+             @ K_cache[b, kvh, rows].astype(np.float32).T) * np.float32(scale)
+        m = x.max(axis=1, keepdims=True)
+        p = np.exp2(x - m).astype(BF16).astype(np.float32)
+        total = p.sum(axis=1, dtype=np.float32)
+        O_part[b, h, s] = (p @ V_cache[b, kvh, rows].astype(np.float32)) / total[:, None]
+        lse[b, h, s] = m[:, 0] + np.log2(total)
+
+    return tile
+
+
+@functools.cache
 def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
     """The tile ``decode_merge_<heads>``: task (b, h) rescales the splits of query-head block
     h by ``exp2(lse_s - max lse)`` and writes their normalised sum as bf16; a thread owns one
@@ -702,7 +905,8 @@ def cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens):
 def attention_float64(q, k_new, v_new, K_cache, V_cache, seq_lens):
     """Decode attention in float64 with this step's token appended: ``(out, A, x)`` with
     ``out`` (B, Hq, D), the weighted mean ``A`` of |v| (B, Hq, D) and, per head, the
-    base-2 scores' bounds ``(max |x|, max score error)`` (B, Hq, 2). NaN rows for sequences
+    base-2 scores' bounds ``(max |x|, max scale sum_i |q_i k_i|)`` (B, Hq, 2). NaN rows for
+    sequences
     whose length leaves no room. The heads are the arrays' own."""
     K, V = cache_with_step(k_new, v_new, K_cache, V_cache, seq_lens)
     B, Hq, D = q.shape
@@ -723,24 +927,28 @@ def attention_float64(q, k_new, v_new, K_cache, V_cache, seq_lens):
             p = np.exp2(x - x.max())
             out[b, g] = p @ v / p.sum()
             mean_abs[b, g] = p @ np.abs(v) / p.sum()
-            dx = (D + 3) * 2.0 ** -24 * scale * (np.abs(k) @ np.abs(qd[b, g]))
-            scores[b, g] = np.abs(x).max(), dx.max()
+            scores[b, g] = np.abs(x).max(), (scale * (np.abs(k) @ np.abs(qd[b, g]))).max()
     return out, mean_abs, scores
 
 
-def error_bound(q, k_new, v_new, K_cache, V_cache, seq_lens, chunk: int = 256):
+def error_bound(q, k_new, v_new, K_cache, V_cache, seq_lens, chunk: int = 256,
+                engine: str = "fma"):
     """``(want, bound)``: float64 attention and the elementwise bound on the tiles' bf16 output
-    against it (see the module docstring); NaN where a sequence has no room (the tiles write
-    NaN there too)."""
+    against it (see the module docstring; ``engine`` "mma" for ``make_decode_split_mma_tile``,
+    whose tensor cores may truncate their fp32 sums and whose P is bf16); NaN where a sequence
+    has no room (the tiles write NaN there too)."""
     want, mean_abs, scores = attention_float64(q, k_new, v_new, K_cache, V_cache, seq_lens)
-    splits = num_splits(K_cache.shape[2], chunk)
-    x_max, dx = scores[..., 0], scores[..., 1]
+    D, splits = q.shape[2], num_splits(K_cache.shape[2], chunk)
+    x_max, magnitude = scores[..., 0], scores[..., 1]
+    mma = engine == "mma"
+    dx = ((D * 2.0 ** -22 + 2.0 ** -23) if mma else (D + 3) * 2.0 ** -24) * magnitude
     ln2 = math.log(2)
     lse_max = x_max + math.log2(chunk)
     rho = (ln2 * (dx + 2.0 ** -22 * x_max) + 2.0 ** -21  # a token's weight within its split
+           + mma * 2.0 ** -8  # that weight rounded to bf16 for the MMA
            + ln2 * (2.0 ** -22 + 2.0 ** -23 * lse_max) + chunk * 2.0 ** -24  # the split's lse
            + 2.0 ** -21)  # the merge weight
-    rate = 2 * rho / (1 - rho) + (chunk + splits) * 2.0 ** -24 + 2.0 ** -22
+    rate = 2 * rho / (1 - rho) + ((4 if mma else 1) * chunk + splits) * 2.0 ** -24 + 2.0 ** -22
     return want, 2.0 ** -8 * np.abs(want) + rate[..., None] * mean_abs
 
 
