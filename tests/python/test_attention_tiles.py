@@ -364,6 +364,25 @@ def test_mma_graph_on_the_executor_is_within_its_bound(mix, chunk):
         assert not np.array_equal(out.view(np.uint16), fma.view(np.uint16))
 
 
+def test_mma_split_takes_a_group_of_16_heads_in_one_block(tmp_path):
+    """Qwen3-235B-A22B's 16 query heads a KV head as the MMAs' 16 rows: one block a KV head,
+    its rows read once; on CUDA cores such blocks are refused."""
+    heads = AttentionHeads(64, 4, 128, max_block=16)
+    assert (heads.block, heads.blocks, heads.suffix) == (16, 4, "64q4k_d128_b16")
+    with pytest.raises(EtcError, match="at most 8 heads in registers"):
+        attention.make_decode_split_tile(256, heads=heads)
+    with pytest.raises(EtcError, match="max_block must be 1 to 16"):
+        AttentionHeads(64, 4, 128, max_block=32)
+    graph = decode_attention_graph(128, heads, engine="mma")
+    for mix in ("ragged", "boundaries"):
+        max_len, lengths = MIXES[mix]
+        inputs = make_inputs(max_len, lengths, heads=heads)
+        want, bound = attention.error_bound(*inputs, chunk=128, engine="mma")
+        assert_within(execute(graph, *inputs, order=RandomOrder(3)), want, bound)
+    build_cubin(build(graph, {"B": 4, "L": 1000}, strategy="static", num_sms=132).cuda_source(),
+                tmp_path)
+
+
 def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
     with pytest.raises(EtcError, match="multiples of 64"):
         attention.make_decode_split_mma_tile(96)

@@ -15,7 +15,7 @@ from etc_tvm import ExecutionError
 
 from etc_tvm.build import build
 from etc_tvm.tiles import attention
-from etc_tvm.tiles.attention import QWEN3_30B_A3B
+from etc_tvm.tiles.attention import QWEN3_30B_A3B, AttentionHeads
 
 from attention_graph import OTHER_HEADS, decode_attention_graph, make_inputs, make_paged_inputs
 from test_attention_tiles import one_call_graphs
@@ -159,9 +159,11 @@ def test_mma_split_megakernel(B, max_len):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
 
-@pytest.mark.parametrize("model", ["gpt-oss-120b", "gemma2-9b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("model", ["gpt-oss-120b", "gemma2-9b", "qwen3-235b-a22b",
+                                   "qwen3-235b-a22b, 16 heads a task"])
 def test_mma_split_other_heads(model):
-    heads = OTHER_HEADS[model]
+    heads = AttentionHeads(64, 4, 128, max_block=16) if model.endswith("a task") \
+        else OTHER_HEADS[model]
     B, max_len = 8, 1000
     compiled = build(decode_attention_graph(64, heads, engine="mma"), {"B": B, "L": max_len},
                      strategy="unfused")

@@ -123,11 +123,15 @@ class AttentionHeads:
     q_heads: int = 32
     kv_heads: int = 4
     head_dim: int = 128
+    max_block: int = MAX_BLOCK  # up to 16 for the tensor-core split (its m16 rows)
 
     def __post_init__(self):
         if min(self.q_heads, self.kv_heads, self.head_dim) < 1 or self.q_heads % self.kv_heads:
             raise EtcError(f"attention heads {self}: the query heads must be a positive "
                            f"multiple of the KV heads")
+        if not 1 <= self.max_block <= 16:
+            raise EtcError(f"attention heads {self}: max_block must be 1 to 16 (the m16 rows "
+                           f"of the tensor-core split tile)")
         if self.head_dim not in HEAD_DIMS:
             raise EtcError(f"attention heads {self}: head_dim must be one of {HEAD_DIMS} "
                            f"({VEC} dims a lane, a row's lanes within one warp, at least two)")
@@ -149,9 +153,9 @@ class AttentionHeads:
 
     @property
     def block(self) -> int:
-        """Query heads a task takes: the largest divisor of the group that the registers hold
-        and the lanes of a row can each store one score of."""
-        most = min(MAX_BLOCK, self.lanes)
+        """Query heads a task takes: the largest divisor of the group up to ``max_block`` (on
+        CUDA cores the registers hold 8) that the lanes of a row can each store one score of."""
+        most = min(self.max_block, self.lanes)
         return max(d for d in range(1, most + 1) if self.group % d == 0)
 
     @property
@@ -166,8 +170,10 @@ class AttentionHeads:
 
     @property
     def suffix(self) -> str:
-        """What the tiles' names carry of the heads: ``<Hq>q<Hk>k_d<D>``."""
-        return f"{self.q_heads}q{self.kv_heads}k_d{self.head_dim}"
+        """What the tiles' names carry of the heads: ``<Hq>q<Hk>k_d<D>``, and ``_b<block>``
+        where ``max_block`` is not the default."""
+        return f"{self.q_heads}q{self.kv_heads}k_d{self.head_dim}" + (
+            "" if self.max_block == MAX_BLOCK else f"_b{self.block}")
 
     def kv_head(self, block):
         """The KV head that query-head block ``block`` (an int or a TIR expression) reads."""
@@ -368,6 +374,10 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
     ``chunk`` a multiple of it.
     """
     G, D, lanes, row_groups = heads.block, heads.head_dim, heads.lanes, heads.row_groups
+    if G > MAX_BLOCK:
+        raise EtcError(f"decode split tile: blocks of {G} query heads ({heads}); on CUDA cores "
+                       f"a task keeps at most {MAX_BLOCK} heads in registers: "
+                       f"make_decode_split_mma_tile takes up to 16")
     if chunk < 1 or chunk % (row_groups * unroll) or chunk % 32:
         raise EtcError(f"decode split tile: chunk must be a multiple of {row_groups} x unroll "
                        f"(the rows {THREADS} threads load at once at head_dim {D}) and of 32, "
@@ -641,7 +651,8 @@ def make_decode_split_mma_tile(chunk: int = 128,
 
     The chunk's K and V rows go to shared memory by cp.async at the task's start, all in
     flight at once (rows past the tokens land as zeros); the block's heads, padded to 16
-    with zeros, are the m16 rows::
+    with zeros, are the m16 rows, so a task may take up to 16 (``AttentionHeads(max_block=16)``:
+    a group of 16 then reads its K and V rows once)::
 
         S^T (chunk x 16) = K rows @ q^T      each warp a quarter of the m16 blocks of tokens
         scores[head, token] = S^T * log2(e) / sqrt(D), the softmax of ``make_decode_split_tile``
@@ -660,6 +671,7 @@ def make_decode_split_mma_tile(chunk: int = 128,
     row_chunks = D // VEC  # 16-byte copies a K or V row
     token_blocks = chunk // 16 // WARPS  # m16 blocks of tokens a warp scores
     col_blocks = D // WARPS // 8  # n8 blocks of O's columns a warp computes
+    head_blocks = (G + 7) // 8  # n8 blocks of heads in S^T
     heads_per_warp = (G + WARPS - 1) // WARPS
     every_warp_full = G % WARPS == 0
     scale = heads.scale_log2
@@ -697,7 +709,7 @@ def make_decode_split_mma_tile(chunk: int = 128,
         q_frag = T.alloc_local((D // 16, 4), "uint32")
         a_frag = T.alloc_local((4,), "uint32")
         b_frag = T.alloc_local((col_blocks, 2), "uint32")
-        st = T.alloc_local((4,), "float32")
+        st = T.alloc_local((head_blocks, 4), "float32")
         acc = T.alloc_local((col_blocks, 4), "float32")
         red = T.alloc_local((2,), "float32")
         pb = T.local_scalar("bfloat16")
@@ -736,22 +748,28 @@ def make_decode_split_mma_tile(chunk: int = 128,
                     Qt.ptr_to([kk * 16 + lane % 16, lane // 16 * 8]))
             T.ptx.cp.async_.wait_group(1)
             T.cuda.cta_sync()
-            # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8), heads (2 (lane % 4), + 1)
+            # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8) and heads (2 (lane % 4),
+            # + 1) of each n8 block of heads
             for mb in T.unroll(token_blocks):
                 m = T.meta_var(warp * token_blocks + mb)
-                for e in T.unroll(4):
-                    st[e] = T.float32(0)
+                for nb in T.unroll(head_blocks):
+                    for e in T.unroll(4):
+                        st[nb, e] = T.float32(0)
                 for kk in T.unroll(D // 16):
                     T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
                         a_frag[0], a_frag[1], a_frag[2], a_frag[3],
                         Ks.ptr_to([m * 16 + lane % 16, kk * 16 + lane // 16 * 8]))
-                    T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                        st[0], st[1], st[2], st[3], a_frag[0], a_frag[1], a_frag[2],
-                        a_frag[3], q_frag[kk, 0], q_frag[kk, 1], st[0], st[1], st[2], st[3])
-                for hv in T.unroll(4):
-                    if lane % 4 * 2 + hv % 2 < G:
-                        scores[lane % 4 * 2 + hv % 2, m * 16 + hv // 2 * 8 + lane // 4] = \
-                            st[hv] * T.float32(scale)
+                    for nb in T.unroll(head_blocks):
+                        T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                            st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3], a_frag[0], a_frag[1],
+                            a_frag[2], a_frag[3], q_frag[kk, 2 * nb], q_frag[kk, 2 * nb + 1],
+                            st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3])
+                for nb in T.unroll(head_blocks):
+                    for hv in T.unroll(4):
+                        if nb * 8 + lane % 4 * 2 + hv % 2 < G:
+                            scores[nb * 8 + lane % 4 * 2 + hv % 2,
+                                   m * 16 + hv // 2 * 8 + lane // 4] = \
+                                st[nb, hv] * T.float32(scale)
             T.cuda.cta_sync()
             # softmax statistics of the chunk, a warp's heads_per_warp heads; P in bf16
             for k in T.unroll(heads_per_warp):
@@ -775,8 +793,9 @@ def make_decode_split_mma_tile(chunk: int = 128,
                         stats[1, g] = red[1]
             T.ptx.cp.async_.wait_group(0)
             T.cuda.cta_sync()
-            # O = P @ V rows; lane holds head lane // 4 (and a padding row), columns
-            # 2 (lane % 4), + 1 of each n8 block of the warp's quarter
+            # O = P @ V rows; lane holds heads lane // 4 and lane // 4 + 8 (rows past the
+            # block are padding), columns 2 (lane % 4), + 1 of each n8 block of the warp's
+            # quarter
             for n in T.unroll(col_blocks):
                 for e in T.unroll(4):
                     acc[n, e] = T.float32(0)
@@ -795,11 +814,13 @@ def make_decode_split_mma_tile(chunk: int = 128,
                         acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3], a_frag[0], a_frag[1],
                         a_frag[2], a_frag[3], b_frag[n, 0], b_frag[n, 1], acc[n, 0],
                         acc[n, 1], acc[n, 2], acc[n, 3])
-            if lane // 4 < G:
-                for n in T.unroll(col_blocks):
-                    for v in T.vectorized(2):
-                        O_part[b, h, s, lane // 4, warp * (D // WARPS) + n * 8 + lane % 4 * 2
-                               + v] = acc[n, v] / stats[1, lane // 4]
+            for hh in T.unroll(2):
+                if hh * 8 + lane // 4 < G:
+                    for n in T.unroll(col_blocks):
+                        for v in T.vectorized(2):
+                            O_part[b, h, s, hh * 8 + lane // 4,
+                                   warp * (D // WARPS) + n * 8 + lane % 4 * 2 + v] = \
+                                acc[n, 2 * hh + v] / stats[1, hh * 8 + lane // 4]
             if tx < G:
                 lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
 
