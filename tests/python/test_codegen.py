@@ -120,6 +120,18 @@ def test_claiming_kernel_claims_after_the_waits_and_peeks_before_fenced_notifies
         < consumer.index("etc_claim(") < consumer.index("D_ptr[")
 
 
+def test_claiming_kernel_ctas_run_their_first_task_without_a_claim():
+    """CTA bx runs task bx first: the claim counter starts past the 132 CTAs' ids, and a CTA
+    claims (one atomic) only from its second task on."""
+    source = build(graphs.gemm_reduce_scatter, DIMS, num_sms=132,
+                   options=KernelOptions(claim=True)).cuda_source()
+    kernel = source[source.index("gemm_reduce_scatter_megakernel_kernel("):]
+    loop = kernel.index("while (1)")
+    assert "claimed_ptr[0] = ((int)blockIdx.x);" in kernel[:loop]
+    assert "claim_ptr[((((int)blockIdx.x) * 128) + ((int)threadIdx.x))] = 132;" in kernel[:loop]
+    assert "etc_claim(" not in kernel[:loop] and "etc_claim(" in kernel[loop:]
+
+
 def test_claimed_expert_tasks_are_peeked_through_their_trigger():
     """The peek at a next expert task reads the trigger's tensor only once the CTA has seen
     the routing complete, and a peek that found the trigger releasing nothing skips the

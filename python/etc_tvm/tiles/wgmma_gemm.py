@@ -514,6 +514,9 @@ class WgmmaTile:
         # moved the shuffle into the arms of the Select, and each lane shuffled under its own
         # branch, diverged.
         odd = T.meta_var(self.lane // 4 % 2)
+        room = T.local_scalar("int32")  # with rows: those at or past this thread's first
+        if rows is not None:
+            room = rows - self.row(0, odd)
         for m in T.unroll(self.mi):
             for n in T.unroll(self.ni):
                 for h in T.unroll(2):
@@ -524,7 +527,7 @@ class WgmmaTile:
                     pair = T.alloc_local((2,), "float32")
                     pair[0] = T.Select(odd == 1, trade[1], mine[0])
                     pair[1] = T.Select(odd == 1, mine[1], trade[1])
-                    if row_stored(rows, self.row(n, odd)):
+                    if row_stored(None if rows is None else room, n * 8):
                         for v in T.vectorized(2):
                             C[row0 + self.row(n, odd), col0 + self.col(m, h) - odd + v] = \
                                 T.Cast(C.dtype, pair[v])

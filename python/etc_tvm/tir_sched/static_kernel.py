@@ -80,17 +80,20 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
     """The persistent kernel of ``num_ctas`` CTAs that claim the tasks of ``graph`` (one
     rank) in id order (``KernelOptions.claim``); ``symbolic`` as ``build_static_kernel``.
 
-    Thread 0 claims its CTA's next task once the current task's waits are done, so that the
-    claim's round trip overlaps the body; before the notifies it peeks at what that next task
-    waits on (``PersistentKernel.peek``, through its trigger maps too), and the fence that
-    makes the notifies releases makes the peek an acquire: a next task whose producers are
-    done starts without a wait, or is skipped at once where its trigger releases nothing. A
-    CTA holds a claimed task only while it runs one whose waits are done, and every task
-    waits only on tasks of lower ids, so the lowest unfinished task is always running or
-    about to: claiming cannot deadlock.
+    CTA b runs task b first, with no claim, as the dynamic kernel's CTAs hold their first
+    ring slots: the first tasks start without an atomic round trip, and without every CTA's
+    atomic queued on one word. Thread 0 claims its CTA's next task, from id ``num_ctas`` on,
+    once the current task's waits are done, so that the claim's round trip overlaps the
+    body; before the notifies it peeks at what that next task waits on
+    (``PersistentKernel.peek``, through its trigger maps too), and the fence that makes the
+    notifies releases makes the peek an acquire: a next task whose producers are done starts
+    without a wait, or is skipped at once where its trigger releases nothing. A CTA holds a
+    claimed task only while it runs one whose waits are done, and every task waits only on
+    tasks of lower ids, so the lowest unfinished task is always running or about to:
+    claiming cannot deadlock.
 
     Parameters: the graph's inputs, ``initial``, then what the call returns (the claim
-    counter is state of the workspace)."""
+    counter, from ``num_ctas`` at each launch, is state of the workspace)."""
     if not graph.ids_are_topological():
         raise EtcError(f"{graph.name}: a task waits on a task of a higher id (an edge within a "
                        "call that points forward in its grid): its CTAs cannot claim the "
@@ -121,8 +124,9 @@ def build_claiming_kernel(graph: TaskGraph, num_ctas: int, layout: EventLayout, 
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *kernel.returned()],
                               shared=(head, claimed, following, looked),
-                              state=[(counter, None, 1)])
-            Tb.add_to_parent(thread0(claim, tirx.BufferStore(head, upcoming, [i32(0)]),
+                              state=[(counter, lambda _: i32(num_ctas), 1)])
+            Tb.add_to_parent(thread0(tirx.BufferStore(claimed, bx, [i32(0)]),
+                                     tirx.BufferStore(head, upcoming, [i32(0)]),
                                      tirx.BufferStore(head, i32(0), [i32(1)])))
             Tb.evaluate(Tb.cuda.cta_sync())
             with Tb.While(head[0] >= i32(0)):
