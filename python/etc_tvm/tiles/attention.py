@@ -362,6 +362,29 @@ class HeadOutputs:
         return self.count % THREADS == 0 or self.vector(r) < self.count
 
 
+@T.inline
+def write_empty_split(O_part, lse, b, h, s, outs, tx):
+    # a chunk with no token: O_part = 0 and lse = -inf, a merge weight of exactly 0
+    for r in T.unroll(outs.rounds):
+        if outs.inside(r):
+            for half in T.unroll(2):
+                for e in T.vectorized(VEC // 2):
+                    O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] = \
+                        T.float32(0)
+    if tx < lse.shape[3]:
+        lse[b, h, s, tx] = T.float32(NEG_INF)
+
+
+@T.inline
+def chunk_max(red, scores, g, count, lane):
+    # red[0] = the largest of head g's first count scores, in every lane of the warp
+    red[0] = T.float32(NEG_INF)
+    for j in T.serial(scores.shape[1] // 32):
+        if j * 32 + lane < count:
+            red[0] = T.max(red[0], scores[g, j * 32 + lane])
+    red[0] = T.cuda.warp_max(red[0])
+
+
 @functools.cache
 def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                            heads: AttentionHeads = QWEN3_30B_A3B,
@@ -456,14 +479,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
         count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - start, chunk)
         if count <= 0:
-            for r in T.unroll(outs.rounds):
-                if outs.inside(r):
-                    for half in T.unroll(2):
-                        for e in T.vectorized(VEC // 2):
-                            O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] \
-                                = T.float32(0)
-            if tx < G:
-                lse[b, h, s, tx] = T.float32(NEG_INF)
+            write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
             for g in T.unroll(G):
                 for e in T.vectorized(VEC):
@@ -492,11 +508,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
             for k in T.unroll(heads_per_warp):
                 g = T.meta_var(warp * heads_per_warp + k)
                 if every_warp_full or g < G:
-                    red[0] = T.float32(NEG_INF)
-                    for j in T.serial(chunk // 32):
-                        if j * 32 + lane < count:
-                            red[0] = T.max(red[0], scores[g, j * 32 + lane])
-                    red[0] = T.cuda.warp_max(red[0])
+                    chunk_max(red, scores, g, count, lane)
                     red[1] = T.float32(0)
                     for j in T.serial(chunk // 32):
                         if j * 32 + lane < count:
@@ -719,14 +731,7 @@ def make_decode_split_mma_tile(chunk: int = 128,
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
         count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
         if count <= 0:
-            for r in T.unroll(outs.rounds):
-                if outs.inside(r):
-                    for half in T.unroll(2):
-                        for e in T.vectorized(VEC // 2):
-                            O_part[b, h, s, outs.head(r), outs.col(r) + half * (VEC // 2) + e] \
-                                = T.float32(0)
-            if tx < G:
-                lse[b, h, s, tx] = T.float32(NEG_INF)
+            write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
             load_rows(Ks, K_cache, b, heads.kv_head(h), start, count, tx)
             load_rows(Vs, V_cache, b, heads.kv_head(h), start, count, tx)
@@ -775,11 +780,7 @@ def make_decode_split_mma_tile(chunk: int = 128,
             for k in T.unroll(heads_per_warp):
                 g = T.meta_var(warp * heads_per_warp + k)
                 if every_warp_full or g < G:
-                    red[0] = T.float32(NEG_INF)
-                    for j in T.serial(chunk // 32):
-                        if j * 32 + lane < count:
-                            red[0] = T.max(red[0], scores[g, j * 32 + lane])
-                    red[0] = T.cuda.warp_max(red[0])
+                    chunk_max(red, scores, g, count, lane)
                     red[1] = T.float32(0)
                     for j in T.serial(chunk // 32):
                         pb = T.bfloat16(0)
