@@ -41,7 +41,7 @@ from moe_layer import QWEN3_30B_A3B
 from timing import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
-from attention_graph import decode_attention_graph  # noqa: E402
+from attention_graph import deal_pages, decode_attention_graph  # noqa: E402
 from decode_graphs import (BN, EPS, gemv_graph, residual_add_only,  # noqa: E402
                            rmsnorm_only, silu_mul_only, split_gemv_graph, tensor_core_gemm)
 from moe_tile_graphs import BT, one_call_dims, one_call_graphs  # noqa: E402
@@ -179,14 +179,7 @@ def paged(arrays, page: int, rng):
     """Decode attention's inputs over a contiguous cache as ``(q, k_new, v_new, K_pages,
     V_pages, block_table, seq_lens)``: each sequence's rows in pages dealt at random."""
     q, k_new, v_new, K_cache, V_cache, seq_lens = arrays
-    B, Hk, L, D = K_cache.shape
-    ids = rng.permutation(B * L // page).astype(np.int32).reshape(B, L // page)
-    pages = np.empty((B * L // page, Hk, page, D), BF16), np.empty((B * L // page, Hk, page, D),
-                                                                   BF16)
-    for cache, pool in zip((K_cache, V_cache), pages):
-        pool[ids.ravel()] = cache.reshape(B, Hk, L // page, page, D).transpose(0, 2, 1, 3, 4) \
-            .reshape(-1, Hk, page, D)
-    return [q, k_new, v_new, *pages, ids, seq_lens]
+    return [q, k_new, v_new, *deal_pages(K_cache, V_cache, page, rng), seq_lens]
 
 
 def contiguous(arrays):

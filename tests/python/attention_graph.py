@@ -121,17 +121,24 @@ def make_paged_inputs(max_len: int, lengths, page: int, seed: str = "",
         raise ValueError(f"max_len {max_len} must be whole pages of {page}")
     contiguous = make_inputs(max_len, lengths, seed, heads)
     q, k_new, v_new, K_cache, V_cache, seq_lens = contiguous
-    B, NP = len(lengths), max_len // page
+    NP = max_len // page
     rng = np.random.default_rng(zlib.crc32(f"pages/{max_len}/{page}/{seed}".encode()))
-    ids = rng.permutation(B * NP + 2)
-    shape = (B * NP + 2, heads.kv_heads, page, heads.head_dim)
-    K_pages, V_pages = np.full(shape, np.nan, BF16), np.full(shape, np.nan, BF16)
-    block_table = np.full((B, NP), -1, np.int32)
+    K_pages, V_pages, block_table = deal_pages(K_cache, V_cache, page, rng, spare=2)
     for b, n in enumerate(lengths):
-        for i in range(NP):
-            pid = ids[b * NP + i]
-            K_pages[pid] = K_cache[b, :, i * page:(i + 1) * page]
-            V_pages[pid] = V_cache[b, :, i * page:(i + 1) * page]
-            if i * page <= min(n, max_len - 1):
-                block_table[b, i] = pid
+        block_table[b, np.arange(NP) * page > min(n, max_len - 1)] = -1
     return (q, k_new, v_new, K_pages, V_pages, block_table, seq_lens), contiguous
+
+
+def deal_pages(K_cache, V_cache, page: int, rng, spare: int = 0):
+    """``(K_pages, V_pages, block_table)``: the contiguous caches' rows in pages dealt at
+    random from a pool of ``spare`` more pages than they fill (those NaN)."""
+    B, Hk, L, D = K_cache.shape
+    NP = L // page
+    ids = rng.permutation(B * NP + spare)[:B * NP].astype(np.int32).reshape(B, NP)
+    pools = []
+    for cache in (K_cache, V_cache):
+        pool = np.full((B * NP + spare, Hk, page, D), np.nan, BF16)
+        pool[ids.ravel()] = cache.reshape(B, Hk, NP, page, D).transpose(0, 2, 1, 3, 4) \
+            .reshape(-1, Hk, page, D)
+        pools.append(pool)
+    return (*pools, ids)

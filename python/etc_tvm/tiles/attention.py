@@ -385,6 +385,30 @@ def chunk_max(red, scores, g, count, lane):
     red[0] = T.cuda.warp_max(red[0])
 
 
+def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk: int,
+                    heads: AttentionHeads, engine: str = "fma"):
+    """A split task in NumPy: ``kv_rows(rows)`` gives the K and V rows of the task's KV head;
+    "fma" scales q before its dots, "mma" scales the dots and rounds P to bf16, as the tiles
+    do."""
+    length = min(max(int(pos[b]) + 1, 0), capacity)
+    rows = slice(s * chunk, min((s + 1) * chunk, length))
+    if rows.start >= length:
+        O_part[b, h, s] = 0
+        lse[b, h, s] = NEG_INF
+        return
+    K, V = (r.astype(np.float32) for r in kv_rows(rows))
+    qs = q[b, h * heads.block:(h + 1) * heads.block].astype(np.float32)
+    scale = np.float32(heads.scale_log2)
+    x = (qs @ K.T) * scale if engine == "mma" else (qs * scale) @ K.T  # (Gb, tokens)
+    m = x.max(axis=1, keepdims=True)
+    p = np.exp2(x - m)
+    if engine == "mma":
+        p = p.astype(BF16).astype(np.float32)
+    total = p.sum(axis=1, dtype=np.float32)
+    O_part[b, h, s] = (p @ V) / total[:, None]
+    lse[b, h, s] = m[:, 0] + np.log2(total)
+
+
 @functools.cache
 def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                            heads: AttentionHeads = QWEN3_30B_A3B,
@@ -614,43 +638,24 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                        cost=chunk * D / (64 * 128), checks=checks,
                        requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
 
-    def reference(b, h, s, q, K_rows, V_rows, pos, O_part, lse, capacity):
-        # K_rows(rows), V_rows: the rows of sequence b's KV head of block h, as float32
-        length = min(max(int(pos[b]) + 1, 0), capacity)
-        rows = slice(s * chunk, min((s + 1) * chunk, length))
-        if rows.start >= length:
-            O_part[b, h, s] = 0
-            lse[b, h, s] = NEG_INF
-            return
-        qs = q[b, h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)
-        x = qs @ K_rows(rows).T  # (Gb, tokens)
-        m = x.max(axis=1, keepdims=True)
-        p = np.exp2(x - m)
-        total = p.sum(axis=1, dtype=np.float32)
-        O_part[b, h, s] = (p @ V_rows(rows)) / total[:, None]
-        lse[b, h, s] = m[:, 0] + np.log2(total)
-
     if page is None:
         @tile.set_reference
         def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
             kvh = heads.kv_head(h)
-            reference(b, h, s, q, lambda rows: K_cache[b, kvh, rows].astype(np.float32),
-                      lambda rows: V_cache[b, kvh, rows].astype(np.float32), pos, O_part, lse,
-                      K_cache.shape[2])
+            split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
+                            pos, O_part, lse, K_cache.shape[2], chunk, heads)
     else:
         @tile.set_reference
         def _(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
             kvh = heads.kv_head(h)
 
-            def gathered(pages):
-                def rows_of(rows):
-                    ids = checked_pages(block_table, b, rows, page, len(pages), name)
-                    return pages[ids, kvh, np.arange(rows.start, rows.stop) % page] \
-                        .astype(np.float32)
-                return rows_of
+            def kv_rows(rows):
+                ids = checked_pages(block_table, b, rows, page, len(K_pages), name)
+                slots = np.arange(rows.start, rows.stop) % page
+                return K_pages[ids, kvh, slots], V_pages[ids, kvh, slots]
 
-            reference(b, h, s, q, gathered(K_pages), gathered(V_pages), pos, O_part, lse,
-                      block_table.shape[1] * page)
+            split_reference(b, h, s, q, kv_rows, pos, O_part, lse, block_table.shape[1] * page,
+                            chunk, heads)
 
     return tile
 
@@ -832,20 +837,9 @@ def make_decode_split_mma_tile(chunk: int = 128,
 
     @tile.set_reference
     def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
-        length = min(max(int(pos[b]) + 1, 0), K_cache.shape[2])
-        rows = slice(s * chunk, min((s + 1) * chunk, length))
-        if rows.start >= length:
-            O_part[b, h, s] = 0
-            lse[b, h, s] = NEG_INF
-            return
         kvh = heads.kv_head(h)
-        x = (q[b, h * G:(h + 1) * G].astype(np.float32)
-             @ K_cache[b, kvh, rows].astype(np.float32).T) * np.float32(scale)
-        m = x.max(axis=1, keepdims=True)
-        p = np.exp2(x - m).astype(BF16).astype(np.float32)
-        total = p.sum(axis=1, dtype=np.float32)
-        O_part[b, h, s] = (p @ V_cache[b, kvh, rows].astype(np.float32)) / total[:, None]
-        lse[b, h, s] = m[:, 0] + np.log2(total)
+        split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
+                        pos, O_part, lse, K_cache.shape[2], chunk, heads, engine="mma")
 
     return tile
 
