@@ -192,11 +192,23 @@ def contiguous(arrays):
     return [q, k_new, v_new, *caches, seq_lens]
 
 
-def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=((256, 4),),
+def split_options(spec: str) -> dict:
+    """``decode_attention_graph``'s split options from ``CHUNKxUNROLL`` (the CUDA-core tile),
+    ``CHUNKxmma`` (the tensor-core tile, the chunk at once) or ``CHUNKxmmaSUBxSTAGES`` (the
+    tensor-core tile streaming slices of SUB tokens, STAGES in flight)."""
+    chunk, engine, *slices = spec.split("x")
+    if engine.startswith("mma"):
+        sub = int(engine[3:]) if engine[3:] else None
+        return {"chunk": int(chunk), "engine": "mma", "sub": sub,
+                "stages": int(slices[0]) if slices else 2}
+    return {"chunk": int(chunk), "unroll": int(engine)}
+
+
+def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=("256x4",),
                  page=None):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
     attention (batches x contexts: the K and V rows it reads; ``heads``; split tasks of each
-    ``(chunk, unroll)`` of ``splits``, unroll "mma" for the tensor-core tile; with ``page``,
+    spec of ``splits`` (``split_options``); with ``page``,
     our side over a paged cache, PyTorch's over the contiguous cache that holds the same
     rows), the q/k RMSNorm + RoPE and the MoE router (``rows`` tokens) at Qwen3-30B-A3B
     sizes."""
@@ -211,14 +223,12 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
                 return arrays if page is None else paged(arrays, page, rng)
             dims = {"B": B, "L": L} if page is None else {"B": B, "NP": L // page,
                                                           "P": B * L // page}
-            for chunk, unroll in splits:
+            for spec in splits:
                 label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
                                           else f" {heads.suffix}") \
                     + ("" if page is None else f" p{page}") \
-                    + ("" if len(splits) == 1 else f" c{chunk} " + (
-                        "mma" if unroll == "mma" else f"u{unroll}"))
-                graph = decode_attention_graph(chunk, heads, page=page, engine="mma") \
-                    if unroll == "mma" else decode_attention_graph(chunk, heads, unroll, page)
+                    + ("" if len(splits) == 1 else f" {spec}")
+                graph = decode_attention_graph(heads=heads, page=page, **split_options(spec))
                 yield Case("attention", label, graph, dims, inputs, torch_decode_attention,
                            2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s",
                            torch_inputs=None if page is None else contiguous)
@@ -431,10 +441,13 @@ def main() -> None:
     parser.add_argument("--attention-heads", type=int, nargs=3, default=[32, 4, 128],
                         metavar=("HQ", "HK", "D"),
                         help="query heads, KV heads and head dim of the decode attention rows")
-    parser.add_argument("--attention-splits", nargs="+", default=["256x4"],
-                        metavar="CHUNKxUNROLL",
-                        help="the split tasks' tokens and rows loaded ahead a thread, or "
-                        "CHUNKxmma for the tensor-core split tile; one attention row each")
+    parser.add_argument("--attention-splits", nargs="+",
+                        default=["256x4", "256xmma64x2", "1024xmma64x2"],
+                        metavar="SPLIT",
+                        help="the split tasks' tokens and rows loaded ahead a thread "
+                        "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
+                        "and its slices and stages (CHUNKxmmaSUBxSTAGES); one attention row "
+                        "each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")
@@ -461,8 +474,7 @@ def main() -> None:
     for case in (*cases(args.rows, args.hidden, args.vocab),
                  *decode_cases(args.rows, args.batches, args.contexts,
                                attention.AttentionHeads(*args.attention_heads),
-                               [(int(c), u if u == "mma" else int(u)) for c, u in
-                                (s.split("x") for s in args.attention_splits)],
+                               args.attention_splits,
                                args.attention_page),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):

@@ -348,14 +348,14 @@ def test_paged_megakernel_compiles_with_16_byte_loads_and_its_page_check(tmp_pat
     code = sass(build_cubin(compiled.cuda_source(), tmp_path)[0])
     assert len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", code)) >= 2 * 4 + 2
 # ------------------------------------------------------------------ the split on tensor cores
-@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("chunk, sub", [(64, None), (128, None), (256, 64)])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_mma_graph_on_the_executor_is_within_its_bound(mix, chunk):
-    """The tensor-core split's reference rounds P to bf16 as the tile does; the fma bound
-    does not cover that, the mma bound does."""
+def test_mma_graph_on_the_executor_is_within_its_bound(mix, chunk, sub):
+    """The tensor-core split's reference rounds P to bf16 as the tile does (against each
+    slice's running maximum); the fma bound does not cover that, the mma bound does."""
     max_len, lengths = MIXES[mix]
     inputs = make_inputs(max_len, lengths)
-    out = execute(decode_attention_graph(chunk, engine="mma"), *inputs,
+    out = execute(decode_attention_graph(chunk, engine="mma", sub=sub), *inputs,
                   order=RandomOrder(2))
     want, bound = attention.error_bound(*inputs, chunk=chunk, engine="mma")
     assert_within(out, want, bound)
@@ -388,6 +388,41 @@ def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
         attention.make_decode_split_mma_tile(96)
     with pytest.raises(EtcError, match="multiples of 64"):
         attention.make_decode_split_mma_tile(128, AttentionHeads(32, 4, 32))
+    with pytest.raises(EtcError, match=r"slices of sub \(128\) tokens must divide the chunk "
+                       r"\(192\)"):
+        attention.make_decode_split_mma_tile(192, sub=128)
+    with pytest.raises(EtcError, match=r"stages \(0\) at least 1"):
+        attention.make_decode_split_mma_tile(256, sub=64, stages=0)
+
+
+def test_mma_split_in_slices_names_its_slices_and_keeps_no_more_stages_than_slices():
+    name = f"decode_split_mma_{QWEN3_30B_A3B.suffix}_c"
+    assert attention.make_decode_split_mma_tile(1024, sub=64).name == name + "1024_s64x2"
+    assert attention.make_decode_split_mma_tile(128, sub=64, stages=4).name == name + "128_s64x2"
+    assert attention.make_decode_split_mma_tile(128, sub=128).name \
+        == attention.make_decode_split_mma_tile(128).name == name + "128"
+
+
+def test_sliced_split_reference_is_the_chunk_at_once_where_one_slice_holds_it():
+    """Slices rescale by exp2(m - m'), exactly 0 on the first: a chunk of one slice gives the
+    reference of the whole chunk bit for bit; two slices round P against another maximum."""
+    max_len, lengths = MIXES["ragged"]
+    q, k_new, v_new, K, V, seq_lens = make_inputs(max_len, lengths)
+    K, V = attention.cache_with_step(k_new, v_new, K, V, seq_lens)
+    heads, B = attention.QWEN3_30B_A3B, len(seq_lens)
+    outs = {}
+    for sub in (None, 128, 64):
+        O_part = np.zeros((B, heads.blocks, 1, heads.block, heads.head_dim), np.float32)
+        lse = np.zeros((B, heads.blocks, 1, heads.block), np.float32)
+        for b in range(B):
+            attention.split_reference(b, 1, 0, q,
+                                      lambda rows, b=b: (K[b, 0, rows], V[b, 0, rows]),
+                                      seq_lens, O_part, lse, K.shape[2], 128, heads, "mma", sub)
+        outs[sub] = O_part, lse
+    for a, b in zip(outs[None], outs[128]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(outs[None][0], outs[64][0])
+    np.testing.assert_allclose(outs[64][0], outs[None][0], rtol=2 ** -6, atol=2 ** -6)
 
 
 @pytest.mark.parametrize("heads", [QWEN3_30B_A3B, OTHER_HEADS["gpt-oss-120b"],
@@ -420,6 +455,23 @@ def test_mma_split_compiles_to_hmma_with_every_row_copied_at_once(heads, tmp_pat
     assert count(code, "SHFL.BFLY") == 10 * -(-heads.block // 4) and "LDG.E.128" not in code
     build_cubin(build(decode_attention_graph(chunk, heads, engine="mma"), {"B": 4, "L": 1000},
                       strategy="static", num_sms=132).cuda_source(), tmp_path)
+
+
+@pytest.mark.parametrize("chunk, stages", [(128, 2), (1024, 2), (1024, 3)])
+def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, stages,
+                                                                         tmp_path):
+    """A sliced task's loop computes one 64-token slice (a quarter of its m16 blocks a warp),
+    loads ``stages`` slices on entry and, where the chunk holds more, one slice an iteration;
+    no register spilled."""
+    sub, D = 64, 128
+    graph = decode_attention_graph(chunk, engine="mma", sub=sub, stages=stages)
+    cubin, _ = build_cubin(build(graph, {"B": 4, "L": 1000}, strategy="unfused",
+                                 num_sms=132).cuda_source(), tmp_path)
+    code = sass(cubin)
+    assert count(code, "HMMA.16816.F32.BF16") == (sub // 16) * (D // 16 + D // 8) // 4
+    in_loop = chunk > stages * sub
+    copies = 2 * sub * D // 8 // 128  # a slice's K and V rows, 16-byte copies a thread
+    assert count(code, "LDGSTS.E.BYPASS.128") == (min(stages, chunk // sub) + in_loop) * copies
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

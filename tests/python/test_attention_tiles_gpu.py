@@ -145,30 +145,36 @@ def test_paged_cache(B, max_len, page, strategy):
                        rf"{len(K_pages) + 5}, outside the pages of the cache"):
         run(q, k_new, v_new, K_pages, V_pages, bad, seq_lens)
     assert_within(run(*paged), want, bound)
+MMA_SPLITS = [(128, None, 1), (128, 64, 2), (512, 64, 2)]  # (chunk, sub, stages)
+
+
+@pytest.mark.parametrize("chunk, sub, stages", MMA_SPLITS,
+                         ids=lambda v: "-" if v is None else str(v))
 @pytest.mark.parametrize("B, max_len", CASES)
-def test_mma_split_megakernel(B, max_len):
-    """The split on tensor cores (128-token chunks) in the static megakernel, within its
-    bound (P in bf16), and 100 launches identical."""
-    compiled = build(decode_attention_graph(128, engine="mma"), {"B": B, "L": max_len},
-                     strategy="static")
+def test_mma_split_megakernel(B, max_len, chunk, sub, stages):
+    """The split on tensor cores in the static megakernel (the chunk at once, or streamed in
+    slices of 64 tokens), within its bound (P in bf16), and 100 launches identical."""
+    compiled = build(decode_attention_graph(chunk, engine="mma", sub=sub, stages=stages),
+                     {"B": B, "L": max_len}, strategy="static")
     inputs = make_inputs(max_len, lengths(B, max_len), seed="mma")
     first = compiled(*inputs)
-    want, bound = float64_reference(inputs, 128, "mma")
+    want, bound = float64_reference(inputs, chunk, "mma")
     assert_within(first, want, bound)
     for _ in range(99 if B == 32 else 4):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
 
+@pytest.mark.parametrize("chunk, sub", [(64, None), (256, 64)])
 @pytest.mark.parametrize("model", ["gpt-oss-120b", "gemma2-9b", "qwen3-235b-a22b",
                                    "qwen3-235b-a22b, 16 heads a task"])
-def test_mma_split_other_heads(model):
+def test_mma_split_other_heads(model, chunk, sub):
     heads = AttentionHeads(64, 4, 128, max_block=16) if model.endswith("a task") \
         else OTHER_HEADS[model]
     B, max_len = 8, 1000
-    compiled = build(decode_attention_graph(64, heads, engine="mma"), {"B": B, "L": max_len},
-                     strategy="unfused")
+    compiled = build(decode_attention_graph(chunk, heads, engine="mma", sub=sub),
+                     {"B": B, "L": max_len}, strategy="unfused")
     inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
-    want, bound = float64_reference(inputs, 64, "mma")
+    want, bound = float64_reference(inputs, chunk, "mma")
     assert_within(compiled(*inputs), want, bound)
 
 

@@ -87,7 +87,8 @@ With ``x_t`` the exact base-2 score of token t and ``A = sum_t p_t |v_t| / sum_t
 On tensor cores (``engine="mma"``) the fp32 sums may truncate: a score's error is ``(D 2**-22 +
 2**-23) log2(e)/sqrt(D) sum_i |q_i k_ti|``, the P @ V sums add ``4 chunk 2**-24 A``, and P's
 bf16 rounding moves each weight by ``2**-8`` relative (l sums the rounded weights, so the
-output is an exact mean under them).
+output is an exact mean under them). Slices of a chunk rescale O and l by one ex2 each, the
+same factor for both: up to ``chunk / 64`` of them move the split's lse by ``2**-21`` each.
 
 Each term is rounded up; ``error_bound`` sums them per output element.
 """
@@ -386,10 +387,10 @@ def chunk_max(red, scores, g, count, lane):
 
 
 def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk: int,
-                    heads: AttentionHeads, engine: str = "fma"):
+                    heads: AttentionHeads, engine: str = "fma", sub: int | None = None):
     """A split task in NumPy: ``kv_rows(rows)`` gives the K and V rows of the task's KV head;
-    "fma" scales q before its dots, "mma" scales the dots and rounds P to bf16, as the tiles
-    do."""
+    "fma" scales q before its dots, "mma" scales the dots and rounds P to bf16 against the
+    running maximum of each slice of ``sub`` tokens, as the tiles do."""
     length = min(max(int(pos[b]) + 1, 0), capacity)
     rows = slice(s * chunk, min((s + 1) * chunk, length))
     if rows.start >= length:
@@ -400,13 +401,21 @@ def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk:
     qs = q[b, h * heads.block:(h + 1) * heads.block].astype(np.float32)
     scale = np.float32(heads.scale_log2)
     x = (qs @ K.T) * scale if engine == "mma" else (qs * scale) @ K.T  # (Gb, tokens)
-    m = x.max(axis=1, keepdims=True)
-    p = np.exp2(x - m)
-    if engine == "mma":
-        p = p.astype(BF16).astype(np.float32)
-    total = p.sum(axis=1, dtype=np.float32)
-    O_part[b, h, s] = (p @ V) / total[:, None]
-    lse[b, h, s] = m[:, 0] + np.log2(total)
+    m = np.full(len(qs), NEG_INF, np.float32)
+    total = np.zeros(len(qs), np.float32)
+    acc = np.zeros((len(qs), V.shape[1]), np.float32)
+    sub = chunk if sub is None else sub
+    for t in range(0, x.shape[1], sub):
+        m_new = np.maximum(m, x[:, t:t + sub].max(axis=1))
+        rescale = np.exp2(m - m_new)
+        p = np.exp2(x[:, t:t + sub] - m_new[:, None])
+        if engine == "mma":
+            p = p.astype(BF16).astype(np.float32)
+        total = total * rescale + p.sum(axis=1, dtype=np.float32)
+        acc = acc * rescale[:, None] + p @ V[t:t + sub]
+        m = m_new
+    O_part[b, h, s] = acc / total[:, None]
+    lse[b, h, s] = m + np.log2(total)
 
 
 @functools.cache
@@ -661,48 +670,57 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
 
 
 @functools.cache
-def make_decode_split_mma_tile(chunk: int = 128,
-                               heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
-    """The tile ``decode_split_mma_<heads>_c<chunk>``: the split tile's task (b, h, s) on
-    tensor cores (``mma.sync.m16n8k16``; the same outputs as ``make_decode_split_tile``).
+def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_30B_A3B,
+                               sub: int | None = None, stages: int = 2) -> DeviceFunc:
+    """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>]``: the split tile's task
+    (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same outputs as
+    ``make_decode_split_tile``).
 
-    The chunk's K and V rows go to shared memory by cp.async at the task's start, all in
-    flight at once (rows past the tokens land as zeros); the block's heads, padded to 16
-    with zeros, are the m16 rows, so a task may take up to 16 (``AttentionHeads(max_block=16)``:
-    a group of 16 then reads its K and V rows once)::
+    The chunk streams through shared memory in slices of ``sub`` tokens (the whole chunk
+    where ``sub`` is None), ``stages`` slices in flight by cp.async (rows past the tokens land
+    as zeros), so that a task keeps loading while it computes; the block's heads, padded to
+    16 with zeros, are the m16 rows, so a task may take up to 16 (``AttentionHeads(max_block=
+    16)``: a group of 16 then reads its K and V rows once). Each slice::
 
-        S^T (chunk x 16) = K rows @ q^T      each warp a quarter of the m16 blocks of tokens
-        scores[head, token] = S^T * log2(e) / sqrt(D), the softmax of ``make_decode_split_tile``
-        P (16 x chunk) = bf16(exp2(score - m)), l = the fp32 sum of P's bf16 values
-        O (16 x D) = P @ V rows             each warp a quarter of the columns
+        S^T (sub x 16) = K rows @ q^T        each warp a quarter of the m16 blocks of tokens
+        scores = S^T * log2(e) / sqrt(D); per head m' = max(m, the slice's max), a = exp2(m - m')
+        P (16 x sub) = bf16(exp2(score - m')), l = a l + the fp32 sum of P's bf16 values
+        O (16 x D) = a O + P @ V rows        each warp a quarter of the columns
 
     Against the CUDA-core tile: no shuffle a row, and no K and V rows in registers. P is
     rounded to bf16 for the MMA, and l sums the rounded values, so the output is an exact
-    mean of V under weights off by at most 2**-8 (``error_bound(engine="mma")``).
+    mean of V under weights off by at most 2**-8 (``error_bound(engine="mma")``); O and l are
+    rescaled by the same ``a``, so its ex2 error moves the lse only.
     """
     G, D = heads.block, heads.head_dim
-    if chunk < 1 or chunk % (16 * WARPS) or D % (16 * WARPS):
-        raise EtcError(f"decode split tile on tensor cores: chunk ({chunk}) and head_dim "
-                       f"({D}) must be multiples of {16 * WARPS} (m16 blocks of tokens and "
-                       f"16-column blocks of V for each of the {WARPS} warps)")
+    sub = chunk if sub is None else sub
+    if chunk < 1 or sub % (16 * WARPS) or chunk % sub or D % (16 * WARPS) or stages < 1:
+        raise EtcError(f"decode split tile on tensor cores: slices of sub ({sub}) tokens must "
+                       f"divide the chunk ({chunk}), and sub and head_dim ({D}) must be "
+                       f"multiples of {16 * WARPS} (m16 blocks of tokens and 16-column blocks "
+                       f"of V for each of the {WARPS} warps); stages ({stages}) at least 1")
+    stages = min(stages, chunk // sub)
     row_chunks = D // VEC  # 16-byte copies a K or V row
-    token_blocks = chunk // 16 // WARPS  # m16 blocks of tokens a warp scores
+    token_blocks = sub // 16 // WARPS  # m16 blocks of tokens a warp scores
     col_blocks = D // WARPS // 8  # n8 blocks of O's columns a warp computes
     head_blocks = (G + 7) // 8  # n8 blocks of heads in S^T
     heads_per_warp = (G + WARPS - 1) // WARPS
     every_warp_full = G % WARPS == 0
+    streams = chunk > stages * sub  # slices loaded inside the loop, not all up front
     scale = heads.scale_log2
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
-    def load_rows(rows_smem, Cache, b, kvh, start, count, tx):
-        # the chunk's rows, 16 bytes a copy; a row past count reads nothing and lands as zeros
-        for i in T.unroll(chunk * row_chunks // THREADS):
-            r = T.meta_var((i * THREADS + tx) // row_chunks)
-            k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
-            copy_a_chunk(rows_smem.ptr_to([r, k]),
-                         Cache.ptr_to([b, kvh, T.min(start + r, L - 1), k]),
-                         lambda row: row < count, r)
+    def load_slice(rows_smem, Cache, b, kvh, start, count, j, tx):
+        # slice j's rows into stage j % stages, 16 bytes a copy; a row past count reads
+        # nothing and lands as zeros; always one commit group, empty past the last slice
+        if j * sub < count:
+            for i in T.unroll(sub * row_chunks // THREADS):
+                r = T.meta_var((i * THREADS + tx) // row_chunks)
+                k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
+                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]),
+                             Cache.ptr_to([b, kvh, T.min(start + j * sub + r, L - 1), k]),
+                             lambda row: j * sub + row < count, r)
         T.ptx.cp.async_.commit_group()
 
     @T.prim_func
@@ -717,12 +735,12 @@ def make_decode_split_mma_tile(chunk: int = 128,
         tx = T.thread_id([THREADS])
         warp = T.warp_id([WARPS])
         lane = T.lane_id([32])
-        Ks = T.alloc_shared((chunk, D + PAD), "bfloat16")
-        Vs = T.alloc_shared((chunk, D + PAD), "bfloat16")
+        Ks = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
+        Vs = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Qt = T.alloc_shared((D, 16 + PAD), "bfloat16")  # q^T, heads past the block zero
-        Ps = T.alloc_shared((16, chunk + PAD), "bfloat16")  # P, rows past the block zero
-        scores = T.alloc_shared((G, chunk), "float32")
-        stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
+        Ps = T.alloc_shared((16, sub + PAD), "bfloat16")  # P, rows past the block zero
+        scores = T.alloc_shared((G, sub), "float32")
+        stats = T.alloc_shared((3, G), "float32")  # per head: max, sum, the slice's rescale
         q_frag = T.alloc_local((D // 16, 4), "uint32")
         a_frag = T.alloc_local((4,), "uint32")
         b_frag = T.alloc_local((col_blocks, 2), "uint32")
@@ -733,93 +751,114 @@ def make_decode_split_mma_tile(chunk: int = 128,
         count = T.local_scalar("int32")
         outs = HeadOutputs(heads, tx)
         start = T.meta_var(s * chunk)
+        kvh = T.meta_var(heads.kv_head(h))
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
         count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
-            load_rows(Ks, K_cache, b, heads.kv_head(h), start, count, tx)
-            load_rows(Vs, V_cache, b, heads.kv_head(h), start, count, tx)
+            for j in T.unroll(stages):  # K then V of each slice: S^T waits for K alone
+                load_slice(Ks, K_cache, b, kvh, start, count, j, tx)
+                load_slice(Vs, V_cache, b, kvh, start, count, j, tx)
             for i in T.serial((16 * D + THREADS - 1) // THREADS):
                 if i * THREADS + tx < 16 * D:
                     g = T.meta_var((i * THREADS + tx) // D)
                     d = T.meta_var((i * THREADS + tx) % D)
                     Qt[d, g] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d],
                                               T.bfloat16(0))
-            for i in T.serial(((16 - G) * chunk + THREADS - 1) // THREADS):
-                if i * THREADS + tx < (16 - G) * chunk:
-                    Ps[G + (i * THREADS + tx) // chunk, (i * THREADS + tx) % chunk] = \
+            for i in T.serial(((16 - G) * sub + THREADS - 1) // THREADS):
+                if i * THREADS + tx < (16 - G) * sub:
+                    Ps[G + (i * THREADS + tx) // sub, (i * THREADS + tx) % sub] = \
                         T.bfloat16(0)
+            if tx < G:
+                stats[0, tx] = T.float32(NEG_INF)
+                stats[1, tx] = T.float32(0)
+            for n in T.unroll(col_blocks):
+                for e in T.unroll(4):
+                    acc[n, e] = T.float32(0)
             T.cuda.cta_sync()
             # q^T as the B operand of every k16 step: heads 0 - 7 (registers 0, 1), 8 - 15
             for kk in T.unroll(D // 16):
                 T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
                     q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
                     Qt.ptr_to([kk * 16 + lane % 16, lane // 16 * 8]))
-            T.ptx.cp.async_.wait_group(1)
-            T.cuda.cta_sync()
-            # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8) and heads (2 (lane % 4),
-            # + 1) of each n8 block of heads
-            for mb in T.unroll(token_blocks):
-                m = T.meta_var(warp * token_blocks + mb)
-                for nb in T.unroll(head_blocks):
-                    for e in T.unroll(4):
-                        st[nb, e] = T.float32(0)
-                for kk in T.unroll(D // 16):
+            for j in T.serial((count + sub - 1) // sub):
+                T.ptx.cp.async_.wait_group(2 * stages - 1)  # slice j's K
+                T.cuda.cta_sync()
+                # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8) and heads
+                # (2 (lane % 4), + 1) of each n8 block of heads
+                for mb in T.unroll(token_blocks):
+                    m = T.meta_var(warp * token_blocks + mb)
+                    for nb in T.unroll(head_blocks):
+                        for e in T.unroll(4):
+                            st[nb, e] = T.float32(0)
+                    for kk in T.unroll(D // 16):
+                        T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
+                            a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                            Ks.ptr_to([j % stages, m * 16 + lane % 16,
+                                       kk * 16 + lane // 16 * 8]))
+                        for nb in T.unroll(head_blocks):
+                            T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                                st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3], a_frag[0],
+                                a_frag[1], a_frag[2], a_frag[3], q_frag[kk, 2 * nb],
+                                q_frag[kk, 2 * nb + 1], st[nb, 0], st[nb, 1], st[nb, 2],
+                                st[nb, 3])
+                    for nb in T.unroll(head_blocks):
+                        for hv in T.unroll(4):
+                            if nb * 8 + lane % 4 * 2 + hv % 2 < G:
+                                scores[nb * 8 + lane % 4 * 2 + hv % 2,
+                                       m * 16 + hv // 2 * 8 + lane // 4] = \
+                                    st[nb, hv] * T.float32(scale)
+                T.cuda.cta_sync()
+                # the slice's softmax, a warp's heads_per_warp heads, against the running max
+                for k in T.unroll(heads_per_warp):
+                    g = T.meta_var(warp * heads_per_warp + k)
+                    if every_warp_full or g < G:
+                        chunk_max(red, scores, g, count - j * sub, lane)
+                        red[0] = T.max(red[0], stats[0, g])
+                        red[1] = T.float32(0)
+                        for t in T.serial(sub // 32):
+                            pb = T.bfloat16(0)
+                            if j * sub + t * 32 + lane < count:
+                                pb = T.Cast("bfloat16",
+                                            T.exp2(scores[g, t * 32 + lane] - red[0]))
+                            Ps[g, t * 32 + lane] = pb
+                            red[1] = red[1] + T.Cast("float32", pb)
+                        red[1] = T.cuda.warp_sum(red[1])
+                        if lane == 0:
+                            stats[2, g] = T.exp2(stats[0, g] - red[0])
+                            stats[1, g] = stats[1, g] * stats[2, g] + red[1]
+                            stats[0, g] = red[0]
+                T.ptx.cp.async_.wait_group(2 * stages - 2)  # slice j's V
+                T.cuda.cta_sync()
+                # O = a O + P @ V rows; lane holds heads lane // 4 and lane // 4 + 8 (rows
+                # past the block are padding), columns 2 (lane % 4), + 1 of each n8 block of
+                # the warp's quarter
+                for hh in T.unroll(2):
+                    if hh * 8 + lane // 4 < G:
+                        for n in T.unroll(col_blocks):
+                            for v in T.unroll(2):
+                                acc[n, 2 * hh + v] = acc[n, 2 * hh + v] * \
+                                    stats[2, hh * 8 + lane // 4]
+                for kk in T.unroll(sub // 16):
                     T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
                         a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                        Ks.ptr_to([m * 16 + lane % 16, kk * 16 + lane // 16 * 8]))
-                    for nb in T.unroll(head_blocks):
+                        Ps.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
+                    for n2 in T.unroll(col_blocks // 2):
+                        T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
+                            b_frag[2 * n2, 0], b_frag[2 * n2, 1], b_frag[2 * n2 + 1, 0],
+                            b_frag[2 * n2 + 1, 1],
+                            Vs.ptr_to([j % stages, kk * 16 + lane % 16,
+                                       warp * (D // WARPS) + n2 * 16 + lane // 16 * 8]))
+                    for n in T.unroll(col_blocks):
                         T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                            st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3], a_frag[0], a_frag[1],
-                            a_frag[2], a_frag[3], q_frag[kk, 2 * nb], q_frag[kk, 2 * nb + 1],
-                            st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3])
-                for nb in T.unroll(head_blocks):
-                    for hv in T.unroll(4):
-                        if nb * 8 + lane % 4 * 2 + hv % 2 < G:
-                            scores[nb * 8 + lane % 4 * 2 + hv % 2,
-                                   m * 16 + hv // 2 * 8 + lane // 4] = \
-                                st[nb, hv] * T.float32(scale)
-            T.cuda.cta_sync()
-            # softmax statistics of the chunk, a warp's heads_per_warp heads; P in bf16
-            for k in T.unroll(heads_per_warp):
-                g = T.meta_var(warp * heads_per_warp + k)
-                if every_warp_full or g < G:
-                    chunk_max(red, scores, g, count, lane)
-                    red[1] = T.float32(0)
-                    for j in T.serial(chunk // 32):
-                        pb = T.bfloat16(0)
-                        if j * 32 + lane < count:
-                            pb = T.Cast("bfloat16", T.exp2(scores[g, j * 32 + lane] - red[0]))
-                        Ps[g, j * 32 + lane] = pb
-                        red[1] = red[1] + T.Cast("float32", pb)
-                    red[1] = T.cuda.warp_sum(red[1])
-                    if lane == 0:
-                        stats[0, g] = red[0]
-                        stats[1, g] = red[1]
-            T.ptx.cp.async_.wait_group(0)
-            T.cuda.cta_sync()
-            # O = P @ V rows; lane holds heads lane // 4 and lane // 4 + 8 (rows past the
-            # block are padding), columns 2 (lane % 4), + 1 of each n8 block of the warp's
-            # quarter
-            for n in T.unroll(col_blocks):
-                for e in T.unroll(4):
-                    acc[n, e] = T.float32(0)
-            for kk in T.unroll(chunk // 16):
-                T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
-                    a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                    Ps.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
-                for n2 in T.unroll(col_blocks // 2):
-                    T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
-                        b_frag[2 * n2, 0], b_frag[2 * n2, 1], b_frag[2 * n2 + 1, 0],
-                        b_frag[2 * n2 + 1, 1],
-                        Vs.ptr_to([kk * 16 + lane % 16,
-                                   warp * (D // WARPS) + n2 * 16 + lane // 16 * 8]))
-                for n in T.unroll(col_blocks):
-                    T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                        acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3], a_frag[0], a_frag[1],
-                        a_frag[2], a_frag[3], b_frag[n, 0], b_frag[n, 1], acc[n, 0],
-                        acc[n, 1], acc[n, 2], acc[n, 3])
+                            acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3], a_frag[0], a_frag[1],
+                            a_frag[2], a_frag[3], b_frag[n, 0], b_frag[n, 1], acc[n, 0],
+                            acc[n, 1], acc[n, 2], acc[n, 3])
+                if streams:  # slice j + stages into the stage slice j leaves
+                    T.cuda.cta_sync()
+                    load_slice(Ks, K_cache, b, kvh, start, count, j + stages, tx)
+                    load_slice(Vs, V_cache, b, kvh, start, count, j + stages, tx)
             for hh in T.unroll(2):
                 if hh * 8 + lane // 4 < G:
                     for n in T.unroll(col_blocks):
@@ -830,7 +869,8 @@ def make_decode_split_mma_tile(chunk: int = 128,
             if tx < G:
                 lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
 
-    name = f"decode_split_mma_{heads.suffix}_c{chunk}"
+    name = f"decode_split_mma_{heads.suffix}_c{chunk}" + ("" if sub == chunk
+                                                          else f"_s{sub}x{stages}")
     tile = device_func(decode_split_mma.with_attr("global_symbol", name),
                        cost=chunk * D / (64 * 128),
                        requires=[(L <= S * chunk, f"L at most S x {chunk}")])
@@ -839,7 +879,8 @@ def make_decode_split_mma_tile(chunk: int = 128,
     def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
         kvh = heads.kv_head(h)
         split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
-                        pos, O_part, lse, K_cache.shape[2], chunk, heads, engine="mma")
+                        pos, O_part, lse, K_cache.shape[2], chunk, heads, engine="mma",
+                        sub=sub)
 
     return tile
 
@@ -963,6 +1004,7 @@ def error_bound(q, k_new, v_new, K_cache, V_cache, seq_lens, chunk: int = 256,
     rho = (ln2 * (dx + 2.0 ** -22 * x_max) + 2.0 ** -21  # a token's weight within its split
            + mma * 2.0 ** -8  # that weight rounded to bf16 for the MMA
            + ln2 * (2.0 ** -22 + 2.0 ** -23 * lse_max) + chunk * 2.0 ** -24  # the split's lse
+           + mma * chunk / 64 * 2.0 ** -21  # its slices' rescales (one ex2 each)
            + 2.0 ** -21)  # the merge weight
     rate = 2 * rho / (1 - rho) + ((4 if mma else 1) * chunk + splits) * 2.0 ** -24 + 2.0 ** -22
     return want, 2.0 ** -8 * np.abs(want) + rate[..., None] * mean_abs
