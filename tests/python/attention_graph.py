@@ -41,11 +41,10 @@ def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16); with
     ``page``, ``decode_attention(q, k_new, v_new, K_pages, V_pages, block_table, seq_lens)``
     over a paged cache. The split tasks run on CUDA cores (``engine`` "fma") or on tensor
-    cores ("mma", a contiguous cache, in slices of ``sub`` tokens, ``stages`` in flight)."""
-    if engine == "mma" and page is not None:
-        raise ValueError("the tensor-core split reads a contiguous cache")
+    cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight)."""
     append = attention.make_kv_append_tile(heads, page)
-    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages) if engine == "mma" \
+    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page) \
+        if engine == "mma" \
         else attention.make_decode_split_tile(chunk, unroll, heads=heads, page=page)
     merge = attention.make_decode_merge_tile(heads)
     Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block

@@ -288,20 +288,25 @@ def test_other_heads_tiles_and_megakernel_compile_without_spills(model, tmp_path
 
 
 # ------------------------------------------------------------------ paged caches
+PAGED_SPLITS = {"fma": dict(chunk=128), "mma": dict(chunk=256, engine="mma", sub=64)}
+
+
+@pytest.mark.parametrize("engine", sorted(PAGED_SPLITS))
 @pytest.mark.parametrize("order", ["ready", "random0", "static7"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_paged_cache_gives_the_contiguous_caches_bits(mix, order):
+def test_paged_cache_gives_the_contiguous_caches_bits(mix, order, engine):
     """Pages dealt at random from a pool, table entries past the tokens -1 (a read of one
     would raise): the same bits as the contiguous cache, within its bound."""
     max_len, lengths = MIXES[mix]
+    split = PAGED_SPLITS[engine]
     paged, contiguous = make_paged_inputs(max_len, lengths, page=4)
-    graph = decode_attention_graph(128, page=4)
+    graph = decode_attention_graph(**split, page=4)
     dims = {"B": len(lengths), "NP": max_len // 4, "P": len(paged[3])}
     out = execute(graph, *paged, order=ORDERS[order](TaskGraph.build(graph, dims)))
-    want, bound = attention.error_bound(*contiguous, chunk=128)
+    want, bound = attention.error_bound(*contiguous, chunk=split["chunk"], engine=engine)
     assert_within(out, want, bound)
     np.testing.assert_array_equal(out.view(np.uint16), execute(
-        decode_attention_graph(128), *contiguous).view(np.uint16))
+        decode_attention_graph(**split), *contiguous).view(np.uint16))
 
 
 def test_paged_append_writes_the_slot_of_its_page():
@@ -321,18 +326,22 @@ def test_paged_append_writes_the_slot_of_its_page():
     assert sorted(changed) == sorted(block_table[b, at // 8] for b, at in enumerate([0, 7, 63]))
 
 
+@pytest.mark.parametrize("engine", sorted(PAGED_SPLITS))
 @pytest.mark.parametrize("where, tile", [((2, 3), "decode_split"), ((2, 31), "kv_append")])
-def test_a_page_id_outside_the_pool_is_an_error_that_names_it(where, tile):
+def test_a_page_id_outside_the_pool_is_an_error_that_names_it(where, tile, engine):
     paged, _ = make_paged_inputs(128, [10, 0, 124, 40], page=4)
     paged[5][where] = 999  # page 31 of sequence 2 holds the token its append writes
     with pytest.raises(ExecutionError, match=rf"{tile}\w*: block_table\[{where[0]}, "
                        rf"{where[1]}\] = 999 is no page of 0\.\.129"):
-        execute(decode_attention_graph(128, page=4), *paged)
+        execute(decode_attention_graph(**{**PAGED_SPLITS[engine], "chunk": 128}, page=4),
+                *paged)
 
 
 def test_pages_must_divide_the_chunk():
     with pytest.raises(EtcError, match="divides the split tasks' chunk"):
         attention.make_decode_split_tile(256, page=48)
+    with pytest.raises(EtcError, match="divides the split tasks' chunk"):
+        attention.make_decode_split_mma_tile(256, sub=64, page=48)
     with pytest.raises(EtcError, match="positive number of tokens"):
         attention.make_kv_append_tile(page=0)
 
@@ -347,6 +356,17 @@ def test_paged_megakernel_compiles_with_16_byte_loads_and_its_page_check(tmp_pat
                      strategy="static", num_sms=132)
     code = sass(build_cubin(compiled.cuda_source(), tmp_path)[0])
     assert len(re.findall(r"LDG\.E\.128(?!\.CONSTANT)", code)) >= 2 * 4 + 2
+
+
+def test_paged_mma_split_compiles_to_the_contiguous_splits_copies_and_its_page_check(tmp_path):
+    """On tensor cores a row's page comes from the chunk's ids in shared memory: the same
+    16-byte cp.async copies a slice as over a contiguous cache; no register spilled."""
+    split = attention.make_decode_split_mma_tile(1024, sub=64, page=16)
+    assert split.checks == (attention.PAGE_CHECK,) and split.name.endswith("_s64x2_p16")
+    compiled = build(decode_attention_graph(1024, engine="mma", sub=64, page=16),
+                     {"B": 4, "NP": 64, "P": 258}, strategy="static", num_sms=132)
+    code = sass(build_cubin(compiled.cuda_source(), tmp_path)[0])
+    assert count(code, "LDGSTS.E.BYPASS.128") == 3 * 2 * 64 * 128 // 8 // 128
 # ------------------------------------------------------------------ the split on tensor cores
 @pytest.mark.parametrize("chunk, sub", [(64, None), (128, None), (256, 64)])
 @pytest.mark.parametrize("mix", sorted(MIXES))

@@ -118,21 +118,24 @@ def test_other_heads(model):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
 
+@pytest.mark.parametrize("engine", ["fma", "mma"])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 @pytest.mark.parametrize("B, max_len, page", [(4, 4096, 16), (32, 4096, 16), (4, 1000, 8)])
-def test_paged_cache(B, max_len, page, strategy):
+def test_paged_cache(B, max_len, page, strategy, engine):
     """A paged cache (pages dealt at random, table entries past the tokens -1): within the
     contiguous cache's bound, the new rows in their pages on the device; then a page id
-    outside the pool stops the kernel with an error that names it."""
+    outside the pool stops the kernel with an error that names it. On tensor cores in
+    64-token slices."""
     import tvm
 
     paged, contiguous = make_paged_inputs(max_len, lengths(B, max_len), page, seed="paged")
     q, k_new, v_new, K_pages, V_pages, block_table, seq_lens = paged
-    run = build(decode_attention_graph(CHUNK, page=page),
+    split = {"engine": "mma", "sub": 64} if engine == "mma" else {}
+    run = build(decode_attention_graph(CHUNK, page=page, **split),
                 {"B": B, "NP": max_len // page, "P": len(K_pages)}, strategy=strategy)
     K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in (K_pages, V_pages))
     out = run(q, k_new, v_new, K_dev, V_dev, block_table, seq_lens)
-    want, bound = float64_reference(contiguous)
+    want, bound = float64_reference(contiguous, CHUNK, engine)
     assert_within(out, want, bound)
     for b, at in enumerate(seq_lens):
         if 0 <= at < max_len:

@@ -418,6 +418,30 @@ def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk:
     lse[b, h, s] = m + np.log2(total)
 
 
+def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int | None,
+                        engine: str = "fma", sub: int | None = None):
+    """The NumPy reference of the split tile ``tile`` (``split_reference``) over its cache:
+    contiguous, or paged with its page ids checked (``checked_pages``)."""
+    if page is None:
+        def contiguous(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
+            kvh = heads.kv_head(h)
+            split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
+                            pos, O_part, lse, K_cache.shape[2], chunk, heads, engine, sub)
+        return contiguous
+
+    def paged(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
+        kvh = heads.kv_head(h)
+
+        def kv_rows(rows):
+            ids = checked_pages(block_table, b, rows, page, len(K_pages), tile)
+            slots = np.arange(rows.start, rows.stop) % page
+            return K_pages[ids, kvh, slots], V_pages[ids, kvh, slots]
+
+        split_reference(b, h, s, q, kv_rows, pos, O_part, lse, block_table.shape[1] * page,
+                        chunk, heads, engine, sub)
+    return paged
+
+
 @functools.cache
 def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                            heads: AttentionHeads = QWEN3_30B_A3B,
@@ -647,34 +671,17 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                        cost=chunk * D / (64 * 128), checks=checks,
                        requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
 
-    if page is None:
-        @tile.set_reference
-        def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
-            kvh = heads.kv_head(h)
-            split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
-                            pos, O_part, lse, K_cache.shape[2], chunk, heads)
-    else:
-        @tile.set_reference
-        def _(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
-            kvh = heads.kv_head(h)
-
-            def kv_rows(rows):
-                ids = checked_pages(block_table, b, rows, page, len(K_pages), name)
-                slots = np.arange(rows.start, rows.stop) % page
-                return K_pages[ids, kvh, slots], V_pages[ids, kvh, slots]
-
-            split_reference(b, h, s, q, kv_rows, pos, O_part, lse, block_table.shape[1] * page,
-                            chunk, heads)
-
+    tile.set_reference(split_reference_for(name, chunk, heads, page))
     return tile
 
 
 @functools.cache
 def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_30B_A3B,
-                               sub: int | None = None, stages: int = 2) -> DeviceFunc:
-    """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>]``: the split tile's task
-    (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same outputs as
-    ``make_decode_split_tile``).
+                               sub: int | None = None, stages: int = 2,
+                               page: int | None = None) -> DeviceFunc:
+    """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>][_p<page>]``: the split
+    tile's task (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same inputs and outputs
+    as ``make_decode_split_tile``, over a contiguous or, with ``page``, a paged cache).
 
     The chunk streams through shared memory in slices of ``sub`` tokens (the whole chunk
     where ``sub`` is None), ``stages`` slices in flight by cp.async (rows past the tokens land
@@ -699,6 +706,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                        f"divide the chunk ({chunk}), and sub and head_dim ({D}) must be "
                        f"multiples of {16 * WARPS} (m16 blocks of tokens and 16-column blocks "
                        f"of V for each of the {WARPS} warps); stages ({stages}) at least 1")
+    check_page(page, chunk)
     stages = min(stages, chunk // sub)
     row_chunks = D // VEC  # 16-byte copies a K or V row
     token_blocks = sub // 16 // WARPS  # m16 blocks of tokens a warp scores
@@ -711,30 +719,22 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
-    def load_slice(rows_smem, Cache, b, kvh, start, count, j, tx):
-        # slice j's rows into stage j % stages, 16 bytes a copy; a row past count reads
-        # nothing and lands as zeros; always one commit group, empty past the last slice
+    def load_slice(rows_smem, row, count, j, tx):
+        # slice j's rows into stage j % stages, 16 bytes a copy (row(t, k): element k of the
+        # chunk's token t); a row past count reads nothing and lands as zeros; always one
+        # commit group, empty past the last slice
         if j * sub < count:
             for i in T.unroll(sub * row_chunks // THREADS):
                 r = T.meta_var((i * THREADS + tx) // row_chunks)
                 k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
-                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]),
-                             Cache.ptr_to([b, kvh, T.min(start + j * sub + r, L - 1), k]),
-                             lambda row: j * sub + row < count, r)
+                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]), row(j * sub + r, k),
+                             lambda t: j * sub + t < count, r)
         T.ptx.cp.async_.commit_group()
 
-    @T.prim_func
-    def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
-                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         pos: T.Buffer((B,), "int32"),
-                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-        T.device_entry()
-        tx = T.thread_id([THREADS])
-        warp = T.warp_id([WARPS])
-        lane = T.lane_id([32])
+    @T.inline
+    def split_task(b, h, s, q, K_row, V_row, pos, capacity, O_part, lse, tx, warp, lane):
+        # K_row(t, k), V_row: a pointer to element k of the chunk's token t; capacity: the
+        # tokens the cache holds
         Ks = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Vs = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Qt = T.alloc_shared((D, 16 + PAD), "bfloat16")  # q^T, heads past the block zero
@@ -750,16 +750,14 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         pb = T.local_scalar("bfloat16")
         count = T.local_scalar("int32")
         outs = HeadOutputs(heads, tx)
-        start = T.meta_var(s * chunk)
-        kvh = T.meta_var(heads.kv_head(h))
         # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
-        count = T.min(T.min(T.max(pos[b] + 1, 0), L) - start, chunk)
+        count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - s * chunk, chunk)
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
             for j in T.unroll(stages):  # K then V of each slice: S^T waits for K alone
-                load_slice(Ks, K_cache, b, kvh, start, count, j, tx)
-                load_slice(Vs, V_cache, b, kvh, start, count, j, tx)
+                load_slice(Ks, K_row, count, j, tx)
+                load_slice(Vs, V_row, count, j, tx)
             for i in T.serial((16 * D + THREADS - 1) // THREADS):
                 if i * THREADS + tx < 16 * D:
                     g = T.meta_var((i * THREADS + tx) // D)
@@ -857,8 +855,8 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                             acc[n, 1], acc[n, 2], acc[n, 3])
                 if streams:  # slice j + stages into the stage slice j leaves
                     T.cuda.cta_sync()
-                    load_slice(Ks, K_cache, b, kvh, start, count, j + stages, tx)
-                    load_slice(Vs, V_cache, b, kvh, start, count, j + stages, tx)
+                    load_slice(Ks, K_row, count, j + stages, tx)
+                    load_slice(Vs, V_row, count, j + stages, tx)
             for hh in T.unroll(2):
                 if hh * 8 + lane // 4 < G:
                     for n in T.unroll(col_blocks):
@@ -869,19 +867,60 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
             if tx < G:
                 lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
 
-    name = f"decode_split_mma_{heads.suffix}_c{chunk}" + ("" if sub == chunk
-                                                          else f"_s{sub}x{stages}")
+    if page is None:
+        @T.prim_func
+        def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                             K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                             V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                             pos: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                             lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            split_task(b, h, s, q,
+                       lambda t, k: K_cache.ptr_to([b, heads.kv_head(h),
+                                                    T.min(s * chunk + t, L - 1), k]),
+                       lambda t, k: V_cache.ptr_to([b, heads.kv_head(h),
+                                                    T.min(s * chunk + t, L - 1), k]),
+                       pos, L, O_part, lse, tx, warp, lane)
+
+        capacity, checks, held = L, (), "L"
+    else:
+        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+
+        @T.prim_func
+        def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                             K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                             V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                             block_table: T.Buffer((B, NP), "int32"),
+                             pos: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                             lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            pages = T.alloc_shared((chunk // page,), "int32")
+            load_pages(pages, block_table, b, s, pos, P, page, tx)
+            split_task(b, h, s, q,
+                       lambda t, k: K_pages.ptr_to([pages[t // page], heads.kv_head(h),
+                                                    t % page, k]),
+                       lambda t, k: V_pages.ptr_to([pages[t // page], heads.kv_head(h),
+                                                    t % page, k]),
+                       pos, NP * page, O_part, lse, tx, warp, lane)
+
+        capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
+
+    name = f"decode_split_mma_{heads.suffix}_c{chunk}" \
+        + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}")
     tile = device_func(decode_split_mma.with_attr("global_symbol", name),
-                       cost=chunk * D / (64 * 128),
-                       requires=[(L <= S * chunk, f"L at most S x {chunk}")])
-
-    @tile.set_reference
-    def _(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
-        kvh = heads.kv_head(h)
-        split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
-                        pos, O_part, lse, K_cache.shape[2], chunk, heads, engine="mma",
-                        sub=sub)
-
+                       cost=chunk * D / (64 * 128), checks=checks,
+                       requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
+    tile.set_reference(split_reference_for(name, chunk, heads, page, engine="mma", sub=sub))
     return tile
 
 
