@@ -195,14 +195,12 @@ def contiguous(arrays):
 def split_options(spec: str) -> dict:
     """``decode_attention_graph``'s split options from ``CHUNKxUNROLL`` (the CUDA-core tile),
     ``CHUNKxmma`` (the tensor-core tile, the chunk at once) or ``CHUNKxmmaSUBxSTAGES`` (the
-    tensor-core tile streaming slices of SUB tokens, STAGES in flight; a suffix "bulk" copies
-    them by bulk copies)."""
-    spec, bulk = spec.removesuffix("bulk"), spec.endswith("bulk")
+    tensor-core tile streaming slices of SUB tokens, STAGES in flight)."""
     chunk, engine, *slices = spec.split("x")
     if engine.startswith("mma"):
         sub = int(engine[3:]) if engine[3:] else None
         return {"chunk": int(chunk), "engine": "mma", "sub": sub,
-                "stages": int(slices[0]) if slices else 2, "loads": "bulk" if bulk else "cp.async"}
+                "stages": int(slices[0]) if slices else 2}
     return {"chunk": int(chunk), "unroll": int(engine)}
 
 

@@ -37,13 +37,13 @@ OTHER_HEADS = {
 @functools.cache
 def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B,
                            unroll: int = 4, page: int | None = None, engine: str = "fma",
-                           sub: int | None = None, stages: int = 2, loads: str = "cp.async"):
+                           sub: int | None = None, stages: int = 2):
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16); with
     ``page``, ``decode_attention(q, k_new, v_new, K_pages, V_pages, block_table, seq_lens)``
     over a paged cache. The split tasks run on CUDA cores (``engine`` "fma") or on tensor
-    cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight, copied by ``loads``)."""
+    cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight)."""
     append = attention.make_kv_append_tile(heads, page)
-    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page, loads) \
+    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page) \
         if engine == "mma" \
         else attention.make_decode_split_tile(chunk, unroll, heads=heads, page=page)
     merge = attention.make_decode_merge_tile(heads)

@@ -413,8 +413,6 @@ def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
         attention.make_decode_split_mma_tile(192, sub=128)
     with pytest.raises(EtcError, match=r"stages \(0\) at least 1"):
         attention.make_decode_split_mma_tile(256, sub=64, stages=0)
-    with pytest.raises(EtcError, match=r"loads must be one of \('cp.async', 'bulk'\), got 'tma'"):
-        attention.make_decode_split_mma_tile(256, sub=64, loads="tma")
 
 
 def test_mma_split_in_slices_names_its_slices_and_keeps_no_more_stages_than_slices():
@@ -494,18 +492,6 @@ def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, s
     in_loop = chunk > stages * sub
     copies = 2 * sub * D // 8 // 128  # a slice's K and V rows, 16-byte copies a thread
     assert count(code, "LDGSTS.E.BYPASS.128") == (min(stages, chunk // sub) + in_loop) * copies
-
-
-@pytest.mark.parametrize("page", [None, 16])
-def test_mma_split_by_bulk_copies_issues_one_a_row_and_no_cp_async(page, tmp_path):
-    """``loads="bulk"``: a slice's rows by one bulk copy each (UBLKCP), on each stage's
-    barriers; no 16-byte cp.async left; the barriers are invalidated before the task ends."""
-    graph = decode_attention_graph(1024, engine="mma", sub=64, page=page, loads="bulk")
-    dims = {"B": 4, "L": 1000} if page is None else {"B": 4, "NP": 64, "P": 258}
-    source = build(graph, dims, strategy="static", num_sms=132).cuda_source()
-    assert "mbarrier.inval" in source
-    code = sass(build_cubin(source, tmp_path)[0])
-    assert "UBLKCP" in code and count(code, "LDGSTS.E.BYPASS.128") == 0
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

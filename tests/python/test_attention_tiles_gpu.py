@@ -118,7 +118,7 @@ def test_other_heads(model):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
 
-@pytest.mark.parametrize("engine", ["fma", "mma", "mma-bulk"])
+@pytest.mark.parametrize("engine", ["fma", "mma"])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 @pytest.mark.parametrize("B, max_len, page", [(4, 4096, 16), (32, 4096, 16), (4, 1000, 8)])
 def test_paged_cache(B, max_len, page, strategy, engine):
@@ -130,13 +130,12 @@ def test_paged_cache(B, max_len, page, strategy, engine):
 
     paged, contiguous = make_paged_inputs(max_len, lengths(B, max_len), page, seed="paged")
     q, k_new, v_new, K_pages, V_pages, block_table, seq_lens = paged
-    split = {"engine": "mma", "sub": 64, "loads": "bulk" if engine == "mma-bulk" else "cp.async"} \
-        if engine.startswith("mma") else {}
+    split = {"engine": "mma", "sub": 64} if engine == "mma" else {}
     run = build(decode_attention_graph(CHUNK, page=page, **split),
                 {"B": B, "NP": max_len // page, "P": len(K_pages)}, strategy=strategy)
     K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in (K_pages, V_pages))
     out = run(q, k_new, v_new, K_dev, V_dev, block_table, seq_lens)
-    want, bound = float64_reference(contiguous, CHUNK, engine[:3])
+    want, bound = float64_reference(contiguous, CHUNK, engine)
     assert_within(out, want, bound)
     for b, at in enumerate(seq_lens):
         if 0 <= at < max_len:
@@ -149,20 +148,16 @@ def test_paged_cache(B, max_len, page, strategy, engine):
                        rf"{len(K_pages) + 5}, outside the pages of the cache"):
         run(q, k_new, v_new, K_pages, V_pages, bad, seq_lens)
     assert_within(run(*paged), want, bound)
-# (chunk, sub, stages, loads)
-MMA_SPLITS = [(128, None, 1, "cp.async"), (128, 64, 2, "cp.async"), (512, 64, 2, "cp.async"),
-              (512, 64, 2, "bulk")]
+MMA_SPLITS = [(128, None, 1), (128, 64, 2), (512, 64, 2)]  # (chunk, sub, stages)
 
 
-@pytest.mark.parametrize("chunk, sub, stages, loads", MMA_SPLITS,
+@pytest.mark.parametrize("chunk, sub, stages", MMA_SPLITS,
                          ids=lambda v: "-" if v is None else str(v))
 @pytest.mark.parametrize("B, max_len", CASES)
-def test_mma_split_megakernel(B, max_len, chunk, sub, stages, loads):
+def test_mma_split_megakernel(B, max_len, chunk, sub, stages):
     """The split on tensor cores in the static megakernel (the chunk at once, or streamed in
-    slices of 64 tokens, by cp.async or bulk copies), within its bound (P in bf16), and 100
-    launches identical."""
-    compiled = build(decode_attention_graph(chunk, engine="mma", sub=sub, stages=stages,
-                                            loads=loads),
+    slices of 64 tokens), within its bound (P in bf16), and 100 launches identical."""
+    compiled = build(decode_attention_graph(chunk, engine="mma", sub=sub, stages=stages),
                      {"B": B, "L": max_len}, strategy="static")
     inputs = make_inputs(max_len, lengths(B, max_len), seed="mma")
     first = compiled(*inputs)

@@ -198,9 +198,6 @@ def check_page(page, chunk: int | None = None) -> None:
                        f"divides the split tasks' chunk, got page={page}, chunk={chunk}")
 
 
-SLICE_LOADS = ("cp.async", "bulk")  # how the tensor-core split copies its K and V rows
-BULK_LOAD = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
-
 PAGE_CHECK = "block_table holds the page id {value}, outside the pages of the cache"
 
 
@@ -681,7 +678,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
 @functools.cache
 def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_30B_A3B,
                                sub: int | None = None, stages: int = 2,
-                               page: int | None = None, loads: str = "cp.async") -> DeviceFunc:
+                               page: int | None = None) -> DeviceFunc:
     """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>][_p<page>]``: the split
     tile's task (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same inputs and outputs
     as ``make_decode_split_tile``, over a contiguous or, with ``page``, a paged cache).
@@ -710,10 +707,6 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                        f"multiples of {16 * WARPS} (m16 blocks of tokens and 16-column blocks "
                        f"of V for each of the {WARPS} warps); stages ({stages}) at least 1")
     check_page(page, chunk)
-    if loads not in SLICE_LOADS:
-        raise EtcError(f"decode split tile on tensor cores: loads must be one of "
-                       f"{SLICE_LOADS}, got {loads!r}")
-    bulk = loads == "bulk"
     stages = min(stages, chunk // sub)
     row_chunks = D // VEC  # 16-byte copies a K or V row
     token_blocks = sub // 16 // WARPS  # m16 blocks of tokens a warp scores
@@ -739,28 +732,6 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         T.ptx.cp.async_.commit_group()
 
     @T.inline
-    def bulk_slice(rows_smem, row, full, count, j, tx):
-        # slice j's rows into stage j % stages, one bulk copy a row, each arriving on the
-        # stage's barrier ``full`` with its bytes; a row past count is stored as zeros and
-        # arrives with none
-        if j * sub < count:
-            for i in T.unroll((sub + THREADS - 1) // THREADS):
-                r = T.meta_var(i * THREADS + tx)
-                if r < sub:
-                    if j * sub + r < count:
-                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([j % stages]),
-                                                                   T.uint32(2 * D))
-                        T.evaluate(BULK_LOAD(
-                            T.cuda.cvta_generic_to_shared(rows_smem.ptr_to([j % stages, r, 0])),
-                            row(j * sub + r, 0), T.uint32(2 * D),
-                            T.cuda.cvta_generic_to_shared(full.ptr_to([j % stages]))))
-                    else:
-                        for c in T.unroll(row_chunks):
-                            for e in T.vectorized(VEC):
-                                rows_smem[j % stages, r, c * VEC + e] = T.bfloat16(0)
-                        T.ptx.mbarrier.arrive.shared.b64(full.ptr_to([j % stages]), T.uint32(1))
-
-    @T.inline
     def split_task(b, h, s, q, K_row, V_row, pos, capacity, O_part, lse, tx, warp, lane):
         # K_row(t, k), V_row: a pointer to element k of the chunk's token t; capacity: the
         # tokens the cache holds
@@ -770,9 +741,6 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         Ps = T.alloc_shared((16, sub + PAD), "bfloat16")  # P, rows past the block zero
         scores = T.alloc_shared((G, sub), "float32")
         stats = T.alloc_shared((3, G), "float32")  # per head: max, sum, the slice's rescale
-        if bulk:
-            k_full = T.alloc_shared((stages,), "uint64")  # a stage's K rows landed
-            v_full = T.alloc_shared((stages,), "uint64")
         q_frag = T.alloc_local((D // 16, 4), "uint32")
         a_frag = T.alloc_local((4,), "uint32")
         b_frag = T.alloc_local((col_blocks, 2), "uint32")
@@ -787,22 +755,9 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
-            if bulk:
-                if tx == 0:
-                    for st in T.unroll(stages):
-                        T.ptx.mbarrier.init.shared.b64(k_full.ptr_to([st]), T.uint32(sub))
-                        T.ptx.mbarrier.init.shared.b64(v_full.ptr_to([st]), T.uint32(sub))
-                T.cuda.cta_sync()
-                # the copies (async proxy) come after generic-proxy writes of this shared
-                # memory: zero rows and the previous task's
-                T.ptx.fence.proxy.async_()
-                for j in T.unroll(stages):
-                    bulk_slice(Ks, K_row, k_full, count, j, tx)
-                    bulk_slice(Vs, V_row, v_full, count, j, tx)
-            else:
-                for j in T.unroll(stages):  # K then V of each slice: S^T waits for K alone
-                    load_slice(Ks, K_row, count, j, tx)
-                    load_slice(Vs, V_row, count, j, tx)
+            for j in T.unroll(stages):  # K then V of each slice: S^T waits for K alone
+                load_slice(Ks, K_row, count, j, tx)
+                load_slice(Vs, V_row, count, j, tx)
             for i in T.serial((16 * D + THREADS - 1) // THREADS):
                 if i * THREADS + tx < 16 * D:
                     g = T.meta_var((i * THREADS + tx) // D)
@@ -826,10 +781,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                     q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
                     Qt.ptr_to([kk * 16 + lane % 16, lane // 16 * 8]))
             for j in T.serial((count + sub - 1) // sub):
-                if bulk:
-                    T.cuda.mbarrier_wait(k_full.ptr_to([j % stages]), j // stages % 2)
-                else:
-                    T.ptx.cp.async_.wait_group(2 * stages - 1)  # slice j's K
+                T.ptx.cp.async_.wait_group(2 * stages - 1)  # slice j's K
                 T.cuda.cta_sync()
                 # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8) and heads
                 # (2 (lane % 4), + 1) of each n8 block of heads
@@ -875,10 +827,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                             stats[2, g] = T.exp2(stats[0, g] - red[0])
                             stats[1, g] = stats[1, g] * stats[2, g] + red[1]
                             stats[0, g] = red[0]
-                if bulk:
-                    T.cuda.mbarrier_wait(v_full.ptr_to([j % stages]), j // stages % 2)
-                else:
-                    T.ptx.cp.async_.wait_group(2 * stages - 2)  # slice j's V
+                T.ptx.cp.async_.wait_group(2 * stages - 2)  # slice j's V
                 T.cuda.cta_sync()
                 # O = a O + P @ V rows; lane holds heads lane // 4 and lane // 4 + 8 (rows
                 # past the block are padding), columns 2 (lane % 4), + 1 of each n8 block of
@@ -906,17 +855,8 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                             acc[n, 1], acc[n, 2], acc[n, 3])
                 if streams:  # slice j + stages into the stage slice j leaves
                     T.cuda.cta_sync()
-                    if bulk:
-                        bulk_slice(Ks, K_row, k_full, count, j + stages, tx)
-                        bulk_slice(Vs, V_row, v_full, count, j + stages, tx)
-                    else:
-                        load_slice(Ks, K_row, count, j + stages, tx)
-                        load_slice(Vs, V_row, count, j + stages, tx)
-            if bulk:  # every thread has passed its last wait: plain shared memory again
-                if tx == 0:
-                    for st in T.unroll(stages):
-                        T.ptx.mbarrier.inval.shared.b64(k_full.ptr_to([st]))
-                        T.ptx.mbarrier.inval.shared.b64(v_full.ptr_to([st]))
+                    load_slice(Ks, K_row, count, j + stages, tx)
+                    load_slice(Vs, V_row, count, j + stages, tx)
             for hh in T.unroll(2):
                 if hh * 8 + lane // 4 < G:
                     for n in T.unroll(col_blocks):
@@ -976,8 +916,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
 
     name = f"decode_split_mma_{heads.suffix}_c{chunk}" \
-        + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}") \
-        + ("_bulk" if bulk else "")
+        + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}")
     tile = device_func(decode_split_mma.with_attr("global_symbol", name),
                        cost=chunk * D / (64 * 128), checks=checks,
                        requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
