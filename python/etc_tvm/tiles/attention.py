@@ -533,7 +533,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         c = T.meta_var(tx % lanes)
         col = T.meta_var(tx % lanes * VEC)
         start = T.meta_var(s * chunk)
-        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
+        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at capacity
         count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - start, chunk)
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
@@ -750,7 +750,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         pb = T.local_scalar("bfloat16")
         count = T.local_scalar("int32")
         outs = HeadOutputs(heads, tx)
-        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at L
+        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at capacity
         count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - s * chunk, chunk)
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
