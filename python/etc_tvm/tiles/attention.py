@@ -442,6 +442,68 @@ def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int 
     return paged
 
 
+def split_device_func(name: str, heads: AttentionHeads, chunk: int, page: int | None,
+                      split_task, row_of, engine: str = "fma",
+                      sub: int | None = None) -> DeviceFunc:
+    """The split tile ``name`` around its task's body ``split_task(b, h, s, q, K_at, V_at, pos,
+    capacity, O_part, lse, tx, warp, lane)``, whose ``K_at(t, k)`` is element k of the chunk's
+    token t: the prim_func's parameters and thread scopes over a contiguous cache (token t at
+    row ``row_of(s * chunk + t, L)``) or a paged one (the chunk's page ids read once into
+    shared memory, ``load_pages``), the requirement that S chunks cover the cache, and the
+    NumPy reference (``split_reference_for``)."""
+    G, D = heads.block, heads.head_dim
+    B, L, S = (tirx.Var(d, "int32") for d in "BLS")
+    if page is None:
+        @T.prim_func
+        def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
+                         pos: T.Buffer((B,), "int32"),
+                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            split_task(b, h, s, q,
+                       lambda t, k: K_cache[b, heads.kv_head(h), row_of(s * chunk + t, L), k],
+                       lambda t, k: V_cache[b, heads.kv_head(h), row_of(s * chunk + t, L), k],
+                       pos, L, O_part, lse, tx, warp, lane)
+
+        capacity, checks, held = L, (), "L"
+    else:
+        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+
+        @T.prim_func
+        def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
+                         K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                         V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
+                         block_table: T.Buffer((B, NP), "int32"),
+                         pos: T.Buffer((B,), "int32"),
+                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
+                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
+            T.device_entry()
+            tx = T.thread_id([THREADS])
+            warp = T.warp_id([WARPS])
+            lane = T.lane_id([32])
+            pages = T.alloc_shared((chunk // page,), "int32")
+            load_pages(pages, block_table, b, s, pos, P, page, tx)
+            split_task(b, h, s, q,
+                       lambda t, k: K_pages[pages[t // page], heads.kv_head(h), t % page, k],
+                       lambda t, k: V_pages[pages[t // page], heads.kv_head(h), t % page, k],
+                       pos, NP * page, O_part, lse, tx, warp, lane)
+
+        capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
+
+    tile = device_func(decode_split.with_attr("global_symbol", name),
+                       cost=chunk * D / (64 * 128), checks=checks,
+                       requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
+    tile.set_reference(split_reference_for(name, chunk, heads, page, engine, sub))
+    return tile
+
+
 @functools.cache
 def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                            heads: AttentionHeads = QWEN3_30B_A3B,
@@ -470,7 +532,6 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
     every_warp_full = G % WARPS == 0
     shuffles = int(math.log2(32 // lanes))  # row groups of a warp, summed by xor shuffles
     scale = heads.scale_log2
-    B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
     def load_rows(kv, buf, rows, it, rg, col, count):
@@ -479,7 +540,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         for u in T.unroll(unroll):
             if (it * unroll + u) * row_groups + rg < count:
                 for e in T.vectorized(VEC):
-                    kv[buf, u, e] = rows((it * unroll + u) * row_groups, rg, col + e)
+                    kv[buf, u, e] = rows((it * unroll + u) * row_groups + rg, col + e)
 
     @T.inline
     def stream_rows(kv, rows, rg, col, count, use_rows):
@@ -516,7 +577,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
 
     @T.inline
     def split_task(b, h, s, q, K_rows, V_rows, pos, capacity, O_part, lse, tx, warp, lane):
-        # K_rows(first, rg, c), V_rows: element c of the chunk's row first + rg; capacity: the
+        # K_rows(t, c), V_rows: element c of the chunk's token t; capacity: the
         # tokens the cache holds
         scores = T.alloc_shared((G, chunk), "float32")
         partial = T.alloc_shared((WARPS, G, D), "float32")
@@ -618,61 +679,8 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                         lse[b, h, s, outs.head(r)] = stats[0, outs.head(r)] + T.log2(
                             stats[1, outs.head(r)])
 
-    if page is None:
-        @T.prim_func
-        def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         pos: T.Buffer((B,), "int32"),
-                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            split_task(b, h, s, q,
-                       lambda first, rg, c: K_cache[b, heads.kv_head(h), s * chunk + first + rg,
-                                                    c],
-                       lambda first, rg, c: V_cache[b, heads.kv_head(h), s * chunk + first + rg,
-                                                    c],
-                       pos, L, O_part, lse, tx, warp, lane)
-
-        capacity, checks, held = L, (), "L"
-    else:
-        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
-
-        @T.prim_func
-        def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                         K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                         V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                         block_table: T.Buffer((B, NP), "int32"),
-                         pos: T.Buffer((B,), "int32"),
-                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            pages = T.alloc_shared((chunk // page,), "int32")
-            load_pages(pages, block_table, b, s, pos, P, page, tx)
-            split_task(b, h, s, q,
-                       lambda first, rg, c: K_pages[pages[(first + rg) // page],
-                                                    heads.kv_head(h), (first + rg) % page, c],
-                       lambda first, rg, c: V_pages[pages[(first + rg) // page],
-                                                    heads.kv_head(h), (first + rg) % page, c],
-                       pos, NP * page, O_part, lse, tx, warp, lane)
-
-        capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
-
     name = f"decode_split_{heads.suffix}_c{chunk}" + ("" if page is None else f"_p{page}")
-    tile = device_func(decode_split.with_attr("global_symbol", name),
-                       cost=chunk * D / (64 * 128), checks=checks,
-                       requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
-
-    tile.set_reference(split_reference_for(name, chunk, heads, page))
-    return tile
+    return split_device_func(name, heads, chunk, page, split_task, lambda row, L: row)
 
 
 @functools.cache
@@ -716,7 +724,6 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
     every_warp_full = G % WARPS == 0
     streams = chunk > stages * sub  # slices loaded inside the loop, not all up front
     scale = heads.scale_log2
-    B, L, S = (tirx.Var(d, "int32") for d in "BLS")
 
     @T.inline
     def load_slice(rows_smem, row, count, j, tx):
@@ -727,13 +734,14 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
             for i in T.unroll(sub * row_chunks // THREADS):
                 r = T.meta_var((i * THREADS + tx) // row_chunks)
                 k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
-                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]), row(j * sub + r, k),
+                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]),
+                             T.address_of(row(j * sub + r, k)),
                              lambda t: j * sub + t < count, r)
         T.ptx.cp.async_.commit_group()
 
     @T.inline
     def split_task(b, h, s, q, K_row, V_row, pos, capacity, O_part, lse, tx, warp, lane):
-        # K_row(t, k), V_row: a pointer to element k of the chunk's token t; capacity: the
+        # K_row(t, k), V_row: element k of the chunk's token t; capacity: the
         # tokens the cache holds
         Ks = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Vs = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
@@ -867,61 +875,11 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
             if tx < G:
                 lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
 
-    if page is None:
-        @T.prim_func
-        def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
-                             q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                             K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                             V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                             pos: T.Buffer((B,), "int32"),
-                             O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                             lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            split_task(b, h, s, q,
-                       lambda t, k: K_cache.ptr_to([b, heads.kv_head(h),
-                                                    T.min(s * chunk + t, L - 1), k]),
-                       lambda t, k: V_cache.ptr_to([b, heads.kv_head(h),
-                                                    T.min(s * chunk + t, L - 1), k]),
-                       pos, L, O_part, lse, tx, warp, lane)
-
-        capacity, checks, held = L, (), "L"
-    else:
-        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
-
-        @T.prim_func
-        def decode_split_mma(b: T.int32, h: T.int32, s: T.int32,
-                             q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                             K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                             V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                             block_table: T.Buffer((B, NP), "int32"),
-                             pos: T.Buffer((B,), "int32"),
-                             O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                             lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            pages = T.alloc_shared((chunk // page,), "int32")
-            load_pages(pages, block_table, b, s, pos, P, page, tx)
-            split_task(b, h, s, q,
-                       lambda t, k: K_pages.ptr_to([pages[t // page], heads.kv_head(h),
-                                                    t % page, k]),
-                       lambda t, k: V_pages.ptr_to([pages[t // page], heads.kv_head(h),
-                                                    t % page, k]),
-                       pos, NP * page, O_part, lse, tx, warp, lane)
-
-        capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
-
     name = f"decode_split_mma_{heads.suffix}_c{chunk}" \
         + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}")
-    tile = device_func(decode_split_mma.with_attr("global_symbol", name),
-                       cost=chunk * D / (64 * 128), checks=checks,
-                       requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
-    tile.set_reference(split_reference_for(name, chunk, heads, page, engine="mma", sub=sub))
-    return tile
+    # a row past the cache is copied from nowhere, but its address must be one
+    return split_device_func(name, heads, chunk, page, split_task,
+                             lambda row, L: T.min(row, L - 1), engine="mma", sub=sub)
 
 
 @functools.cache
