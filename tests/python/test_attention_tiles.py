@@ -415,6 +415,16 @@ def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
         attention.make_decode_split_mma_tile(256, sub=64, stages=0)
 
 
+def test_a_split_no_cta_can_hold_is_refused_naming_the_tile():
+    """Four stages of 64 rows at head dim 256 take 285 KB: more than one CTA may hold, so the
+    error names the tile, not the CTAs an SM."""
+    graph = decode_attention_graph(1024, AttentionHeads(16, 8, 256), engine="mma", sub=64,
+                                   stages=4)
+    with pytest.raises(EtcError, match=r"do not fit on one SM .* no CTA holds a task of "
+                       r"decode_split_mma_16q8k_d256_c1024_s64x4, the largest"):
+        build(graph, {"B": 4, "L": 1000}, strategy="static", num_sms=132)
+
+
 def test_mma_split_in_slices_names_its_slices_and_keeps_no_more_stages_than_slices():
     name = f"decode_split_mma_{QWEN3_30B_A3B.suffix}_c"
     assert attention.make_decode_split_mma_tile(1024, sub=64).name == name + "1024_s64x2"

@@ -223,15 +223,19 @@ class PersistentKernel:
                                          "timeline") if options.profile else None
         # thread 0's entry time, kept until the prologue has cleared the timeline
         self.entered = tirx.decl_buffer((1,), "int64", "entered", scope="local")
-        arena_bytes = max(shared_bytes(c.fn) for c in self.calls)
+        largest = max(self.calls, key=lambda c: shared_bytes(c.fn))
+        arena_bytes = shared_bytes(largest.fn)
         if OPT_IN_SHARED_BYTES - CTA_SHARED_OVERHEAD < arena_bytes <= OPT_IN_SHARED_BYTES:
             arena_bytes = OPT_IN_SHARED_BYTES + 16  # so that the runtime opts in
         per_sm, threads = options.ctas_per_sm, self.scopes.num_threads
         if arena_bytes > arena_limit(per_sm) or per_sm * threads > SM_THREADS:
+            remedy = "lower ctas_per_sm" if arena_bytes <= arena_limit(1) else (
+                f"no CTA holds a task of {largest.fn.name}, the largest: give that tile less "
+                f"shared memory")
             raise EtcError(f"{graph.name}: {per_sm} persistent CTAs per SM of {threads} threads "
                            f"and {arena_bytes} bytes of shared memory each do not fit on one SM "
                            f"({SM_THREADS} threads, {SM_SHARED_BYTES} bytes, arenas of at most "
-                           f"{arena_limit(per_sm)} bytes): lower ctas_per_sm")
+                           f"{arena_limit(per_sm)} bytes): {remedy}")
         self.arena = tirx.decl_buffer((arena_bytes,), "uint8", "smem", scope="shared.dyn") \
             if arena_bytes else None
         self.stop = tirx.decl_buffer((1,), "int32", "stop", scope="shared")
