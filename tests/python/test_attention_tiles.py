@@ -411,6 +411,9 @@ def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
     with pytest.raises(EtcError, match=r"slices of sub \(128\) tokens must divide the chunk "
                        r"\(192\)"):
         attention.make_decode_split_mma_tile(192, sub=128)
+    for sub in (0, -64):
+        with pytest.raises(EtcError, match=rf"slices of sub \({sub}\) tokens must divide"):
+            attention.make_decode_split_mma_tile(128, sub=sub)
     with pytest.raises(EtcError, match=r"stages \(0\) at least 1"):
         attention.make_decode_split_mma_tile(256, sub=64, stages=0)
 

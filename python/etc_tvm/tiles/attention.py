@@ -709,7 +709,8 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
     """
     G, D = heads.block, heads.head_dim
     sub = chunk if sub is None else sub
-    if chunk < 1 or sub % (16 * WARPS) or chunk % sub or D % (16 * WARPS) or stages < 1:
+    if chunk < 1 or sub < 1 or sub % (16 * WARPS) or chunk % sub or D % (16 * WARPS) \
+            or stages < 1:
         raise EtcError(f"decode split tile on tensor cores: slices of sub ({sub}) tokens must "
                        f"divide the chunk ({chunk}), and sub and head_dim ({D}) must be "
                        f"multiples of {16 * WARPS} (m16 blocks of tokens and 16-column blocks "
