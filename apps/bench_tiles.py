@@ -192,10 +192,16 @@ def contiguous(arrays):
     return [q, k_new, v_new, *caches, seq_lens]
 
 
-def split_options(spec: str) -> dict:
+def split_options(spec: str, batch: int, capacity: int, heads: attention.AttentionHeads,
+                  page: int | None = None) -> dict:
     """``decode_attention_graph``'s split options from ``CHUNKxUNROLL`` (the CUDA-core tile),
-    ``CHUNKxmma`` (the tensor-core tile, the chunk at once) or ``CHUNKxmmaSUBxSTAGES`` (the
-    tensor-core tile streaming slices of SUB tokens, STAGES in flight)."""
+    ``CHUNKxmma`` (the tensor-core tile, the chunk at once), ``CHUNKxmmaSUBxSTAGES`` (the
+    tensor-core tile streaming slices of SUB tokens, STAGES in flight) or ``auto`` (slices of
+    64 tokens, two in flight, the chunk ``attention.choose_split_chunk`` picks for ``batch``
+    sequences of ``capacity`` tokens)."""
+    if spec == "auto":
+        return {"chunk": attention.choose_split_chunk(batch, capacity, heads, 64, page),
+                "engine": "mma", "sub": 64, "stages": 2}
     chunk, engine, *slices = spec.split("x")
     if engine.startswith("mma"):
         sub = int(engine[3:]) if engine[3:] else None
@@ -224,11 +230,13 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
             dims = {"B": B, "L": L} if page is None else {"B": B, "NP": L // page,
                                                           "P": B * L // page}
             for spec in splits:
+                options = split_options(spec, B, L, heads, page)
                 label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
                                           else f" {heads.suffix}") \
                     + ("" if page is None else f" p{page}") \
-                    + ("" if len(splits) == 1 else f" {spec}")
-                graph = decode_attention_graph(heads=heads, page=page, **split_options(spec))
+                    + ("" if len(splits) == 1 else f" {spec}") \
+                    + (f" (c{options['chunk']})" if spec == "auto" else "")
+                graph = decode_attention_graph(heads=heads, page=page, **options)
                 yield Case("attention", label, graph, dims, inputs, torch_decode_attention,
                            2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s",
                            torch_inputs=None if page is None else contiguous)
@@ -442,12 +450,13 @@ def main() -> None:
                         metavar=("HQ", "HK", "D"),
                         help="query heads, KV heads and head dim of the decode attention rows")
     parser.add_argument("--attention-splits", nargs="+",
-                        default=["256x4", "256xmma64x2", "1024xmma64x2"],
+                        default=["256x4", "auto"],
                         metavar="SPLIT",
                         help="the split tasks' tokens and rows loaded ahead a thread "
                         "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
-                        "and its slices and stages (CHUNKxmmaSUBxSTAGES); one attention row "
-                        "each")
+                        "and its slices and stages (CHUNKxmmaSUBxSTAGES), or that tile with "
+                        "the chunk the cost model picks for each batch and context (auto); "
+                        "one attention row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")

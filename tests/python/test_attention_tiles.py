@@ -518,3 +518,45 @@ def test_updates_must_name_a_tensor_parameter():
     with pytest.raises(EtcError, match="updates names"):
         type(attention.kv_append_tile)(attention.kv_append_tile.prim_func, name="bad",
                                        updates=("cache",))
+
+
+# Measured on the H200 (bench_tiles --tiles attention --attention-splits CHUNKxmma64x2, 30
+# CUDA-graph replays each): us of the append, split and merge of B sequences over L tokens.
+H200_SPLIT_US = {
+    (1, 4096): {256: 13.07, 512: 16.98, 1024: 27.64, 2048: 45.02},
+    (2, 4096): {256: 14.94, 512: 17.98, 1024: 26.33, 2048: 49.14},
+    (4, 4096): {256: 19.76, 512: 19.76, 1024: 27.70, 2048: 46.00},
+    (8, 4096): {256: 32.67, 512: 30.33, 1024: 30.94, 2048: 48.83},
+    (16, 4096): {256: 53.98, 512: 51.71, 1024: 49.10, 2048: 51.74},
+    (32, 4096): {256: 88.03, 512: 87.14, 1024: 81.31, 2048: 79.81},
+    (1, 16384): {256: 26.63, 512: 22.74, 1024: 29.39, 2048: 47.92},
+    (8, 16384): {256: 100.62, 512: 89.22, 1024: 86.32, 2048: 81.90},
+}
+
+
+@pytest.mark.parametrize("batch, capacity", sorted(H200_SPLIT_US))
+def test_split_chunk_choice_is_the_fastest_measured(batch, capacity):
+    """The cost model's chunk is the fastest of those measured, within 1%: 256 tokens for
+    one to four sequences of 4096, 512 for one of 16384, larger as the batch grows."""
+    times = H200_SPLIT_US[batch, capacity]
+    chunk = attention.choose_split_chunk(batch, capacity)
+    assert times[chunk] <= 1.01 * min(times.values()), (chunk, times)
+
+
+def test_split_chunk_choice_is_a_chunk_the_tile_takes():
+    assert attention.choose_split_chunk(1, 100) == 64
+    assert attention.choose_split_chunk(64, 100) == 128  # one chunk covers the cache
+    for page in (16, 128, 256):
+        chunk = attention.choose_split_chunk(1, 4096, page=page)
+        assert chunk % page == 0
+        attention.make_decode_split_mma_tile(chunk, sub=64, page=page)
+    heads = AttentionHeads(64, 4, 64, max_block=16)
+    chunk = attention.choose_split_chunk(32, 4096, heads, sub=128)
+    assert chunk % 128 == 0
+    attention.make_decode_split_mma_tile(chunk, heads, sub=128)
+    with pytest.raises(EtcError, match=r"batch \(0\), capacity \(4096\) and sub \(64\) must "
+                       r"be positive"):
+        attention.choose_split_chunk(0, 4096)
+    with pytest.raises(EtcError, match=r"no chunk of 64 x 2\*\*k tokens up to the cache's 100 "
+                       r"is a multiple of the page \(96 tokens\)"):
+        attention.choose_split_chunk(1, 100, page=96)

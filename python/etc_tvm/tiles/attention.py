@@ -190,6 +190,67 @@ def num_splits(max_len, chunk: int):
     return (max_len + chunk - 1) // chunk
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitCostModel:
+    """What the tensor-core split and its merge take, to choose the chunk
+    (``choose_split_chunk``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
+    SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of 4096
+    and 16384 tokens (docs/performance.md, "A chunk for every batch").
+
+    A split task streams its chunk's K and V rows at ``task_bytes_per_us`` after
+    ``task_start_us``, unless the whole cache's stream at ``dram_bytes_per_us`` takes longer;
+    a merge task reads its block's ``S`` fp32 partials at ``merge_bytes_per_us``. Small chunks
+    give many tasks and a long merge, large ones few tasks each streaming for long."""
+
+    num_sms: int = 132
+    ctas_per_sm: int = 2
+    dram_bytes_per_us: float = 3.7e6
+    task_start_us: float = 4.5
+    task_bytes_per_us: float = 2.6e4
+    merge_bytes_per_us: float = 1.5e4
+
+    def time_us(self, batch: int, capacity: int, heads: AttentionHeads, chunk: int) -> float:
+        """The predicted time of the split and merge tasks over a cache of ``capacity`` tokens
+        a sequence (every split task streams its whole chunk)."""
+        slots = self.num_sms * self.ctas_per_sm
+        S = num_splits(capacity, chunk)
+        row_bytes = 4 * heads.head_dim  # a token's K and V rows, bf16
+        blocks = batch * heads.blocks
+        split = max(math.ceil(blocks * S / slots)
+                    * (self.task_start_us + chunk * row_bytes / self.task_bytes_per_us),
+                    blocks * capacity * row_bytes / self.dram_bytes_per_us)
+        partials = S * heads.block * heads.head_dim * 4
+        merge = max(math.ceil(blocks / slots) * partials / self.merge_bytes_per_us,
+                    blocks * partials / self.dram_bytes_per_us)
+        return split + merge
+
+
+def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_30B_A3B,
+                       sub: int = 64, page: int | None = None,
+                       model: SplitCostModel = SplitCostModel()) -> int:
+    """The chunk of ``make_decode_split_mma_tile(chunk, heads, sub, page=page)`` that ``model``
+    predicts fastest for ``batch`` sequences over ``capacity`` cached tokens each: one of
+    ``sub``, ``2 sub``, ``4 sub``, ... up to the first that covers the cache, a multiple of
+    ``page``; on a tie the larger (fewer partials). The best chunk grows with the batch (more
+    tasks to fill the GPU with) and shrinks for a single long sequence (whose merge reads every
+    split's partials in one task)."""
+    if batch < 1 or capacity < 1 or sub < 1:
+        raise EtcError(f"split chunk: batch ({batch}), capacity ({capacity}) and sub ({sub}) "
+                       f"must be positive")
+    candidates, chunk = [], sub
+    while True:
+        if page is None or chunk % page == 0:
+            candidates.append(chunk)
+        if chunk >= capacity:
+            break
+        chunk *= 2
+    if not candidates:
+        raise EtcError(f"split chunk: no chunk of {sub} x 2**k tokens up to the cache's "
+                       f"{capacity} is a multiple of the page ({page} tokens)")
+    return min(reversed(candidates),
+               key=lambda c: model.time_us(batch, capacity, heads, c))
+
+
 def check_page(page, chunk: int | None = None) -> None:
     """Raise unless ``page`` (tokens a page; None for a contiguous cache) is positive and
     divides ``chunk``, so that a split task takes whole pages."""
