@@ -200,7 +200,8 @@ class SplitCostModel:
     A split task streams its chunk's K and V rows at ``task_bytes_per_us`` after
     ``task_start_us``, unless the whole cache's stream at ``dram_bytes_per_us`` takes longer;
     a merge task reads its block's ``S`` fp32 partials at ``merge_bytes_per_us``. Small chunks
-    give many tasks and a long merge, large ones few tasks each streaming for long."""
+    give many tasks and a long merge, large ones few tasks each streaming for long.
+    ``max_chunk``: the longest chunk the fit measured; past it the model would extrapolate."""
 
     num_sms: int = 132
     ctas_per_sm: int = 2
@@ -208,6 +209,7 @@ class SplitCostModel:
     task_start_us: float = 4.5
     task_bytes_per_us: float = 2.6e4
     merge_bytes_per_us: float = 1.5e4
+    max_chunk: int = 2048
 
     def time_us(self, batch: int, capacity: int, heads: AttentionHeads, chunk: int) -> float:
         """The predicted time of the split and merge tasks over a cache of ``capacity`` tokens
@@ -230,10 +232,10 @@ def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_
                        model: SplitCostModel = SplitCostModel()) -> int:
     """The chunk of ``make_decode_split_mma_tile(chunk, heads, sub, page=page)`` that ``model``
     predicts fastest for ``batch`` sequences over ``capacity`` cached tokens each: one of
-    ``sub``, ``2 sub``, ``4 sub``, ... up to the first that covers the cache, a multiple of
-    ``page``; on a tie the larger (fewer partials). The best chunk grows with the batch (more
-    tasks to fill the GPU with) and shrinks for a single long sequence (whose merge reads every
-    split's partials in one task)."""
+    ``sub``, ``2 sub``, ``4 sub``, ... up to the first that covers the cache or
+    ``model.max_chunk``, a multiple of ``page``; on a tie the larger (fewer partials). The
+    best chunk grows with the batch (more tasks to fill the GPU with) and shrinks for a single
+    long sequence (whose merge reads every split's partials in one task)."""
     if batch < 1 or capacity < 1 or sub < 1:
         raise EtcError(f"split chunk: batch ({batch}), capacity ({capacity}) and sub ({sub}) "
                        f"must be positive")
@@ -241,12 +243,13 @@ def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_
     while True:
         if page is None or chunk % page == 0:
             candidates.append(chunk)
-        if chunk >= capacity:
+        if chunk >= min(capacity, model.max_chunk):
             break
         chunk *= 2
     if not candidates:
-        raise EtcError(f"split chunk: no chunk of {sub} x 2**k tokens up to the cache's "
-                       f"{capacity} is a multiple of the page ({page} tokens)")
+        raise EtcError(f"split chunk: no chunk of {sub} x 2**k tokens up to {chunk} (the "
+                       f"cache's {capacity} or the model's max_chunk {model.max_chunk}) is a "
+                       f"multiple of the page ({page} tokens)")
     return min(reversed(candidates),
                key=lambda c: model.time_us(batch, capacity, heads, c))
 
