@@ -63,7 +63,9 @@ fp32 FMA on CUDA cores: decode attention moves 2 x 2D bytes per token for ``2 Gb
 issue 6 - 9 FMAs for each byte HBM delivers (31 TFMA/s against 3.4 - 4.8 TB/s): these tasks
 are near their issue bound as well as their memory bound. ``make_decode_split_mma_tile`` does
 the same split on tensor cores (the K and V rows through shared memory in slices of the chunk,
-the heads the m16 rows of the MMAs; either cache), at the price of P in bf16.
+the heads the m16 rows of the MMAs; either cache), at the price of P in bf16. Its best chunk
+depends on the batch and the context (more tasks to fill the GPU, fewer partials to merge):
+``choose_split_chunk`` picks it from ``SplitCostModel``.
 
 Empty splits: a task whose chunk starts at or beyond the sequence's ``pos[b] + 1`` tokens (every
 task of a sequence with ``pos[b] = -1``) writes ``O_part = 0`` and ``lse = -inf``: its merge
