@@ -197,7 +197,8 @@ class SplitCostModel:
     """What the tensor-core split and its merge take, to choose the chunk
     (``choose_split_chunk``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
     SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of 4096
-    and 16384 tokens (docs/performance.md, "A chunk for every batch").
+    and 16384 tokens (docs/performance.md, "Decode attention on the H200; a chunk for every
+    batch").
 
     A split task streams its chunk's K and V rows at ``task_bytes_per_us`` after
     ``task_start_us``, unless the whole cache's stream at ``dram_bytes_per_us`` takes longer;
