@@ -200,8 +200,9 @@ def split_options(spec: str, batch: int, capacity: int, heads: attention.Attenti
     64 tokens, two in flight, the chunk ``attention.choose_split_chunk`` picks for ``batch``
     sequences of ``capacity`` tokens)."""
     if spec == "auto":
-        return {"chunk": attention.choose_split_chunk(batch, capacity, heads, 64, page),
-                "engine": "mma", "sub": 64, "stages": 2}
+        sub = 64
+        return {"chunk": attention.choose_split_chunk(batch, capacity, heads, sub, page),
+                "engine": "mma", "sub": sub, "stages": 2}
     chunk, engine, *slices = spec.split("x")
     if engine.startswith("mma"):
         sub = int(engine[3:]) if engine[3:] else None
