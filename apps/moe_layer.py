@@ -428,6 +428,27 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     return bn, down_bn or halved_to_divide(bn, hidden)
 
 
+def down_columns_for(tokens: int, top_k: int, experts: int, hidden: int, down_bn: int,
+                     ctas_per_sm: int = 2) -> int:
+    """The down tasks' columns for ``tokens`` where every routed expert is one 16-row tile
+    (at most 16 pairs): ``down_bn`` halved, to at least ``MIN_DOWN_COLUMNS``, as long as
+    twice the tasks of the experts the pairs can reach still fit one round of the persistent
+    CTAs (``ROUND_TASKS`` for each CTA an SM). Few experts of long K make few, long down
+    tasks that leave CTA slots without weights to stream: at one token Mixtral 8x7B's 2 experts made 128 tasks of 1.8 MB for 264 slots (H200, static +
+    graph 219.2 us; 192.2 on 256 tasks of 32 columns, barrier 218.9 -> 208.9)."""
+    pairs = tokens * top_k
+    if pairs > 16:
+        return down_bn
+    tiles = min(pairs, experts)
+    while down_bn // 2 >= MIN_DOWN_COLUMNS and down_bn % 2 == 0 \
+            and 2 * tiles * (hidden // down_bn) <= ROUND_TASKS * ctas_per_sm:
+        down_bn //= 2
+    return down_bn
+
+
+MIN_DOWN_COLUMNS = 32  # the narrowest down tasks down_columns_for makes
+
+
 def halved_to_divide(width: int, columns: int) -> int:
     """``width`` halved until it divides ``columns`` (a layer's hidden size of 2880 takes
     down tasks of 64 columns where 2048 takes 128), or until it is odd."""
@@ -459,7 +480,8 @@ def options_for(tokens: int, **options) -> dict:
     ``grouped_engine_for`` if neither an engine nor tile rows nor TMA down loads are asked
     for, else from "wgmma"), the tiles' threads (``layer_threads_for``) and the CTAs an SM they are
     built for (``ctas_per_sm_for``; build the kernel with ``KernelOptions(ctas_per_sm=...)``
-    of the same), the task columns (``task_columns``), the router's engine
+    of the same), the task columns (``task_columns``; on 16-row tiles the down tasks'
+    from ``down_columns_for``), the router's engine
     (``router_engine_for``), its blocks of tokens and experts (``router_block_for``; top-k's
     tokens from ``topk_tokens_for``), its splits (``router_splits_for``), the combine's columns
     (``combine_cols_for``) and tokens a task (``combine_tokens_for``), whether the down tasks
@@ -512,6 +534,8 @@ def options_for(tokens: int, **options) -> dict:
                                down_bn=options.get("down_bn"),
                                down_loads=options.get("down_loads") or "cp.async",
                                threads=threads)
+    if options.get("down_bn") is None and rows == 16:
+        down_bn = down_columns_for(tokens, top_k, experts, hidden, down_bn, ctas_per_sm)
     combine_cols = options.get("combine_cols") or combine_cols_for(tokens, hidden, ctas_per_sm,
                                                                    threads, down_bn)
     place_offsets = options.get("place_offsets") is not False and align_tokens > 0
@@ -602,14 +626,15 @@ def router_splits_for(tokens: int, router_tokens: int = 8, experts_per_task: int
     return splits
 
 
-# Combine tasks for each CTA an SM: about one a persistent CTA (256 at two CTAs an SM)
-COMBINE_TASKS = 128
+# Tasks for each CTA an SM that make about one round of the persistent CTAs (256 at two
+# CTAs an SM on 132 SMs)
+ROUND_TASKS = 128
 
 
 def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2,
                      threads: int = 128, down_bn: int = 64) -> int:
     """Output columns a combine task writes for ``tokens``: the widest of the whole row and
-    1024 that divides ``hidden`` into multiples of 512 and still makes ``COMBINE_TASKS``
+    1024 that divides ``hidden`` into multiples of 512 and still makes ``ROUND_TASKS``
     tasks for each of ``ctas_per_sm``, else the widest up to 512 (``make_moe_layer``'s
     default); of those the tile takes on ``threads`` (``moe.combine_cols_fit``) in whole
     down tasks of ``down_bn`` columns (512 where none is: a ``down_bn`` that does not divide
@@ -621,7 +646,7 @@ def combine_cols_for(tokens: int, hidden: int = 2048, ctas_per_sm: int = 2,
         return cols % down_bn == 0 and moe.combine_cols_fit(hidden, cols, threads)
 
     wide = [c for c in (hidden, 1024) if c % 512 == 0 and fits(c)]
-    return next((c for c in wide if tokens * (hidden // c) >= COMBINE_TASKS * ctas_per_sm),
+    return next((c for c in wide if tokens * (hidden // c) >= ROUND_TASKS * ctas_per_sm),
                 None) or next((c for c in range(min(hidden, 512), 0, -1) if fits(c)), 512)
 
 
@@ -635,14 +660,14 @@ COMBINE_BLOCKS = (4, 2)
 def combine_tokens_for(tokens: int, hidden: int = 2048, cols: int | None = None,
                        ctas_per_sm: int = 2) -> int:
     """Tokens a combine task sums for ``tokens`` (``make_moe_layer``'s ``combine_tokens``):
-    the most of ``COMBINE_BLOCKS`` that still make ``COMBINE_TASKS`` tasks for each of
+    the most of ``COMBINE_BLOCKS`` that still make ``ROUND_TASKS`` tasks for each of
     ``ctas_per_sm`` of ``cols`` columns (``combine_cols_for`` by default), else 1. The
     combine runs after the last down tiles, where a task's gather of 8 rows waits a round
     trip or two; blocks of tokens keep more of y in flight a task (on the H200, blocks of 4:
     4096 tokens static + graph 967.2 -> 932.7 us, dynamic 988.5 -> 938.7; 1024 tokens
     dynamic 444.2 -> 428.3, static and barrier within 1 us)."""
     cols = cols or combine_cols_for(tokens, hidden, ctas_per_sm)
-    tasks, least = hidden // cols, COMBINE_TASKS * ctas_per_sm
+    tasks, least = hidden // cols, ROUND_TASKS * ctas_per_sm
     return next((b for b in COMBINE_BLOCKS if ceil_div(tokens, b) * tasks >= least), 1)
 
 

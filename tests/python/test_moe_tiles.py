@@ -211,6 +211,23 @@ def test_task_columns_halve_until_they_divide_the_columns():
     assert moe_layer.task_columns(80, 2880, 2880, engine="swapped", down_bn=128) == (128, 128)
 
 
+def test_few_experts_at_few_tokens_take_narrower_down_tasks():
+    """Mixtral's 2 experts at one token: 256 down tasks of 32 columns for 264 CTA slots, not
+    128 of 64; where twice the tasks would pass a round (Qwen3's 8 experts, 256 tasks of 64;
+    Mixtral at two tokens, 4 experts) or an expert may take more than a tile, no change."""
+    def down_bn(model, tokens, **options):
+        return moe_layer.options_for(tokens, **moe_layer.MODELS[model], **options)["down_bn"]
+
+    assert down_bn("mixtral-8x7b", 1) == 32
+    assert down_bn("mixtral-8x7b", 2) == 64
+    assert down_bn("qwen3-30b-a3b", 1) == 64
+    assert down_bn("mixtral-8x7b", 1, down_bn=64) == 64  # asked for: kept
+    # one expert, or a round of 4 CTAs an SM, would take 16 columns: not past the narrowest
+    assert moe_layer.down_columns_for(1, 1, 8, 4096, 64) == moe_layer.MIN_DOWN_COLUMNS == 32
+    assert moe_layer.down_columns_for(1, 2, 8, 4096, 64, ctas_per_sm=4) == 32
+    assert moe_layer.down_columns_for(17, 1, 8, 4096, 64) == 64  # 17 pairs: not one tile each
+
+
 def test_layer_options_refuse_experts_no_router_task_covers():
     with pytest.raises(ValueError, match="no router task on 'fma' covers 60 experts"):
         moe_layer.options_for(1, experts=60)
@@ -1289,7 +1306,7 @@ def test_combine_tasks_sum_more_tokens_while_they_stay_many(tokens, hidden, bloc
     assert moe_layer.combine_tokens_for(tokens, hidden, ctas_per_sm=ctas_per_sm) == block
     assert options["combine_tokens"] == block
     tasks = moe.ceil_div(tokens, block) * (hidden // options["combine_cols"])
-    assert tasks >= moe_layer.COMBINE_TASKS * ctas_per_sm or block == 1
+    assert tasks >= moe_layer.ROUND_TASKS * ctas_per_sm or block == 1
     assert moe_layer.options_for(tokens, hidden=hidden, combine_tokens=3)["combine_tokens"] == 3
 
 
