@@ -196,15 +196,18 @@ def num_splits(max_len, chunk: int):
 class SplitCostModel:
     """What the tensor-core split and its merge take, to choose the chunk
     (``choose_split_chunk``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
-    SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of 4096
-    and 16384 tokens (docs/performance.md, "Decode attention on the H200; a chunk for every
+    SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of
+    2048 - 16384 tokens (docs/performance.md, "Decode attention on the H200; a chunk for every
     batch").
 
     A split task streams its chunk's K and V rows at ``task_bytes_per_us`` after
-    ``task_start_us``, unless the whole cache's stream at ``dram_bytes_per_us`` takes longer;
-    a merge task reads its block's ``S`` fp32 partials at ``merge_bytes_per_us``. Small chunks
-    give many tasks and a long merge, large ones few tasks each streaming for long.
-    ``max_chunk``: the longest chunk the fit measured; past it the model would extrapolate."""
+    ``task_start_us``; the tasks run in waves of the CTA slots, each wave as long as a task
+    or as its bytes take at ``dram_bytes_per_us``, whichever is longer, so that a last wave of
+    a few tasks costs a whole task (at 24 sequences of 8192 tokens, 384 tasks of 2048 tokens
+    on 264 slots took 135.5 us, 768 of 1024 took 119.7). A merge task reads its block's ``S``
+    fp32 partials at ``merge_bytes_per_us``. Small chunks give many tasks and a long merge,
+    large ones few tasks each streaming for long. ``max_chunk``: the longest chunk the fit
+    measured; past it the model would extrapolate."""
 
     num_sms: int = 132
     ctas_per_sm: int = 2
@@ -219,11 +222,12 @@ class SplitCostModel:
         a sequence (every split task streams its whole chunk)."""
         slots = self.num_sms * self.ctas_per_sm
         S = num_splits(capacity, chunk)
-        row_bytes = 4 * heads.head_dim  # a token's K and V rows, bf16
+        task_bytes = chunk * 4 * heads.head_dim  # a token's K and V rows, bf16
+        task_us = self.task_start_us + task_bytes / self.task_bytes_per_us
         blocks = batch * heads.blocks
-        split = max(math.ceil(blocks * S / slots)
-                    * (self.task_start_us + chunk * row_bytes / self.task_bytes_per_us),
-                    blocks * capacity * row_bytes / self.dram_bytes_per_us)
+        full, last = divmod(blocks * S, slots)
+        split = sum(n * max(task_us, tasks * task_bytes / self.dram_bytes_per_us)
+                    for n, tasks in ((full, slots), (last > 0, last)))
         partials = S * heads.block * heads.head_dim * 4
         merge = max(math.ceil(blocks / slots) * partials / self.merge_bytes_per_us,
                     blocks * partials / self.dram_bytes_per_us)
