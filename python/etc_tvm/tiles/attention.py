@@ -204,9 +204,11 @@ class SplitCostModel:
     ``task_start_us``; the tasks run in waves of the CTA slots, each wave as long as a task
     or as its bytes take at ``dram_bytes_per_us``, whichever is longer, so that a last wave of
     a few tasks costs a whole task (at 24 sequences of 8192 tokens, 384 tasks of 2048 tokens
-    on 264 slots took 135.5 us, 768 of 1024 took 119.7). A merge task reads its block's ``S``
-    fp32 partials at ``merge_bytes_per_us``. Small chunks give many tasks and a long merge,
-    large ones few tasks each streaming for long. ``max_chunk``: the longest chunk the fit
+    on 264 slots took 135.5 us, 768 of 1024 took 119.7). What a block's ``S`` splits cost
+    beyond their tokens is fitted as their fp32 partials read by one task at
+    ``merge_bytes_per_us`` (a merge task with the splits dealt over its warps, 8 loads in
+    flight a lane, was no faster: it stands for more than the merge's reads). Small chunks
+    give many tasks and partials, large ones few tasks each streaming for long. ``max_chunk``: the longest chunk the fit
     measured; past it the model would extrapolate."""
 
     num_sms: int = 132
