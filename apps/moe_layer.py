@@ -434,8 +434,9 @@ def down_columns_for(tokens: int, top_k: int, experts: int, hidden: int, down_bn
     (at most 16 pairs): ``down_bn`` halved, to at least ``MIN_DOWN_COLUMNS``, as long as
     twice the tasks of the experts the pairs can reach still fit one round of the persistent
     CTAs (``ROUND_TASKS`` for each CTA an SM). Few experts of long K make few, long down
-    tasks that leave CTA slots without weights to stream: at one token Mixtral 8x7B's 2 experts made 128 tasks of 1.8 MB for 264 slots (H200, static +
-    graph 219.2 us; 192.2 on 256 tasks of 32 columns, barrier 218.9 -> 208.9)."""
+    tasks that leave CTA slots without weights to stream: at one token Mixtral 8x7B's 2
+    experts made 128 tasks of 1.8 MB for 264 slots (H200, static + graph 219.2 us; 192.2 on
+    256 tasks of 32 columns, barrier 218.9 -> 208.9)."""
     pairs = tokens * top_k
     if pairs > 16:
         return down_bn

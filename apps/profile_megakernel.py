@@ -1,9 +1,10 @@
-"""Where the time of a megakernel goes, task by task: the graphs of apps/bench_overhead.py and
-the MoE layer of apps/moe_layer.py built to profile (``KernelOptions(profile=True)``) under
-several strategies. The MoE layer takes apps/bench_moe.py's layer options (``--model``,
-``--bn``, ``--routed-gate-up``, ...; ``bench_moe.layer_parser``), so that a configuration it
-times is profiled with the same flags; ``--ctas-per-sm`` is 1 for the chain and the MLPs
-unless given.
+"""Where the time of a megakernel goes, task by task: the graphs of apps/bench_overhead.py,
+the MoE layer of apps/moe_layer.py and decode attention (append, split, merge; the split
+tasks as bench_tiles.py's ``--attention-splits`` builds them) built to profile
+(``KernelOptions(profile=True)``) under several strategies. The MoE layer takes
+apps/bench_moe.py's layer options (``--model``, ``--bn``, ``--routed-gate-up``, ...;
+``bench_moe.layer_parser``), so that a configuration it times is profiled with the same
+flags; ``--ctas-per-sm`` is 1 for the chain and the MLPs unless given, 2 for attention.
 
 For each graph and strategy: the per-call table of ``Timeline.summary`` (median wait and body
 per task, busy time), the makespan and the median hand-off between consecutive tasks of an
@@ -19,7 +20,9 @@ import numpy as np
 import bench_moe
 import moe_layer
 from bench_overhead import chain, make_mlp, make_split_k_mlp
+from bench_tiles import decode_attention_graph, split_options
 from etc_tvm import build
+from etc_tvm.tiles.attention import QWEN3_30B_A3B
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 WIDTH = 128
@@ -31,9 +34,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128, help="MLP rows (a multiple of 16)")
     parser.add_argument("--strategies", nargs="+", default=["static", "dynamic", "barrier"])
     parser.add_argument("--graphs", nargs="+", default=["chain", "mlp", "mlp-split-k"],
-                        choices=["chain", "mlp", "mlp-split-k", "moe"])
+                        choices=["chain", "mlp", "mlp-split-k", "moe", "attention"])
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 1024],
                         help="token counts of the MoE layer (Qwen3-30B-A3B sizes)")
+    parser.add_argument("--attention", nargs="+", metavar="BxLxSPLIT",
+                        default=["1x16384x256xmma64x2", "1x16384x512xmma64x2"],
+                        help="decode attention cases: B sequences of L cached tokens, split "
+                             "tasks of bench_tiles' --attention-splits spec SPLIT")
     parser.add_argument("--out", default="timelines")
     args = parser.parse_args()
     out = Path(args.out)
@@ -68,6 +75,18 @@ def main() -> None:
                 *moe_layer.make_routing_inputs(rng, tokens, model["hidden"], model["experts"]),
                 *weights],
                 options["ctas_per_sm"])
+    if "attention" in args.graphs:
+        heads = QWEN3_30B_A3B
+        for case in args.attention:
+            B, L, spec = case.split("x", 2)
+            B, L = int(B), int(L)
+            graph = decode_attention_graph(heads=heads,
+                                           **split_options(spec, B, L, heads))
+            rows = [(B, heads.q_heads), (B, heads.kv_heads), (B, heads.kv_heads),
+                    (B, heads.kv_heads, L), (B, heads.kv_heads, L)]
+            cases[f"attention{case}"] = (graph, {"B": B, "L": L}, [
+                *(rng.standard_normal((*r, heads.head_dim)).astype(bf16) for r in rows),
+                np.full(B, L - 1, np.int32)], args.ctas_per_sm or 2)
     for name, (graph, dims, inputs, ctas_per_sm) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy,

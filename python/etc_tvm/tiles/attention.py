@@ -208,8 +208,8 @@ class SplitCostModel:
     beyond their tokens is fitted as their fp32 partials read by one task at
     ``merge_bytes_per_us`` (a merge task with the splits dealt over its warps, 8 loads in
     flight a lane, was no faster: it stands for more than the merge's reads). Small chunks
-    give many tasks and partials, large ones few tasks each streaming for long. ``max_chunk``: the longest chunk the fit
-    measured; past it the model would extrapolate."""
+    give many tasks and partials, large ones few tasks each streaming for long.
+    ``max_chunk``: the longest chunk the fit measured; past it the model would extrapolate."""
 
     num_sms: int = 132
     ctas_per_sm: int = 2
