@@ -224,12 +224,15 @@ class SplitCostModel:
         a sequence (every split task streams its whole chunk)."""
         slots = self.num_sms * self.ctas_per_sm
         S = num_splits(capacity, chunk)
-        task_bytes = chunk * 4 * heads.head_dim  # a token's K and V rows, bf16
+        task_bytes = chunk * 4 * heads.head_dim  # the chunk's K and V rows, bf16
         task_us = self.task_start_us + task_bytes / self.task_bytes_per_us
         blocks = batch * heads.blocks
+
+        def wave_us(tasks: int) -> float:
+            return max(task_us, tasks * task_bytes / self.dram_bytes_per_us)
+
         full, last = divmod(blocks * S, slots)
-        split = sum(n * max(task_us, tasks * task_bytes / self.dram_bytes_per_us)
-                    for n, tasks in ((full, slots), (last > 0, last)))
+        split = full * wave_us(slots) + (wave_us(last) if last else 0.0)
         partials = S * heads.block * heads.head_dim * 4
         merge = max(math.ceil(blocks / slots) * partials / self.merge_bytes_per_us,
                     blocks * partials / self.dram_bytes_per_us)
