@@ -252,7 +252,7 @@ def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_
     ``sub``, ``2 sub``, ``4 sub``, ... up to the first that covers the cache or
     ``model.max_chunk``, a multiple of ``page``; on a tie the larger (fewer partials). The
     best chunk grows with the batch (more tasks to fill the GPU with) and shrinks for a single
-    long sequence (whose merge reads every split's partials in one task)."""
+    long sequence (whose few, long tasks would leave most CTA slots idle)."""
     if batch < 1 or capacity < 1 or sub < 1:
         raise EtcError(f"split chunk: batch ({batch}), capacity ({capacity}) and sub ({sub}) "
                        f"must be positive")
