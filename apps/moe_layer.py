@@ -428,6 +428,9 @@ def task_columns(tile_rows: int, hidden: int, intermediate: int, *, engine: str 
     return bn, down_bn or halved_to_divide(bn, hidden)
 
 
+MIN_DOWN_COLUMNS = 32  # the narrowest down tasks down_columns_for makes
+
+
 def down_columns_for(tokens: int, top_k: int, experts: int, hidden: int, down_bn: int,
                      ctas_per_sm: int = 2) -> int:
     """The down tasks' columns for ``tokens`` where every routed expert is one 16-row tile
@@ -445,9 +448,6 @@ def down_columns_for(tokens: int, top_k: int, experts: int, hidden: int, down_bn
             and 2 * tiles * (hidden // down_bn) <= ROUND_TASKS * ctas_per_sm:
         down_bn //= 2
     return down_bn
-
-
-MIN_DOWN_COLUMNS = 32  # the narrowest down tasks down_columns_for makes
 
 
 def halved_to_divide(width: int, columns: int) -> int:
