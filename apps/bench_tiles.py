@@ -25,6 +25,7 @@ Prints one table and writes JSON (``--json``).
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -197,18 +198,26 @@ def split_options(spec: str, batch: int, capacity: int, heads: attention.Attenti
     """``decode_attention_graph``'s split options from ``CHUNKxUNROLL`` (the CUDA-core tile),
     ``CHUNKxmma`` (the tensor-core tile, the chunk at once), ``CHUNKxmmaSUBxSTAGES`` (the
     tensor-core tile streaming slices of SUB tokens, STAGES in flight) or ``auto`` (slices of
-    64 tokens, two in flight, the chunk ``attention.choose_split_chunk`` picks for ``batch``
-    sequences of ``capacity`` tokens)."""
-    if spec == "auto":
+    64 tokens, two in flight, the chunk and merge parts ``attention.choose_split`` picks for
+    ``batch`` sequences of ``capacity`` tokens); any of them ``xmPARTS`` for a block's merge
+    in PARTS tasks."""
+    *split, last = spec.split("x")
+    parts = {}
+    if re.fullmatch(r"m\d+", last):
+        parts = {"merge_parts": int(last[1:])}
+    else:
+        split.append(last)
+    if split == ["auto"]:
         sub = 64
-        return {"chunk": attention.choose_split_chunk(batch, capacity, heads, sub, page),
-                "engine": "mma", "sub": sub, "stages": 2}
-    chunk, engine, *slices = spec.split("x")
+        chunk, merge_parts = attention.choose_split(batch, capacity, heads, sub, page)
+        return {"chunk": chunk, "engine": "mma", "sub": sub, "stages": 2,
+                "merge_parts": merge_parts, **parts}
+    chunk, engine, *slices = split
     if engine.startswith("mma"):
         sub = int(engine[3:]) if engine[3:] else None
         return {"chunk": int(chunk), "engine": "mma", "sub": sub,
-                "stages": int(slices[0]) if slices else 2}
-    return {"chunk": int(chunk), "unroll": int(engine)}
+                "stages": int(slices[0]) if slices else 2, **parts}
+    return {"chunk": int(chunk), "unroll": int(engine), **parts}
 
 
 def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=("256x4",),
@@ -236,7 +245,8 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
                                           else f" {heads.suffix}") \
                     + ("" if page is None else f" p{page}") \
                     + ("" if len(splits) == 1 else f" {spec}") \
-                    + (f" (c{options['chunk']})" if spec == "auto" else "")
+                    + (f" (c{options['chunk']} m{options['merge_parts']})"
+                       if spec.startswith("auto") else "")
                 graph = decode_attention_graph(heads=heads, page=page, **options)
                 yield Case("attention", label, graph, dims, inputs, torch_decode_attention,
                            2 * (2 * B * Hk * L * D + 2 * B * Hq * D), "TB/s",
@@ -456,8 +466,10 @@ def main() -> None:
                         help="the split tasks' tokens and rows loaded ahead a thread "
                         "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
                         "and its slices and stages (CHUNKxmmaSUBxSTAGES), or that tile with "
-                        "the chunk the cost model picks for each batch and context (auto); "
-                        "one attention row each")
+                        "the chunk and merge parts the cost model picks for each batch and "
+                        "context (auto), "
+                        "each with xmPARTS for a block's merge in PARTS tasks; one attention "
+                        "row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")

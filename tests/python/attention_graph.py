@@ -37,16 +37,17 @@ OTHER_HEADS = {
 @functools.cache
 def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B,
                            unroll: int = 4, page: int | None = None, engine: str = "fma",
-                           sub: int | None = None, stages: int = 2):
+                           sub: int | None = None, stages: int = 2, merge_parts: int = 1):
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16); with
     ``page``, ``decode_attention(q, k_new, v_new, K_pages, V_pages, block_table, seq_lens)``
     over a paged cache. The split tasks run on CUDA cores (``engine`` "fma") or on tensor
-    cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight)."""
+    cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight); a block's merge is
+    ``merge_parts`` tasks."""
     append = attention.make_kv_append_tile(heads, page)
     split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page) \
         if engine == "mma" \
         else attention.make_decode_split_tile(chunk, unroll, heads=heads, page=page)
-    merge = attention.make_decode_merge_tile(heads)
+    merge = attention.make_decode_merge_tile(heads, merge_parts)
     Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block
 
     def attend(q, caches, append_args, capacity):
@@ -62,9 +63,11 @@ def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A
             out=[Tensor((B, heads.blocks, S, Gb, D), name="O_part"),
                  Tensor((B, heads.blocks, S, Gb), name="lse")],
             in_edges={appended: "bhs->b"}, out_edges={split_done: "bhs->bh"})
-        return call_device(merge, tile_num=(B, heads.blocks), args=[O_part, lse, pos],
+        return call_device(merge, tile_num=(B, heads.blocks * merge_parts),
+                           args=[O_part, lse, pos],
                            out=Tensor((B, Hq, D), "bfloat16", name="out"),
-                           in_edges={split_done: "bh->bh"})
+                           in_edges={split_done: "bh->bh" if merge_parts == 1
+                                     else f"bt->b, t // {merge_parts}"})
 
     if page is None:
         @graph_func

@@ -206,8 +206,9 @@ def cubin(source: str, tmp_path) -> Path:
     return build_cubin(source, tmp_path)[0]
 
 
-def one_call_graphs(chunk=256, heads=QWEN3_30B_A3B):
-    """Each tile alone as a graph function (strategy "unfused": one grid launch)."""
+def one_call_graphs(chunk=256, heads=QWEN3_30B_A3B, merge_parts=1):
+    """Each tile alone as a graph function (strategy "unfused": one grid launch); a block's
+    merge in ``merge_parts`` tasks."""
     split = attention.make_decode_split_tile(chunk, heads=heads)
     Hq, Hk, D, blocks, Gb = (heads.q_heads, heads.kv_heads, heads.head_dim, heads.blocks,
                              heads.block)
@@ -235,8 +236,9 @@ def one_call_graphs(chunk=256, heads=QWEN3_30B_A3B):
     def merge_only(O_part: Tensor(("B", blocks, "S", Gb, D)),
                    lse: Tensor(("B", blocks, "S", Gb)), pos: Tensor(("B",), "int32")):
         B = O_part.shape[0]
-        return call_device(attention.make_decode_merge_tile(heads), tile_num=(B, blocks),
-                           args=[O_part, lse, pos], out=Tensor((B, Hq, D), "bfloat16"))
+        return call_device(attention.make_decode_merge_tile(heads, merge_parts),
+                           tile_num=(B, blocks * merge_parts), args=[O_part, lse, pos],
+                           out=Tensor((B, Hq, D), "bfloat16"))
 
     return {"append": append_only, "split": split_only, "merge": merge_only}
 
@@ -284,6 +286,65 @@ def test_other_heads_tiles_and_megakernel_compile_without_spills(model, tmp_path
         assert "LDG.E.128" in sass(build_cubin(source, tmp_path / tile)[0])
     source = build(decode_attention_graph(256, heads), {"B": 4, "L": 1000}, strategy="static",
                    num_sms=132).cuda_source()
+    build_cubin(source, tmp_path)
+
+
+# ------------------------------------------------------------------ a block's merge in parts
+# (heads, parts): every head of a block its own task, and fewer parts of larger blocks
+MERGE_PARTS = [(QWEN3_30B_A3B, 2), (QWEN3_30B_A3B, 8), *((OTHER_HEADS[m], p) for m, p in (
+    ("llama3-8b", 4), ("qwen2.5-7b", 7), ("qwen3-235b-a22b", 8), ("gpt-oss-120b", 8),
+    ("gemma2-9b", 2)))]
+
+
+def merge_id(value):
+    return value.suffix if isinstance(value, AttentionHeads) else str(value)
+
+
+@pytest.mark.parametrize("heads, parts", MERGE_PARTS, ids=merge_id)
+def test_merge_threads_cover_each_vector_and_split_once(heads, parts):
+    """A merge task's threads: every (output vector, split) of the task's heads exactly once,
+    the thread groups all inside the CTA."""
+    for S in (1, 5, 64):
+        seen = []
+        for tx in range(attention.THREADS):
+            threads = attention.MergeThreads(heads, heads.block // parts, tx)
+            for r in range(threads.rounds):
+                if threads.inside(r):
+                    seen += [(threads.vector(r), threads.split(i))
+                             for i in range(threads.splits(S))]
+        want = [(v, s) for v in range(heads.block // parts * heads.lanes) for s in range(S)]
+        assert sorted(seen) == want
+        assert threads.groups * min(threads.count, attention.THREADS) <= attention.THREADS
+
+
+@pytest.mark.parametrize("heads, parts", MERGE_PARTS, ids=merge_id)
+def test_merge_in_parts_on_the_executor_is_within_the_bound(heads, parts):
+    """A block's merge as ``parts`` tasks, each waiting on its block's splits: the graph on
+    the reference executor in a random order, within the bound."""
+    max_len, lengths = MIXES["one_long"]
+    graph = decode_attention_graph(64, heads, merge_parts=parts)
+    tg = TaskGraph.build(graph, {"B": len(lengths), "L": max_len})
+    assert tg.calls[2].grid == (len(lengths), heads.blocks * parts)
+    inputs = make_inputs(max_len, lengths, heads=heads)
+    out = execute(graph, *inputs, order=RandomOrder(seed=parts))
+    want, bound = attention.error_bound(*inputs, chunk=64)
+    assert_within(out, want, bound)
+
+
+def test_merge_parts_must_divide_the_block():
+    with pytest.raises(EtcError, match="parts \\(3\\) must divide the 8 query heads"):
+        attention.make_decode_merge_tile(QWEN3_30B_A3B, 3)
+
+
+@pytest.mark.parametrize("heads, parts", MERGE_PARTS, ids=merge_id)
+def test_merge_in_parts_compiles_without_spills(heads, parts, tmp_path):
+    """Alone (16-byte loads of the partials), and in the static megakernel."""
+    source = build(one_call_graphs(256, heads, parts)["merge"], {"B": 4, "S": 4},
+                   strategy="unfused", num_sms=132).cuda_source()
+    (tmp_path / "merge").mkdir()
+    assert "LDG.E.128" in sass(build_cubin(source, tmp_path / "merge")[0])
+    source = build(decode_attention_graph(256, heads, engine="mma", sub=64, merge_parts=parts),
+                   {"B": 4, "L": 1000}, strategy="static", num_sms=132).cuda_source()
     build_cubin(source, tmp_path)
 
 
@@ -555,36 +616,63 @@ H100_SPLIT_US = {
     *((attention.SplitCostModel(), B, L, t) for (B, L), t in sorted(H200_SPLIT_US.items())),
     *((attention.H100_SPLIT_COST, B, L, t) for (B, L), t in sorted(H100_SPLIT_US.items()))])
 def test_split_chunk_choice_is_the_fastest_measured(model, batch, capacity, times):
-    """The cost model's chunk is the fastest of those measured, within 1% (4% at 48
+    """With a block's merge one task, the cost model's chunk is the fastest of those
+    measured, within 1% (4% at 48
     sequences of 2048 tokens, where the model's streams of 512 and 2048 tie and 2048's one
     split a block wins by 0.8 us): on the H200 256 tokens
     for one to four sequences of 4096, 512 for one of 16384, larger as the batch grows, up
     to the longest measured, but 1024 at 24 sequences of 8192, whose 2048-token tasks would
     end in a wave of 120; on an H100, whose slower stream is the model's only change, 1024
     at 8 sequences where the H200 takes 512."""
-    chunk = attention.choose_split_chunk(batch, capacity, model=model)
+    chunk = attention.choose_split(batch, capacity, model=model).chunk
     slack = 1.04 if (batch, capacity) == (48, 2048) else 1.01
     assert times[chunk] <= slack * min(times.values()), (chunk, times)
 
 
-def test_split_chunk_choice_is_a_chunk_the_tile_takes():
-    assert attention.choose_split_chunk(1, 100) == 64
-    assert attention.choose_split_chunk(64, 100) == 128  # one chunk covers the cache
+# On an H100 SXM (bench_tiles --attention-splits CHUNKxmma64x2[xmPARTS], 30 replays, each
+# row's chunks in one run): us of the append, split and merge, (chunk, merge parts) -> us.
+H100_MERGE_PARTS_US = {
+    (1, 4096): {(256, 1): 13.76, (256, 8): 13.13, (512, 1): 17.64, (512, 8): 17.24,
+                (128, 8): 12.36, (1024, 8): 28.39},
+    (1, 16384): {(256, 1): 28.47, (256, 8): 23.79, (512, 1): 24.76, (512, 8): 22.22},
+    (8, 4096): {(256, 1): 39.59, (256, 8): 37.86, (512, 2): 36.81, (512, 8): 36.01,
+                (1024, 1): 35.57, (1024, 2): 36.55, (2048, 1): 49.10, (2048, 2): 49.34},
+    (32, 4096): {(256, 1): 115.92, (256, 8): 113.73, (512, 2): 112.53, (512, 8): 110.27,
+                 (1024, 1): 113.04, (1024, 2): 111.26, (2048, 1): 108.88, (2048, 2): 109.94},
+}
+
+
+@pytest.mark.parametrize("batch, capacity", [(1, 4096), (1, 16384), (32, 4096)])
+def test_merge_parts_are_no_slower_than_one_merge_task(batch, capacity):
+    """The parts chosen for the chosen chunk against one merge task a block: 5 and 10%
+    faster at one sequence of 4096 and 16384 tokens, within 1% at 32 sequences (two parts,
+    256 merge tasks in one wave either way)."""
+    times = H100_MERGE_PARTS_US[batch, capacity]
+    chunk, parts = attention.choose_split(batch, capacity, model=attention.H100_SPLIT_COST)
+    assert parts > 1
+    assert times[chunk, parts] <= 1.01 * times[chunk, 1], (chunk, parts, times)
+
+
+def test_split_choice_is_a_chunk_and_merge_the_tiles_take():
+    assert attention.choose_split(1, 100).chunk == 64
+    assert attention.choose_split(64, 100).chunk == 128  # one chunk covers the cache
     for page in (16, 128, 256):
-        chunk = attention.choose_split_chunk(1, 4096, page=page)
+        chunk, parts = attention.choose_split(1, 4096, page=page)
         assert chunk % page == 0
         attention.make_decode_split_mma_tile(chunk, sub=64, page=page)
+        attention.make_decode_merge_tile(QWEN3_30B_A3B, parts)
     heads = AttentionHeads(64, 4, 64, max_block=16)
-    chunk = attention.choose_split_chunk(32, 4096, heads, sub=128)
+    chunk, parts = attention.choose_split(32, 4096, heads, sub=128)
     assert chunk % 128 == 0
     attention.make_decode_split_mma_tile(chunk, heads, sub=128)
+    attention.make_decode_merge_tile(heads, parts)
     with pytest.raises(EtcError, match=r"batch \(0\), capacity \(4096\) and sub \(64\) must "
                        r"be positive"):
-        attention.choose_split_chunk(0, 4096)
+        attention.choose_split(0, 4096)
     with pytest.raises(EtcError, match=r"no chunk of 64 x 2\*\*k tokens up to 128 \(the "
                        r"cache's 100 or the model's max_chunk 2048\) is a multiple of the page "
                        r"\(96 tokens\)"):
-        attention.choose_split_chunk(1, 100, page=96)
-    assert attention.choose_split_chunk(512, 1 << 20) == 2048
-    assert attention.choose_split_chunk(
-        512, 1 << 20, model=attention.SplitCostModel(max_chunk=1 << 14)) == 1 << 14
+        attention.choose_split(1, 100, page=96)
+    assert attention.choose_split(512, 1 << 20).chunk == 2048
+    assert attention.choose_split(
+        512, 1 << 20, model=attention.SplitCostModel(max_chunk=1 << 14)).chunk == 1 << 14

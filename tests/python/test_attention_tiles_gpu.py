@@ -18,7 +18,7 @@ from etc_tvm.tiles import attention
 from etc_tvm.tiles.attention import QWEN3_30B_A3B, AttentionHeads
 
 from attention_graph import OTHER_HEADS, decode_attention_graph, make_inputs, make_paged_inputs
-from test_attention_tiles import one_call_graphs
+from test_attention_tiles import MERGE_PARTS, merge_id, one_call_graphs
 from test_tiles import assert_within
 
 pytestmark = pytest.mark.gpu
@@ -179,6 +179,24 @@ def test_mma_split_other_heads(model, chunk, sub):
     inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
     want, bound = float64_reference(inputs, chunk, "mma")
     assert_within(compiled(*inputs), want, bound)
+
+
+@pytest.mark.parametrize("strategy", ["static", "unfused"])
+@pytest.mark.parametrize("heads, parts", MERGE_PARTS, ids=merge_id)
+def test_merge_in_parts(heads, parts, strategy):
+    """A block's merge in parts after 64-token splits on tensor cores: 64 splits a block,
+    most of them empty for the short sequences, and 5, fewer than a task's groups of
+    threads; within the bound, and 20 launches identical."""
+    for max_len in (4096, 300):
+        compiled = build(decode_attention_graph(64, heads, engine="mma", merge_parts=parts),
+                         {"B": 4, "L": max_len}, strategy=strategy)
+        inputs = make_inputs(max_len, lengths(4, max_len), seed="parts", heads=heads)
+        first = compiled(*inputs)
+        want, bound = float64_reference(inputs, 64, "mma")
+        assert_within(first, want, bound)
+        for _ in range(20):
+            np.testing.assert_array_equal(compiled(*inputs).view(np.uint16),
+                                          first.view(np.uint16))
 
 
 def test_megakernel_updates_the_device_cache_in_place():

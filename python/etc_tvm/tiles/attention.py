@@ -10,7 +10,8 @@ query heads ``h*Gb .. h*Gb+Gb-1`` (KV head ``h*Gb // G``)::
     append, task b:       K_cache[b, :, seq_lens[b]] = k_new[b]; likewise V; pos[b] = seq_lens[b]
     split,  task (b,h,s): the Gb query heads of block h over tokens [s*chunk, (s+1)*chunk)
                           of 0 .. pos[b]: O_part[b,h,s] (normalised, fp32) and lse[b,h,s]
-    merge,  task (b,h):   out[b, h*Gb : h*Gb+Gb] = the lse-weighted mean of O_part[b,h,:] (bf16)
+    merge,  task (b,h):   out[b, h*Gb : h*Gb+Gb] = the lse-weighted mean of O_part[b,h,:] (bf16);
+                          in P parts a block, task (b, h*P + p) the part p of those heads
 
 Layouts. ``K_cache, V_cache: [B, Hk, max_len, D]`` (kv-head major, "HND"): a split task's
 chunk is one contiguous run of ``chunk * 2D`` bytes, read as whole DRAM pages (and a later TMA
@@ -65,12 +66,13 @@ are near their issue bound as well as their memory bound. ``make_decode_split_mm
 the same split on tensor cores (the K and V rows through shared memory in slices of the chunk,
 the heads the m16 rows of the MMAs; either cache), at the price of P in bf16. Its best chunk
 depends on the batch and the context (more tasks to fill the GPU, fewer partials to merge):
-``choose_split_chunk`` picks it from ``SplitCostModel``.
+``choose_split`` picks it, and the merge's parts, from ``SplitCostModel``.
 
 Empty splits: a task whose chunk starts at or beyond the sequence's ``pos[b] + 1`` tokens (every
 task of a sequence with ``pos[b] = -1``) writes ``O_part = 0`` and ``lse = -inf``: its merge
 weight ``exp2(-inf - M)`` is exactly 0. Split 0 of a valid sequence always holds a token, so
-the merge's maximum ``M`` is finite.
+the merge's maximum ``M`` is finite. (A merge task's group of threads whose splits are all empty
+weighs 0 against the others, ``MergeThreads``.)
 
 Numeric contract (bf16 inputs, fp32 math with TVM's fast math: ``ex2.approx``, ``lg2.approx``,
 approximate division), against float64 attention of the same bf16 values (``error_bound``).
@@ -99,6 +101,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -194,8 +197,8 @@ def num_splits(max_len, chunk: int):
 
 @dataclasses.dataclass(frozen=True)
 class SplitCostModel:
-    """What the tensor-core split and its merge take, to choose the chunk
-    (``choose_split_chunk``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
+    """What the tensor-core split and its merge take, to choose the chunk and the merge's
+    parts (``choose_split``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
     SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of
     2048 - 16384 tokens (docs/performance.md, "Decode attention on the H200; a chunk for every
     batch").
@@ -206,8 +209,9 @@ class SplitCostModel:
     a few tasks costs a whole task (at 24 sequences of 8192 tokens, 384 tasks of 2048 tokens
     on 264 slots took 135.5 us, 768 of 1024 took 119.7). What a block's ``S`` splits cost
     beyond their tokens is fitted as their fp32 partials read by one task at
-    ``merge_bytes_per_us`` (a merge task with the splits dealt over its warps, 8 loads in
-    flight a lane, was no faster: it stands for more than the merge's reads). Small chunks
+    ``merge_bytes_per_us`` (with one merge task a block; it stands for more than the
+    partials' reads), and a block merged in parts (``make_decode_merge_tile(heads, parts)``)
+    as each part's share read by its own task, the tasks in waves of the slots. Small chunks
     give many tasks and partials, large ones few tasks each streaming for long.
     ``max_chunk``: the longest chunk the fit measured; past it the model would extrapolate."""
 
@@ -219,9 +223,11 @@ class SplitCostModel:
     merge_bytes_per_us: float = 1.5e4
     max_chunk: int = 2048
 
-    def time_us(self, batch: int, capacity: int, heads: AttentionHeads, chunk: int) -> float:
+    def time_us(self, batch: int, capacity: int, heads: AttentionHeads, chunk: int,
+                merge_parts: int = 1) -> float:
         """The predicted time of the split and merge tasks over a cache of ``capacity`` tokens
-        a sequence (every split task streams its whole chunk)."""
+        a sequence (every split task streams its whole chunk), a block's merge in
+        ``merge_parts`` tasks."""
         slots = self.num_sms * self.ctas_per_sm
         S = num_splits(capacity, chunk)
         task_bytes = chunk * 4 * heads.head_dim  # the chunk's K and V rows, bf16
@@ -234,8 +240,8 @@ class SplitCostModel:
         full, last = divmod(blocks * S, slots)
         split = full * wave_us(slots) + (wave_us(last) if last else 0.0)
         partials = S * heads.block * heads.head_dim * 4
-        merge = max(math.ceil(blocks / slots) * partials / self.merge_bytes_per_us,
-                    blocks * partials / self.dram_bytes_per_us)
+        merge = max(math.ceil(blocks * merge_parts / slots) * partials / merge_parts
+                    / self.merge_bytes_per_us, blocks * partials / self.dram_bytes_per_us)
         return split + merge
 
 
@@ -244,15 +250,25 @@ class SplitCostModel:
 H100_SPLIT_COST = SplitCostModel(dram_bytes_per_us=2.7e6)
 
 
-def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_30B_A3B,
-                       sub: int = 64, page: int | None = None,
-                       model: SplitCostModel = SplitCostModel()) -> int:
-    """The chunk of ``make_decode_split_mma_tile(chunk, heads, sub, page=page)`` that ``model``
-    predicts fastest for ``batch`` sequences over ``capacity`` cached tokens each: one of
-    ``sub``, ``2 sub``, ``4 sub``, ... up to the first that covers the cache or
-    ``model.max_chunk``, a multiple of ``page``; on a tie the larger (fewer partials). The
-    best chunk grows with the batch (more tasks to fill the GPU with) and shrinks for a single
-    long sequence (whose few, long tasks would leave most CTA slots idle)."""
+class SplitChoice(NamedTuple):
+    """The split tile's chunk and the tasks of a block's merge (``choose_split``)."""
+
+    chunk: int
+    merge_parts: int
+
+
+def choose_split(batch: int, capacity: int, heads: AttentionHeads = QWEN3_30B_A3B,
+                 sub: int = 64, page: int | None = None,
+                 model: SplitCostModel = SplitCostModel()) -> SplitChoice:
+    """The chunk of ``make_decode_split_mma_tile(chunk, heads, sub, page=page)`` and the parts
+    of ``make_decode_merge_tile(heads, parts)`` for ``batch`` sequences over ``capacity``
+    cached tokens each. The chunk is the one ``model`` predicts fastest with a block's merge
+    in one task, as its fit measured them: one of ``sub``, ``2 sub``, ``4 sub``, ... up to
+    the first that covers the cache or ``model.max_chunk``, a multiple of ``page``, on a tie
+    the larger (fewer partials). It grows with the batch (more tasks to fill the GPU with)
+    and shrinks for a single long sequence (whose few, long tasks would leave most CTA slots
+    idle). The parts, a divisor of the block, are then the fastest merge for that chunk, on
+    a tie the fewer: as many as keep a block's merge tasks within one wave of the slots."""
     if batch < 1 or capacity < 1 or sub < 1:
         raise EtcError(f"split chunk: batch ({batch}), capacity ({capacity}) and sub ({sub}) "
                        f"must be positive")
@@ -267,8 +283,10 @@ def choose_split_chunk(batch: int, capacity: int, heads: AttentionHeads = QWEN3_
         raise EtcError(f"split chunk: no chunk of {sub} x 2**k tokens up to {chunk} (the "
                        f"cache's {capacity} or the model's max_chunk {model.max_chunk}) is a "
                        f"multiple of the page ({page} tokens)")
-    return min(reversed(candidates),
-               key=lambda c: model.time_us(batch, capacity, heads, c))
+    chunk = min(reversed(candidates), key=lambda c: model.time_us(batch, capacity, heads, c))
+    parts = min((p for p in range(1, heads.block + 1) if heads.block % p == 0),
+                key=lambda p: model.time_us(batch, capacity, heads, chunk, p))
+    return SplitChoice(chunk, parts)
 
 
 def check_page(page, chunk: int | None = None) -> None:
@@ -442,6 +460,48 @@ class HeadOutputs:
     def inside(self, r):
         """Whether round r of this thread has a vector (Python True where every one does)."""
         return self.count % THREADS == 0 or self.vector(r) < self.count
+
+
+@T.meta_class
+class MergeThreads:
+    """A merge task's threads over its ``heads x lanes`` 16-byte output vectors: in rounds of
+    128 vectors where they fill the CTA (``HeadOutputs``' order), else one vector a thread in
+    ``groups`` groups, group k taking splits k, k + groups, ..., so that a task of few heads
+    still keeps every thread's loads in flight (the groups' sums meet in shared memory)."""
+
+    def __init__(self, heads: AttentionHeads, task_heads: int, tx):
+        self.lanes = heads.lanes
+        self.count = task_heads * heads.lanes
+        self.groups = max(1, THREADS // self.count)
+        self.rounds = (self.count + THREADS - 1) // THREADS
+        self.tx = tx
+
+    def vector(self, r):
+        return r * THREADS + self.tx if self.groups == 1 else self.tx % self.count
+
+    def group(self):
+        return self.tx // self.count
+
+    def head(self, r):
+        return self.vector(r) // self.lanes
+
+    def col(self, r):
+        return self.vector(r) % self.lanes * VEC
+
+    def inside(self, r):
+        """Whether round r of this thread has a vector (Python True where every one does)."""
+        used = self.count * self.groups
+        if self.groups == 1:
+            return self.count % THREADS == 0 or self.vector(r) < self.count
+        return used == THREADS or self.tx < used
+
+    def splits(self, S):
+        """How many of the S splits this thread's group takes."""
+        return S if self.groups == 1 else (S - self.group() + self.groups - 1) // self.groups
+
+    def split(self, i):
+        """The group's i-th split."""
+        return i if self.groups == 1 else self.group() + i * self.groups
 
 
 @T.inline
@@ -965,16 +1025,24 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
 
 
 @functools.cache
-def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
-    """The tile ``decode_merge_<heads>``: task (b, h) rescales the splits of query-head block
-    h by ``exp2(lse_s - max lse)`` and writes their normalised sum as bf16; a thread owns one
-    head's 8 dims a round (``HeadOutputs``: two 16-byte fp32 loads per split, one bf16
-    store)."""
+def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1) -> DeviceFunc:
+    """The tile ``decode_merge_<heads>`` (``_m<parts>`` where ``parts`` > 1): task (b, t)
+    rescales the splits of query-head block ``t // parts`` by ``exp2(lse_s - max lse)`` and
+    writes their normalised sum as bf16, for the ``Gb / parts`` heads of part ``t % parts``.
+    Parts spread a block's partials over more CTAs, which a few long sequences need: one
+    task reading S splits alone takes S round trips a thread. A thread owns one head's 8
+    dims (``MergeThreads``: two 16-byte fp32 loads per split, one bf16 store); the threads
+    that a part's heads leave over take shares of the splits."""
     G, D = heads.block, heads.head_dim
+    if parts < 1 or G % parts:
+        raise EtcError(f"decode merge: parts ({parts}) must divide the {G} query heads of a "
+                       f"block ({heads})")
+    Gp = G // parts
     B, S = tirx.Var("B", "int32"), tirx.Var("S", "int32")
+    groups = MergeThreads(heads, Gp, 0).groups
 
     @T.prim_func
-    def decode_merge(b: T.int32, h: T.int32,
+    def decode_merge(b: T.int32, t: T.int32,
                      O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
                      lse: T.Buffer((B, heads.blocks, S, G), "float32"),
                      pos: T.Buffer((B,), "int32"),
@@ -987,18 +1055,23 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
         top = T.local_scalar("float32")
         weight = T.local_scalar("float32")
         total = T.local_scalar("float32")
-        outs = HeadOutputs(heads, tx)
-        for r in T.unroll(outs.rounds):
-            if outs.inside(r):
-                g = T.meta_var(outs.head(r))
-                col = T.meta_var(outs.col(r))
+        h = T.meta_var(t if parts == 1 else t // parts)
+        first = T.meta_var(0 if parts == 1 else t % parts * Gp)
+        threads = MergeThreads(heads, Gp, tx)
+        if groups > 1:
+            sums = T.alloc_shared((groups, threads.count, VEC + 2), "float32")
+        for r in T.unroll(threads.rounds):
+            if threads.inside(r):
+                g = T.meta_var(first + threads.head(r))
+                col = T.meta_var(threads.col(r))
                 top = T.float32(NEG_INF)
-                for s in T.serial(S):
-                    top = T.max(top, lse[b, h, s, g])
+                for i in T.serial(threads.splits(S)):
+                    top = T.max(top, lse[b, h, threads.split(i), g])
                 total = T.float32(0)
                 for e in T.unroll(VEC):
                     acc[e] = T.float32(0)
-                for s in T.serial(S):
+                for i in T.serial(threads.splits(S)):
+                    s = T.meta_var(threads.split(i))
                     weight = T.exp2(lse[b, h, s, g] - top)  # 0 for an empty split (lse = -inf)
                     total = total + weight
                     for e in T.vectorized(VEC // 2):
@@ -1007,23 +1080,58 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B) -> DeviceFunc:
                         part[VEC // 2 + e] = O_part[b, h, s, g, col + VEC // 2 + e]
                     for e in T.unroll(VEC):
                         acc[e] = acc[e] + weight * part[e]
+                if groups == 1:
+                    for e in T.unroll(VEC):
+                        res[e] = T.Cast("bfloat16", T.if_then_else(
+                            pos[b] >= 0, acc[e] / total, T.float32(float("nan"))))
+                    for e in T.vectorized(VEC):
+                        out[b, h * G + g, col + e] = res[e]
+                else:
+                    # a group whose splits are all empty (or none) has top = -inf: weight 0
+                    v = T.meta_var(threads.vector(r))
+                    k = T.meta_var(threads.group())
+                    sums[k, v, 0] = top
+                    sums[k, v, 1] = T.if_then_else(top > T.float32(NEG_INF), total,
+                                                   T.float32(0))
+                    for e in T.unroll(VEC):
+                        sums[k, v, 2 + e] = T.if_then_else(top > T.float32(NEG_INF), acc[e],
+                                                           T.float32(0))
+        if groups > 1:
+            T.cuda.cta_sync()
+            if tx < threads.count:
+                top = sums[0, tx, 0]
+                for k in T.unroll(1, groups):
+                    top = T.max(top, sums[k, tx, 0])
+                total = T.float32(0)
                 for e in T.unroll(VEC):
-                    res[e] = T.Cast("bfloat16", T.if_then_else(pos[b] >= 0, acc[e] / total,
-                                                              T.float32(float("nan"))))
+                    acc[e] = T.float32(0)
+                for k in T.unroll(groups):
+                    weight = T.if_then_else(sums[k, tx, 0] > T.float32(NEG_INF),
+                                            T.exp2(sums[k, tx, 0] - top), T.float32(0))
+                    total = total + weight * sums[k, tx, 1]
+                    for e in T.unroll(VEC):
+                        acc[e] = acc[e] + weight * sums[k, tx, 2 + e]
+                for e in T.unroll(VEC):
+                    res[e] = T.Cast("bfloat16", T.if_then_else(
+                        pos[b] >= 0, acc[e] / total, T.float32(float("nan"))))
                 for e in T.vectorized(VEC):
-                    out[b, h * G + g, col + e] = res[e]
+                    out[b, h * G + first + threads.head(0), threads.col(0) + e] = res[e]
 
-    tile = device_func(decode_merge.with_attr("global_symbol", f"decode_merge_{heads.suffix}"))
+    name = f"decode_merge_{heads.suffix}" + ("" if parts == 1 else f"_m{parts}")
+    tile = device_func(decode_merge.with_attr("global_symbol", name))
 
     @tile.set_reference
-    def _(b, h, O_part, lse, pos, out):
-        block = slice(h * G, (h + 1) * G)
+    def _(b, t, O_part, lse, pos, out):
+        h, heads_of = divmod(t, parts)
+        block = slice(h * G + heads_of * Gp, h * G + (heads_of + 1) * Gp)
         if pos[b] < 0:
             out[b, block] = np.nan
             return
-        weight = np.exp2(lse[b, h] - lse[b, h].max(axis=0))  # (S, Gb)
+        part_lse = lse[b, h, :, heads_of * Gp:(heads_of + 1) * Gp]  # (S, Gp)
+        weight = np.exp2(part_lse - part_lse.max(axis=0))
         total = weight.sum(axis=0, dtype=np.float32)
-        value = np.einsum("sg,sgd->gd", weight, O_part[b, h]) / total[:, None]
+        value = np.einsum("sg,sgd->gd", weight,
+                          O_part[b, h, :, heads_of * Gp:(heads_of + 1) * Gp]) / total[:, None]
         out[b, block] = value.astype(out.dtype)
 
     return tile
