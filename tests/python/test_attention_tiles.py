@@ -556,7 +556,8 @@ def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, s
                                                                          tmp_path):
     """A sliced task's loop computes one 64-token slice (a quarter of its m16 blocks a warp),
     loads ``stages`` slices on entry and, where the chunk holds more, one slice an iteration;
-    no register spilled."""
+    its copy groups counted so that each slice waits for its own (a chunk of exactly
+    ``stages`` slices too); no register spilled."""
     sub, D = 64, 128
     graph = decode_attention_graph(chunk, engine="mma", sub=sub, stages=stages)
     cubin, _ = build_cubin(build(graph, {"B": 4, "L": 1000}, strategy="unfused",
@@ -566,6 +567,12 @@ def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, s
     in_loop = chunk > stages * sub
     copies = 2 * sub * D // 8 // 128  # a slice's K and V rows, 16-byte copies a thread
     assert count(code, "LDGSTS.E.BYPASS.128") == (min(stages, chunk // sub) + in_loop) * copies
+    # K and V a group each: the prologue's slices, then two groups an iteration (empty past
+    # the last slice), so that slice j's waits, 2 stages - 1 and 2 stages - 2 groups left in
+    # flight, always count its own
+    assert count(code, "LDGDEPBAR") == 2 * min(stages, chunk // sub) + 2
+    assert sorted(set(re.findall(r"DEPBAR\.LE SB0, (0x\w+)", code))) == \
+        [hex(2 * stages - 2), hex(2 * stages - 1)]
 
 
 def test_attention_tiles_run_128_threads_like_the_rest_of_the_library():

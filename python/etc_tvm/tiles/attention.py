@@ -1007,6 +1007,9 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                     T.cuda.cta_sync()
                     load_slice(Ks, K_row, count, j + stages, tx)
                     load_slice(Vs, V_row, count, j + stages, tx)
+                elif stages > 1:  # two empty groups, so that the waits above count slice
+                    T.ptx.cp.async_.commit_group()  # j + 1's copies among the last four
+                    T.ptx.cp.async_.commit_group()
             for hh in T.unroll(2):
                 if hh * 8 + lane // 4 < G:
                     for n in T.unroll(col_blocks):
