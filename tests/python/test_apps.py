@@ -2,11 +2,14 @@
 import importlib.util
 import runpy
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from cubin import NVCC
+from etc_tvm.tiles import attention
 
 APPS = Path(__file__).resolve().parents[2] / "apps"
 
@@ -33,6 +36,30 @@ def test_readme_tour_runs(tmp_path):
     scope = runpy.run_path(str(tour))
     assert (scope["y"] == 9).all() and scope["y"].shape == (64, 64)
     assert scope["dot"].startswith('digraph "graph"')
+
+
+def test_bench_tiles_split_specs(monkeypatch):
+    """bench_tiles' ``--attention-splits`` specs, a block's merge in parts among them
+    (PyTorch, which the script times against, stood in by an empty module where it is not
+    installed)."""
+    if importlib.util.find_spec("torch") is None:
+        torch = types.ModuleType("torch")
+        torch.Tensor = object
+        monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.syspath_prepend(str(APPS))
+    split_options = load("bench_tiles").split_options
+    heads = attention.QWEN3_30B_A3B
+    assert split_options("256xmma64x2xm8", 1, 4096, heads) == {
+        "chunk": 256, "engine": "mma", "sub": 64, "stages": 2, "merge_parts": 8}
+    assert split_options("512xmma", 1, 4096, heads) == {
+        "chunk": 512, "engine": "mma", "sub": None, "stages": 2}
+    assert split_options("128x4xm2", 1, 4096, heads) == {
+        "chunk": 128, "unroll": 4, "merge_parts": 2}
+    chunk, parts = attention.choose_split(1, 16384, heads)
+    assert (chunk, parts) == (512, 8)
+    assert split_options("auto", 1, 16384, heads) == {
+        "chunk": chunk, "engine": "mma", "sub": 64, "stages": 2, "merge_parts": parts}
+    assert split_options("autoxm1", 1, 16384, heads)["merge_parts"] == 1
 
 
 @pytest.mark.parametrize("probe", sorted(p.name for p in APPS.glob("*.cu")))
