@@ -475,9 +475,8 @@ def main() -> None:
                         "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
                         "and its slices and stages (CHUNKxmmaSUBxSTAGES), or that tile with "
                         "the chunk and merge parts the cost model picks for each batch and "
-                        "context (auto), "
-                        "each with xmPARTS for a block's merge in PARTS tasks; one attention "
-                        "row each")
+                        "context (auto), each with xmPARTS for a block's merge in PARTS "
+                        "tasks; one attention row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")
