@@ -55,6 +55,16 @@ def float64_reference(inputs, chunk=CHUNK, engine="fma"):
     return want, bound
 
 
+def assert_attention(out, want, bound):
+    """Within the float64 bound element by element, and as a whole within 1% (the norm of
+    the difference against float64's): the element bound allows a weight 2**-8 off (P in
+    bf16), which left a tile whose second slice read rows still landing at 2e-2 inside it;
+    a correct tile is at 2e-3, the bf16 rounding of its output."""
+    assert_within(out, want, bound)
+    got = np.asarray(out, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
 def one_launch_each(B, max_len, heads=QWEN3_30B_A3B):
     """append, then split, then merge as three launches: the cache is updated in place on the
     device, the partials of empty chunks are neutral, and the output is within the bound."""
@@ -84,7 +94,7 @@ def one_launch_each(B, max_len, heads=QWEN3_30B_A3B):
 
     out = build(graphs["merge"], {"B": B, "S": S}, strategy="unfused")(O_part, lse, pos)
     want, bound = float64_reference(inputs)
-    assert_within(out, want, bound)
+    assert_attention(out, want, bound)
 
 
 @pytest.mark.parametrize("B, max_len", CASES)
@@ -98,7 +108,7 @@ def test_decode_attention_megakernel(B, max_len):
     inputs = make_inputs(max_len, lengths(B, max_len))
     out = compiled(*inputs)
     want, bound = float64_reference(inputs)
-    assert_within(out, want, bound)
+    assert_attention(out, want, bound)
 
 
 @pytest.mark.parametrize("model", sorted(OTHER_HEADS))
@@ -113,7 +123,7 @@ def test_other_heads(model):
     inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
     first = compiled(*inputs)
     want, bound = float64_reference(inputs)
-    assert_within(first, want, bound)
+    assert_attention(first, want, bound)
     for _ in range(99):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
@@ -136,7 +146,7 @@ def test_paged_cache(B, max_len, page, strategy, engine):
     K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in (K_pages, V_pages))
     out = run(q, k_new, v_new, K_dev, V_dev, block_table, seq_lens)
     want, bound = float64_reference(contiguous, CHUNK, engine)
-    assert_within(out, want, bound)
+    assert_attention(out, want, bound)
     for b, at in enumerate(seq_lens):
         if 0 <= at < max_len:
             np.testing.assert_array_equal(
@@ -147,7 +157,7 @@ def test_paged_cache(B, max_len, page, strategy, engine):
     with pytest.raises(ExecutionError, match=r"block_table holds the page id "
                        rf"{len(K_pages) + 5}, outside the pages of the cache"):
         run(q, k_new, v_new, K_pages, V_pages, bad, seq_lens)
-    assert_within(run(*paged), want, bound)
+    assert_attention(run(*paged), want, bound)
 MMA_SPLITS = [(128, None, 1), (128, 64, 2), (512, 64, 2)]  # (chunk, sub, stages)
 
 
@@ -162,7 +172,7 @@ def test_mma_split_megakernel(B, max_len, chunk, sub, stages):
     inputs = make_inputs(max_len, lengths(B, max_len), seed="mma")
     first = compiled(*inputs)
     want, bound = float64_reference(inputs, chunk, "mma")
-    assert_within(first, want, bound)
+    assert_attention(first, want, bound)
     for _ in range(99 if B == 32 else 4):
         np.testing.assert_array_equal(compiled(*inputs).view(np.uint16), first.view(np.uint16))
 
@@ -178,7 +188,7 @@ def test_mma_split_other_heads(model, chunk, sub):
                      {"B": B, "L": max_len}, strategy="unfused")
     inputs = make_inputs(max_len, lengths(B, max_len), heads=heads)
     want, bound = float64_reference(inputs, chunk, "mma")
-    assert_within(compiled(*inputs), want, bound)
+    assert_attention(compiled(*inputs), want, bound)
 
 
 @pytest.mark.parametrize("strategy", ["static", "unfused"])
@@ -193,7 +203,7 @@ def test_merge_in_parts(heads, parts, strategy):
         inputs = make_inputs(max_len, lengths(4, max_len), seed="parts", heads=heads)
         first = compiled(*inputs)
         want, bound = float64_reference(inputs, 64, "mma")
-        assert_within(first, want, bound)
+        assert_attention(first, want, bound)
         for _ in range(20):
             np.testing.assert_array_equal(compiled(*inputs).view(np.uint16),
                                           first.view(np.uint16))
@@ -220,7 +230,7 @@ def test_a_full_cache_gives_nan_for_that_sequence_only():
     out = compiled(*inputs).astype(np.float32)
     assert np.isnan(out[[1, 3]]).all()
     want, bound = attention.error_bound(*inputs, chunk=CHUNK)
-    assert_within(out[[0, 2]], want[[0, 2]], bound[[0, 2]])
+    assert_attention(out[[0, 2]], want[[0, 2]], bound[[0, 2]])
 
 
 @pytest.mark.parametrize("strategy", ["unfused_tiles", "static"])
@@ -245,6 +255,6 @@ def test_100_launches_are_identical(strategy):
             return merge(*split(q, K, V, seq_lens), seq_lens)
     first = run()
     want, bound = float64_reference(inputs)
-    assert_within(first, want, bound)
+    assert_attention(first, want, bound)
     for _ in range(99):
         np.testing.assert_array_equal(run().view(np.uint16), first.view(np.uint16))
