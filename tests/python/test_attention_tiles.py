@@ -624,13 +624,12 @@ H100_SPLIT_US = {
     *((attention.H100_SPLIT_COST, B, L, t) for (B, L), t in sorted(H100_SPLIT_US.items()))])
 def test_split_chunk_choice_is_the_fastest_measured(model, batch, capacity, times):
     """With a block's merge one task, the cost model's chunk is the fastest of those
-    measured, within 1% (4% at 48
-    sequences of 2048 tokens, where the model's streams of 512 and 2048 tie and 2048's one
-    split a block wins by 0.8 us): on the H200 256 tokens
-    for one to four sequences of 4096, 512 for one of 16384, larger as the batch grows, up
-    to the longest measured, but 1024 at 24 sequences of 8192, whose 2048-token tasks would
-    end in a wave of 120; on an H100, whose slower stream is the model's only change, 1024
-    at 8 sequences where the H200 takes 512."""
+    measured, within 1% (4% at 48 sequences of 2048 tokens, where the model's streams of 512
+    and 2048 tie and 2048's one split a block wins by 0.8 us): on the H200 256 tokens for one
+    to four sequences of 4096, 512 for one of 16384, larger as the batch grows, up to the
+    longest measured, but 1024 at 24 sequences of 8192, whose 2048-token tasks would end in
+    a wave of 120; on an H100, whose slower stream is the model's only change, 1024 at 8
+    sequences where the H200 takes 512."""
     chunk = attention.choose_split(batch, capacity, model=model).chunk
     slack = 1.04 if (batch, capacity) == (48, 2048) else 1.01
     assert times[chunk] <= slack * min(times.values()), (chunk, times)
