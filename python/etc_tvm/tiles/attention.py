@@ -438,9 +438,9 @@ class HeadOutputs:
     round r thread tx takes vector ``r*128 + tx``, head ``// lanes``, dims ``8 (% lanes) ..``;
     one round at Qwen3's 8 heads of 128 dims."""
 
-    def __init__(self, heads: AttentionHeads, tx):
+    def __init__(self, heads: AttentionHeads, tx, task_heads: int | None = None):
         self.lanes = heads.lanes
-        self.count = heads.block * heads.lanes
+        self.count = (heads.block if task_heads is None else task_heads) * heads.lanes
         self.rounds = (self.count + THREADS - 1) // THREADS
         self.tx = tx
 
@@ -463,37 +463,26 @@ class HeadOutputs:
 
 
 @T.meta_class
-class MergeThreads:
-    """A merge task's threads over its ``heads x lanes`` 16-byte output vectors: in rounds of
-    128 vectors where they fill the CTA (``HeadOutputs``' order), else one vector a thread in
+class MergeThreads(HeadOutputs):
+    """A merge task's threads over its ``task_heads x lanes`` output vectors: in rounds of
+    128 vectors where they fill the CTA (``HeadOutputs``), else one vector a thread in
     ``groups`` groups, group k taking splits k, k + groups, ..., so that a task of few heads
     still keeps every thread's loads in flight (the groups' sums meet in shared memory)."""
 
     def __init__(self, heads: AttentionHeads, task_heads: int, tx):
-        self.lanes = heads.lanes
-        self.count = task_heads * heads.lanes
+        super().__init__(heads, tx, task_heads)
         self.groups = max(1, THREADS // self.count)
-        self.rounds = (self.count + THREADS - 1) // THREADS
-        self.tx = tx
 
     def vector(self, r):
-        return r * THREADS + self.tx if self.groups == 1 else self.tx % self.count
+        return super().vector(r) if self.groups == 1 else self.tx % self.count
 
     def group(self):
         return self.tx // self.count
 
-    def head(self, r):
-        return self.vector(r) // self.lanes
-
-    def col(self, r):
-        return self.vector(r) % self.lanes * VEC
-
     def inside(self, r):
-        """Whether round r of this thread has a vector (Python True where every one does)."""
-        used = self.count * self.groups
         if self.groups == 1:
-            return self.count % THREADS == 0 or self.vector(r) < self.count
-        return used == THREADS or self.tx < used
+            return super().inside(r)
+        return self.count * self.groups == THREADS or self.tx < self.count * self.groups
 
     def splits(self, S):
         """How many of the S splits this thread's group takes."""
@@ -1027,6 +1016,16 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                              lambda row, L: T.min(row, L - 1), engine="mma", sub=sub)
 
 
+@T.inline
+def store_mean(out, b, head, col, acc, total, pos, res):
+    # out[b, head, col .. col + 7] = acc / total as bf16; NaN for a sequence without room
+    for e in T.unroll(VEC):
+        res[e] = T.Cast("bfloat16", T.if_then_else(pos[b] >= 0, acc[e] / total,
+                                                  T.float32(float("nan"))))
+    for e in T.vectorized(VEC):
+        out[b, head, col + e] = res[e]
+
+
 @functools.cache
 def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1) -> DeviceFunc:
     """The tile ``decode_merge_<heads>`` (``_m<parts>`` where ``parts`` > 1): task (b, t)
@@ -1085,11 +1084,7 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
                     for e in T.unroll(VEC):
                         acc[e] = acc[e] + weight * part[e]
                 if groups == 1:
-                    for e in T.unroll(VEC):
-                        res[e] = T.Cast("bfloat16", T.if_then_else(
-                            pos[b] >= 0, acc[e] / total, T.float32(float("nan"))))
-                    for e in T.vectorized(VEC):
-                        out[b, h * G + g, col + e] = res[e]
+                    store_mean(out, b, h * G + g, col, acc, total, pos, res)
                 else:
                     # a group whose splits are all empty (or none) has top = -inf: weight 0
                     v = T.meta_var(threads.vector(r))
@@ -1115,11 +1110,8 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
                     total = total + weight * sums[k, tx, 1]
                     for e in T.unroll(VEC):
                         acc[e] = acc[e] + weight * sums[k, tx, 2 + e]
-                for e in T.unroll(VEC):
-                    res[e] = T.Cast("bfloat16", T.if_then_else(
-                        pos[b] >= 0, acc[e] / total, T.float32(float("nan"))))
-                for e in T.vectorized(VEC):
-                    out[b, h * G + first + threads.head(0), threads.col(0) + e] = res[e]
+                store_mean(out, b, h * G + first + threads.head(0), threads.col(0), acc, total,
+                           pos, res)
 
     name = f"decode_merge_{heads.suffix}" + ("" if parts == 1 else f"_m{parts}")
     tile = device_func(decode_merge.with_attr("global_symbol", name))
