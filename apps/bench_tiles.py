@@ -178,6 +178,18 @@ def torch_route(x, w_router, top_k=8):
     return ids.int(), torch.softmax(values, dim=1)
 
 
+def decode_inputs(rng, B: int, L: int, heads: attention.AttentionHeads) -> list:
+    """Decode attention's inputs ``(q, k_new, v_new, K_cache, V_cache, seq_lens)`` over a
+    contiguous cache of L tokens, every one of the B sequences full but for this step's."""
+    Hq, Hk, D = heads.q_heads, heads.kv_heads, heads.head_dim
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
+
+    return [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D), normal(B, Hk, L, D),
+            normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
+
+
 def paged(arrays, page: int, rng):
     """Decode attention's inputs over a contiguous cache as ``(q, k_new, v_new, K_pages,
     V_pages, block_table, seq_lens)``: each sequence's rows in pages dealt at random."""
@@ -234,10 +246,7 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
     for B in batches:
         for L in contexts:
             def inputs(rng, B=B, L=L):
-                def normal(*shape):
-                    return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
-                arrays = [normal(B, Hq, D), normal(B, Hk, D), normal(B, Hk, D),
-                          normal(B, Hk, L, D), normal(B, Hk, L, D), np.full(B, L - 1, np.int32)]
+                arrays = decode_inputs(rng, B, L, heads)
                 return arrays if page is None else paged(arrays, page, rng)
             dims = {"B": B, "L": L} if page is None else {"B": B, "NP": L // page,
                                                           "P": B * L // page}

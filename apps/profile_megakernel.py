@@ -20,7 +20,7 @@ import numpy as np
 import bench_moe
 import moe_layer
 from bench_overhead import chain, make_mlp, make_split_k_mlp
-from bench_tiles import decode_attention_graph, split_options
+from bench_tiles import decode_attention_graph, decode_inputs, split_options
 from etc_tvm import build
 from etc_tvm.tiles.attention import QWEN3_30B_A3B
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -82,11 +82,8 @@ def main() -> None:
             B, L = int(B), int(L)
             graph = decode_attention_graph(heads=heads,
                                            **split_options(spec, B, L, heads))
-            rows = [(B, heads.q_heads), (B, heads.kv_heads), (B, heads.kv_heads),
-                    (B, heads.kv_heads, L), (B, heads.kv_heads, L)]
-            cases[f"attention{case}"] = (graph, {"B": B, "L": L}, [
-                *(rng.standard_normal((*r, heads.head_dim)).astype(bf16) for r in rows),
-                np.full(B, L - 1, np.int32)], args.ctas_per_sm or 2)
+            cases[f"attention{case}"] = (graph, {"B": B, "L": L},
+                                         decode_inputs(rng, B, L, heads), args.ctas_per_sm or 2)
     for name, (graph, dims, inputs, ctas_per_sm) in cases.items():
         for strategy in args.strategies:
             compiled = build(graph, dims, strategy=strategy,
