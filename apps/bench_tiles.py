@@ -208,13 +208,14 @@ def contiguous(arrays):
 
 
 def split_options(spec: str, batch: int, capacity: int, heads: attention.AttentionHeads,
-                  page: int | None = None) -> dict:
+                  page: int | None = None,
+                  model: attention.SplitCostModel = attention.H200_SPLIT_COST) -> dict:
     """``decode_attention_graph``'s split options from ``CHUNKxUNROLL`` (the CUDA-core tile),
     ``CHUNKxmma`` (the tensor-core tile, the chunk at once), ``CHUNKxmmaSUBxSTAGES`` (the
     tensor-core tile streaming slices of SUB tokens, STAGES in flight) or ``auto`` (slices of
-    64 tokens, two in flight, the chunk and merge parts ``attention.choose_split`` picks for
-    ``batch`` sequences of ``capacity`` tokens); any of them ``xmPARTS`` for a block's merge
-    in PARTS tasks."""
+    64 tokens, two in flight, the chunk and merge parts ``attention.choose_split`` picks with
+    ``model`` for ``batch`` sequences of ``capacity`` tokens); any of them ``xmPARTS`` for a
+    block's merge in PARTS tasks."""
     *split, last = spec.split("x")
     parts = {}
     if re.fullmatch(r"m\d+", last):
@@ -223,7 +224,7 @@ def split_options(spec: str, batch: int, capacity: int, heads: attention.Attenti
         split.append(last)
     if split == ["auto"]:
         sub = 64
-        chunk, merge_parts = attention.choose_split(batch, capacity, heads, sub, page)
+        chunk, merge_parts = attention.choose_split(batch, capacity, heads, sub, page, model)
         return {"chunk": chunk, "engine": "mma", "sub": sub, "stages": 2,
                 "merge_parts": merge_parts, **parts}
     chunk, engine, *slices = split
@@ -235,10 +236,10 @@ def split_options(spec: str, batch: int, capacity: int, heads: attention.Attenti
 
 
 def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=("256x4",),
-                 page=None):
+                 page=None, split_model=attention.H200_SPLIT_COST):
     """(tile, label, graph, dims, inputs(rng), torch op, bytes moved, "TB/s") of decode
     attention (batches x contexts: the K and V rows it reads; ``heads``; split tasks of each
-    spec of ``splits`` (``split_options``); with ``page``,
+    spec of ``splits`` (``split_options``, ``auto`` with ``split_model``); with ``page``,
     our side over a paged cache, PyTorch's over the contiguous cache that holds the same
     rows), the q/k RMSNorm + RoPE and the MoE router (``rows`` tokens) at Qwen3-30B-A3B
     sizes."""
@@ -251,7 +252,7 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
             dims = {"B": B, "L": L} if page is None else {"B": B, "NP": L // page,
                                                           "P": B * L // page}
             for spec in splits:
-                options = split_options(spec, B, L, heads, page)
+                options = split_options(spec, B, L, heads, page, split_model)
                 label = f"B={B} L={L}" + ("" if heads == attention.QWEN3_30B_A3B
                                           else f" {heads.suffix}") \
                     + ("" if page is None else f" p{page}") \
@@ -483,9 +484,9 @@ def main() -> None:
                         help="the split tasks' tokens and rows loaded ahead a thread "
                         "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
                         "and its slices and stages (CHUNKxmmaSUBxSTAGES), or that tile with "
-                        "the chunk and merge parts the cost model picks for each batch and "
-                        "context (auto), each with xmPARTS for a block's merge in PARTS "
-                        "tasks; one attention row each")
+                        "the chunk and merge parts the GPU's cost model picks for each batch "
+                        "and context (auto, attention.split_cost_model), each with xmPARTS for "
+                        "a block's merge in PARTS tasks; one attention row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")
@@ -512,8 +513,8 @@ def main() -> None:
     for case in (*cases(args.rows, args.hidden, args.vocab),
                  *decode_cases(args.rows, args.batches, args.contexts,
                                attention.AttentionHeads(*args.attention_heads),
-                               args.attention_splits,
-                               args.attention_page),
+                               args.attention_splits, args.attention_page,
+                               attention.split_cost_model(torch.cuda.get_device_name())),
                  *routed_cases(args.rows),
                  *gemm_cases(gemms, args.gemm_stages)):
         if args.tiles and case.tile not in args.tiles:

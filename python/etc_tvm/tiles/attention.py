@@ -198,29 +198,35 @@ def num_splits(max_len, chunk: int):
 @dataclasses.dataclass(frozen=True)
 class SplitCostModel:
     """What the tensor-core split and its merge take, to choose the chunk and the merge's
-    parts (``choose_split``). The defaults were fitted on an H200 (132 SMs, two split CTAs an
-    SM) to the slice-streaming tile (64-token slices, two in flight) at 1 - 64 sequences of
-    2048 - 16384 tokens (docs/performance.md, "Decode attention on the H200; a chunk for every
-    batch").
+    parts together (``choose_split``). A time is relative: the launch and the append cost
+    every choice alike, so only differences between choices mean anything.
 
-    A split task streams its chunk's K and V rows at ``task_bytes_per_us`` after
-    ``task_start_us``; the tasks run in waves of the CTA slots, each wave as long as a task
-    or as its bytes take at ``dram_bytes_per_us``, whichever is longer, so that a last wave of
-    a few tasks costs a whole task (at 24 sequences of 8192 tokens, 384 tasks of 2048 tokens
-    on 264 slots took 135.5 us, 768 of 1024 took 119.7). What a block's ``S`` splits cost
-    beyond their tokens is fitted as their fp32 partials read by one task at
-    ``merge_bytes_per_us`` (with one merge task a block; it stands for more than the
-    partials' reads), and a block merged in parts (``make_decode_merge_tile(heads, parts)``)
-    as each part's share read by its own task, the tasks in waves of the slots. Small chunks
-    give many tasks and partials, large ones few tasks each streaming for long.
-    ``max_chunk``: the longest chunk the fit measured; past it the model would extrapolate."""
+    Split tasks run in waves of the CTA slots. In a wave, the tasks on an SM share what it
+    keeps in flight, ``sm_bytes_per_us``, each at most ``task_bytes_per_us`` (a task alone on
+    its SM), and all of them share the DRAM, ``dram_bytes_per_us``: a wave takes
+    ``task_start_us`` and its busiest SM's share of the chunk's K and V rows, or its bytes at
+    the DRAM's rate, whichever is longer. So a chunk short enough to put two tasks on every
+    SM streams each at half the SM's rate, a last wave of a few tasks costs a whole task, and
+    a long chunk leaves CTA slots idle. A merge task reads its part of the block's ``S``
+    partials (fp32) after ``merge_start_us``, at ``merge_bytes_per_us``; the merge tasks run
+    in waves of the slots too. Many splits make many partials, which parts spread over more
+    SMs (``make_decode_merge_tile(heads, parts)``).
+
+    The defaults were fitted on an H200 and an H100 together (132 SMs, two split CTAs an SM,
+    64-token slices, two in flight), the DRAM's rate apart (``H100_SPLIT_COST``), to 1 - 64
+    sequences of 2048 - 16384 tokens, one merge task a block and 1 - 8 parts
+    (docs/performance.md, "Decode attention on the H200; a chunk for every batch" and "The
+    chunk and the merge's parts chosen together"). ``max_chunk``: the longest chunk the fit
+    measured; past it the model would extrapolate."""
 
     num_sms: int = 132
     ctas_per_sm: int = 2
-    dram_bytes_per_us: float = 3.7e6
-    task_start_us: float = 4.5
-    task_bytes_per_us: float = 2.6e4
-    merge_bytes_per_us: float = 1.5e4
+    dram_bytes_per_us: float = 3.6e6
+    task_start_us: float = 0.0
+    task_bytes_per_us: float = 2.8e4
+    sm_bytes_per_us: float = 3.75e4
+    merge_start_us: float = 0.9
+    merge_bytes_per_us: float = 5e4
     max_chunk: int = 2048
 
     def time_us(self, batch: int, capacity: int, heads: AttentionHeads, chunk: int,
@@ -228,26 +234,39 @@ class SplitCostModel:
         """The predicted time of the split and merge tasks over a cache of ``capacity`` tokens
         a sequence (every split task streams its whole chunk), a block's merge in
         ``merge_parts`` tasks."""
-        slots = self.num_sms * self.ctas_per_sm
-        S = num_splits(capacity, chunk)
-        task_bytes = chunk * 4 * heads.head_dim  # the chunk's K and V rows, bf16
-        task_us = self.task_start_us + task_bytes / self.task_bytes_per_us
+        splits = num_splits(capacity, chunk)
         blocks = batch * heads.blocks
+        split_bytes = chunk * 4 * heads.head_dim  # the chunk's K and V rows, bf16
+        part_bytes = splits * heads.block // merge_parts * heads.head_dim * 4
 
-        def wave_us(tasks: int) -> float:
-            return max(task_us, tasks * task_bytes / self.dram_bytes_per_us)
+        def split_wave(tasks: int) -> float:
+            rate = min(self.task_bytes_per_us,
+                       self.sm_bytes_per_us / math.ceil(tasks / self.num_sms))
+            return max(self.task_start_us + split_bytes / rate,
+                       tasks * split_bytes / self.dram_bytes_per_us)
 
-        full, last = divmod(blocks * S, slots)
-        split = full * wave_us(slots) + (wave_us(last) if last else 0.0)
-        partials = S * heads.block * heads.head_dim * 4
-        merge = max(math.ceil(blocks * merge_parts / slots) * partials / merge_parts
-                    / self.merge_bytes_per_us, blocks * partials / self.dram_bytes_per_us)
-        return split + merge
+        def merge_wave(tasks: int) -> float:
+            return max(self.merge_start_us + part_bytes / self.merge_bytes_per_us,
+                       tasks * part_bytes / self.dram_bytes_per_us)
+
+        return (self._waves(blocks * splits, split_wave)
+                + self._waves(blocks * merge_parts, merge_wave))
+
+    def _waves(self, tasks: int, wave_us) -> float:
+        slots = self.num_sms * self.ctas_per_sm
+        full, last = divmod(tasks, slots)
+        return full * wave_us(slots) + (wave_us(last) if last else 0.0)
 
 
-# An H100 SXM (3.35 TB/s): the same tasks, the cache's stream at SDPA's rate there relative to
-# the H200's (2.55 against 3.48 TB/s at 32 sequences of 4096 tokens).
-H100_SPLIT_COST = SplitCostModel(dram_bytes_per_us=2.7e6)
+H200_SPLIT_COST = SplitCostModel()
+# An H100 SXM: the same tasks, fitted with the H200's but for the DRAM's rate.
+H100_SPLIT_COST = SplitCostModel(dram_bytes_per_us=2.45e6)
+
+
+def split_cost_model(device_name: str) -> SplitCostModel:
+    """The fitted model of the GPU named ``device_name`` (as ``nvidia-smi`` or
+    ``torch.cuda.get_device_name()`` print it): an H100's, else the H200's."""
+    return H100_SPLIT_COST if "H100" in device_name else H200_SPLIT_COST
 
 
 class SplitChoice(NamedTuple):
@@ -259,34 +278,32 @@ class SplitChoice(NamedTuple):
 
 def choose_split(batch: int, capacity: int, heads: AttentionHeads = QWEN3_30B_A3B,
                  sub: int = 64, page: int | None = None,
-                 model: SplitCostModel = SplitCostModel()) -> SplitChoice:
+                 model: SplitCostModel = H200_SPLIT_COST) -> SplitChoice:
     """The chunk of ``make_decode_split_mma_tile(chunk, heads, sub, page=page)`` and the parts
     of ``make_decode_merge_tile(heads, parts)`` for ``batch`` sequences over ``capacity``
-    cached tokens each. The chunk is the one ``model`` predicts fastest with a block's merge
-    in one task, as its fit measured them: one of ``sub``, ``2 sub``, ``4 sub``, ... up to
-    the first that covers the cache or ``model.max_chunk``, a multiple of ``page``, on a tie
-    the larger (fewer partials). It grows with the batch (more tasks to fill the GPU with)
-    and shrinks for a single long sequence (whose few, long tasks would leave most CTA slots
-    idle). The parts, a divisor of the block, are then the fastest merge for that chunk, on
-    a tie the fewer: as many as keep a block's merge tasks within one wave of the slots."""
+    cached tokens each: the pair ``model`` predicts fastest. The chunk is one of ``sub``,
+    ``2 sub``, ``4 sub``, ... up to the first that covers the cache or ``model.max_chunk``, a
+    multiple of ``page``; the parts a divisor of the block; on a tie the larger chunk and the
+    fewer parts. The chunk grows with the batch (more tasks to fill the GPU with) and shrinks
+    for a single long sequence (whose few, long tasks would leave most CTA slots idle), whose
+    many splits then take a merge in parts."""
     if batch < 1 or capacity < 1 or sub < 1:
         raise EtcError(f"split chunk: batch ({batch}), capacity ({capacity}) and sub ({sub}) "
                        f"must be positive")
-    candidates, chunk = [], sub
+    chunks, chunk = [], sub
     while True:
         if page is None or chunk % page == 0:
-            candidates.append(chunk)
+            chunks.append(chunk)
         if chunk >= min(capacity, model.max_chunk):
             break
         chunk *= 2
-    if not candidates:
+    if not chunks:
         raise EtcError(f"split chunk: no chunk of {sub} x 2**k tokens up to {chunk} (the "
                        f"cache's {capacity} or the model's max_chunk {model.max_chunk}) is a "
                        f"multiple of the page ({page} tokens)")
-    chunk = min(reversed(candidates), key=lambda c: model.time_us(batch, capacity, heads, c))
-    parts = min((p for p in range(1, heads.block + 1) if heads.block % p == 0),
-                key=lambda p: model.time_us(batch, capacity, heads, chunk, p))
-    return SplitChoice(chunk, parts)
+    parts = [p for p in range(1, heads.block + 1) if heads.block % p == 0]
+    return min((SplitChoice(c, p) for c in reversed(chunks) for p in parts),
+               key=lambda choice: model.time_us(batch, capacity, heads, *choice))
 
 
 def check_page(page, chunk: int | None = None) -> None:
