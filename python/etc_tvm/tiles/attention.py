@@ -216,7 +216,8 @@ class SplitCostModel:
     64-token slices, two in flight), the DRAM's rate apart (``H100_SPLIT_COST``), to 1 - 64
     sequences of 2048 - 16384 tokens, one merge task a block and 1 - 8 parts
     (docs/performance.md, "Decode attention on the H200; a chunk for every batch" and "The
-    chunk and the merge's parts chosen together"). ``max_chunk``: the longest chunk the fit
+    chunk and the merge's parts chosen together"); the fit puts a split task's start at zero,
+    as one wave's start costs every choice alike. ``max_chunk``: the longest chunk the fit
     measured; past it the model would extrapolate."""
 
     num_sms: int = 132
@@ -258,6 +259,7 @@ class SplitCostModel:
         return full * wave_us(slots) + (wave_us(last) if last else 0.0)
 
 
+# The fitted defaults: an H200 SXM.
 H200_SPLIT_COST = SplitCostModel()
 # An H100 SXM: the same tasks, fitted with the H200's but for the DRAM's rate.
 H100_SPLIT_COST = SplitCostModel(dram_bytes_per_us=2.45e6)
