@@ -26,7 +26,8 @@ that ask for the same configuration share one device function:
   one sequence and block of up to 8 query heads of a KV head, flash-decoding partials) and
   ``make_decode_merge_tile(heads, parts)`` (a block's splits, in ``parts`` tasks); with
   ``page=`` the append and the split take a paged cache (a pool of pages and a block table);
-  ``choose_split`` picks the tensor-core split's chunk and the merge's parts.
+  ``choose_split`` picks the tensor-core split's chunk and the merge's parts together, from a
+  GPU's fitted ``SplitCostModel`` (``split_cost_model``).
 - ``moe``: the MoE layer's router logits and top-K (renormalised weights), align (the padded CSR of
   expert tiles), grouped gate-up (SiLU-mul fused) and down GEMMs on ``gemm.MmaTile``, and the
   weighted combine; ``apps/moe_layer.py`` wires them into one graph.
