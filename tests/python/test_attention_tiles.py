@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from etc_tvm import EtcError, ExecutionError, Tensor, call_device, graph_func
 from etc_tvm.build import build
@@ -716,6 +718,31 @@ def test_one_sequence_merged_in_parts_beats_every_one_task_merge(capacity):
     assert parts > 1
     one_task = min(t for (_, p), t in times.items() if p == 1)
     assert times[chunk, parts] <= 0.92 * one_task, (chunk, parts, times)
+
+
+@given(st.integers(1, 512), st.integers(1, 1 << 20),
+       st.sampled_from([QWEN3_30B_A3B, *OTHER_HEADS.values()]),
+       st.sampled_from([64, 128]), st.sampled_from([None, 16, 64, 256]),
+       st.sampled_from([attention.H200_SPLIT_COST, attention.H100_SPLIT_COST]))
+def test_split_choice_is_a_tile_pair_for_any_batch_and_cache(batch, capacity, heads, sub, page,
+                                                             model):
+    """Whatever the batch and cache (a paged one holds whole pages): the chunk is sub times a
+    power of two, a whole number of pages, no longer than needed to cover the cache or than
+    the fit's longest (unless one slice or page is longer); the parts divide the block; no
+    neighbouring pair is predicted faster."""
+    capacity = max(capacity, page or 1)
+    chunk, parts = attention.choose_split(batch, capacity, heads, sub, page, model)
+    steps = chunk // sub
+    assert chunk % sub == 0 and steps & (steps - 1) == 0
+    assert page is None or chunk % page == 0
+    assert chunk == sub or chunk // 2 < max(capacity, page or 1) and chunk <= max(
+        model.max_chunk, sub, page or 1)
+    assert heads.block % parts == 0
+    best = model.time_us(batch, capacity, heads, chunk, parts)
+    for other in (c for c in (chunk // 2, chunk * 2) if c >= sub and c % (page or 1) == 0
+                  and c <= max(model.max_chunk, sub)):
+        for p in (1, parts, heads.block):
+            assert model.time_us(batch, capacity, heads, other, p) >= best
 
 
 def test_split_choice_is_a_chunk_and_merge_the_tiles_take():
