@@ -1061,7 +1061,6 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
                        f"block ({heads})")
     Gp = G // parts
     B, S = tirx.Var("B", "int32"), tirx.Var("S", "int32")
-    groups = MergeThreads(heads, Gp, 0).groups
 
     @T.prim_func
     def decode_merge(b: T.int32, t: T.int32,
@@ -1080,8 +1079,8 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
         h = T.meta_var(t if parts == 1 else t // parts)
         first = T.meta_var(0 if parts == 1 else t % parts * Gp)
         threads = MergeThreads(heads, Gp, tx)
-        if groups > 1:
-            sums = T.alloc_shared((groups, threads.count, VEC + 2), "float32")
+        if threads.groups > 1:
+            sums = T.alloc_shared((threads.groups, threads.count, VEC + 2), "float32")
         for r in T.unroll(threads.rounds):
             if threads.inside(r):
                 g = T.meta_var(first + threads.head(r))
@@ -1102,7 +1101,7 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
                         part[VEC // 2 + e] = O_part[b, h, s, g, col + VEC // 2 + e]
                     for e in T.unroll(VEC):
                         acc[e] = acc[e] + weight * part[e]
-                if groups == 1:
+                if threads.groups == 1:
                     store_mean(out, b, h * G + g, col, acc, total, pos, res)
                 else:
                     # a group whose splits are all empty (or none) has top = -inf: weight 0
@@ -1114,16 +1113,16 @@ def make_decode_merge_tile(heads: AttentionHeads = QWEN3_30B_A3B, parts: int = 1
                     for e in T.unroll(VEC):
                         sums[k, v, 2 + e] = T.if_then_else(top > T.float32(NEG_INF), acc[e],
                                                            T.float32(0))
-        if groups > 1:
+        if threads.groups > 1:
             T.cuda.cta_sync()
             if tx < threads.count:
                 top = sums[0, tx, 0]
-                for k in T.unroll(1, groups):
+                for k in T.unroll(1, threads.groups):
                     top = T.max(top, sums[k, tx, 0])
                 total = T.float32(0)
                 for e in T.unroll(VEC):
                     acc[e] = T.float32(0)
-                for k in T.unroll(groups):
+                for k in T.unroll(threads.groups):
                     weight = T.if_then_else(sums[k, tx, 0] > T.float32(NEG_INF),
                                             T.exp2(sums[k, tx, 0] - top), T.float32(0))
                     total = total + weight * sums[k, tx, 1]
