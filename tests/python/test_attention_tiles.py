@@ -466,11 +466,9 @@ def test_mma_split_takes_a_group_of_16_heads_in_one_block(tmp_path):
                 tmp_path)
 
 
-def test_mma_split_rejects_chunks_and_dims_its_warps_cannot_share():
-    with pytest.raises(EtcError, match="multiples of 64"):
+def test_mma_split_rejects_chunks_its_warps_cannot_share():
+    with pytest.raises(EtcError, match="a multiple of 64"):
         attention.make_decode_split_mma_tile(96)
-    with pytest.raises(EtcError, match="multiples of 64"):
-        attention.make_decode_split_mma_tile(128, AttentionHeads(32, 4, 32))
     with pytest.raises(EtcError, match=r"slices of sub \(128\) tokens must divide the chunk "
                        r"\(192\)"):
         attention.make_decode_split_mma_tile(192, sub=128)
@@ -526,9 +524,10 @@ def test_sliced_split_reference_is_the_chunk_at_once_where_one_slice_holds_it():
                          ids=lambda h: h.suffix)
 def test_mma_split_compiles_to_hmma_with_every_row_copied_at_once(heads, tmp_path):
     """One task: the chunk's K and V rows in flight together (16-byte cp.async, no register
-    copy), (chunk / 16) x (D / 16) MMAs for the scores and (chunk / 16) x (D / 8) for P @ V
-    over the four warps, no shuffle but the softmax's (a max and a sum of 5 each a head of a
-    warp); and the static megakernel."""
+    copy), a warp's quarter of the tokens in (chunk / 64) x (D / 8) MMAs for the scores and as
+    many for P @ V, no shuffle but the quads' (a max of 2 a slice for each of a lane's two
+    heads, a sum of 2 at the end): the same code for every block of heads; and the static
+    megakernel."""
     chunk, D = 128, heads.head_dim
     split = attention.make_decode_split_mma_tile(chunk, heads)
 
@@ -546,9 +545,9 @@ def test_mma_split_compiles_to_hmma_with_every_row_copied_at_once(heads, tmp_pat
                    num_sms=132).cuda_source()
     (tmp_path / "split").mkdir()
     code = sass(build_cubin(source, tmp_path / "split")[0])
-    assert count(code, "HMMA.16816.F32.BF16") == (chunk // 16) * (D // 16 + D // 8) // 4
+    assert count(code, "HMMA.16816.F32.BF16") == 2 * (chunk // 64) * (D // 8)
     assert count(code, "LDGSTS.E.BYPASS.128") == 2 * chunk * D // 8 // 128
-    assert count(code, "SHFL.BFLY") == 10 * -(-heads.block // 4) and "LDG.E.128" not in code
+    assert count(code, "SHFL.BFLY") == 8 and "LDG.E.128" not in code
     build_cubin(build(decode_attention_graph(chunk, heads, engine="mma"), {"B": 4, "L": 1000},
                       strategy="static", num_sms=132).cuda_source(), tmp_path)
 
@@ -556,7 +555,7 @@ def test_mma_split_compiles_to_hmma_with_every_row_copied_at_once(heads, tmp_pat
 @pytest.mark.parametrize("chunk, stages", [(128, 2), (1024, 2), (1024, 3)])
 def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, stages,
                                                                          tmp_path):
-    """A sliced task's loop computes one 64-token slice (a quarter of its m16 blocks a warp),
+    """A sliced task's loop computes one 64-token slice (16 tokens a warp),
     loads ``stages`` slices on entry and, where the chunk holds more, one slice an iteration;
     its copy groups counted so that each slice waits for its own (a chunk of exactly
     ``stages`` slices too); no register spilled."""
@@ -565,7 +564,7 @@ def test_mma_split_in_slices_compiles_one_slice_of_mmas_and_loads_ahead(chunk, s
     cubin, _ = build_cubin(build(graph, {"B": 4, "L": 1000}, strategy="unfused",
                                  num_sms=132).cuda_source(), tmp_path)
     code = sass(cubin)
-    assert count(code, "HMMA.16816.F32.BF16") == (sub // 16) * (D // 16 + D // 8) // 4
+    assert count(code, "HMMA.16816.F32.BF16") == 2 * (sub // 64) * (D // 8)
     in_loop = chunk > stages * sub
     copies = 2 * sub * D // 8 // 128  # a slice's K and V rows, 16-byte copies a thread
     assert count(code, "LDGSTS.E.BYPASS.128") == (min(stages, chunk // sub) + in_loop) * copies

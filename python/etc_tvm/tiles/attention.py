@@ -538,8 +538,9 @@ def chunk_max(red, scores, g, count, lane):
 def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk: int,
                     heads: AttentionHeads, engine: str = "fma", sub: int | None = None):
     """A split task in NumPy: ``kv_rows(rows)`` gives the K and V rows of the task's KV head;
-    "fma" scales q before its dots, "mma" scales the dots and rounds P to bf16 against the
-    running maximum of each slice of ``sub`` tokens, as the tiles do."""
+    "fma" scales q before its dots and runs one softmax over slices of ``sub`` tokens; "mma"
+    scales the dots, gives each of the 4 warps its quarter of every slice, rounds P to bf16
+    against the warp's running maximum and merges the warps' parts, as the tiles do."""
     length = min(max(int(pos[b]) + 1, 0), capacity)
     rows = slice(s * chunk, min((s + 1) * chunk, length))
     if rows.start >= length:
@@ -550,21 +551,45 @@ def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk:
     qs = q[b, h * heads.block:(h + 1) * heads.block].astype(np.float32)
     scale = np.float32(heads.scale_log2)
     x = (qs @ K.T) * scale if engine == "mma" else (qs * scale) @ K.T  # (Gb, tokens)
-    m = np.full(len(qs), NEG_INF, np.float32)
-    total = np.zeros(len(qs), np.float32)
-    acc = np.zeros((len(qs), V.shape[1]), np.float32)
     sub = chunk if sub is None else sub
-    for t in range(0, x.shape[1], sub):
-        m_new = np.maximum(m, x[:, t:t + sub].max(axis=1))
+    n = x.shape[1]
+    if engine != "mma":
+        m, total, acc = online_softmax(x, V, [np.arange(t, min(t + sub, n))
+                                              for t in range(0, n, sub)], round_p=False)
+        O_part[b, h, s] = acc / total[:, None]
+        lse[b, h, s] = m + np.log2(total)
+        return
+    quarter = sub // WARPS
+    parts = [online_softmax(x, V, [np.arange(t + w * quarter, min(t + (w + 1) * quarter, n))
+                                   for t in range(0, n, sub)], round_p=True)
+             for w in range(WARPS)]
+    top = np.max([m for m, _, _ in parts], axis=0)
+    weights = [np.exp2(m - top) for m, _, _ in parts]
+    total = sum(w * t for w, (_, t, _) in zip(weights, parts))
+    acc = sum(w[:, None] * a for w, (_, _, a) in zip(weights, parts))
+    O_part[b, h, s] = acc / total[:, None]
+    lse[b, h, s] = top + np.log2(total)
+
+
+def online_softmax(x, V, slices, round_p: bool):
+    """(running max, sum, unnormalised O) of scores ``x`` (heads x tokens) over the token
+    index arrays ``slices`` in turn, P rounded to bf16 with ``round_p``; a head with no
+    token yet keeps max -inf and weighs nothing."""
+    m = np.full(len(x), NEG_INF, np.float32)
+    total = np.zeros(len(x), np.float32)
+    acc = np.zeros((len(x), V.shape[1]), np.float32)
+    for t in slices:
+        if not len(t):
+            continue
+        m_new = np.maximum(m, x[:, t].max(axis=1))
         rescale = np.exp2(m - m_new)
-        p = np.exp2(x[:, t:t + sub] - m_new[:, None])
-        if engine == "mma":
+        p = np.exp2(x[:, t] - m_new[:, None])
+        if round_p:
             p = p.astype(BF16).astype(np.float32)
         total = total * rescale + p.sum(axis=1, dtype=np.float32)
-        acc = acc * rescale[:, None] + p @ V[t:t + sub]
+        acc = acc * rescale[:, None] + p @ V[t]
         m = m_new
-    O_part[b, h, s] = acc / total[:, None]
-    lse[b, h, s] = m + np.log2(total)
+    return m, total, acc
 
 
 def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int | None,
@@ -842,48 +867,48 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
 
     The chunk streams through shared memory in slices of ``sub`` tokens (the whole chunk
     where ``sub`` is None), ``stages`` slices in flight by cp.async (rows past the tokens land
-    as zeros), so that a task keeps loading while it computes; the block's heads, padded to
-    16 with zeros, are the m16 rows, so a task may take up to 16 (``AttentionHeads(max_block=
-    16)``: a group of 16 then reads its K and V rows once). Each slice::
+    as zeros). Each of the 4 warps takes its own quarter of every slice, copies it, and keeps
+    its own running max, sum and O, flash-decoding inside the task: a slice waits on the
+    warp's own copies and needs no barrier of the CTA, so a warp that is done with a stage
+    refills it at once. The block's heads, padded to 16 with zeros, are the m16 rows, so a
+    task may take up to 16 (``AttentionHeads(max_block=16)``). A warp's slice::
 
-        S^T (sub x 16) = K rows @ q^T        each warp a quarter of the m16 blocks of tokens
-        scores = S^T * log2(e) / sqrt(D); per head m' = max(m, the slice's max), a = exp2(m - m')
-        P (16 x sub) = bf16(exp2(score - m')), l = a l + the fp32 sum of P's bf16 values
-        O (16 x D) = a O + P @ V rows        each warp a quarter of the columns
+        S (16 x sub/4) = q @ K rows^T        scaled by log2(e) / sqrt(D)
+        per head m' = max(m, the slice's max), a = exp2(m - m')
+        P = bf16(exp2(S - m')), l = a l + the fp32 sum of P's bf16 values
+        O (16 x D) = a O + P @ V rows
 
-    Against the CUDA-core tile: no shuffle a row, and no K and V rows in registers. P is
-    rounded to bf16 for the MMA, and l sums the rounded values, so the output is an exact
-    mean of V under weights off by at most 2**-8 (``error_bound(engine="mma")``); O and l are
-    rescaled by the same ``a``, so its ex2 error moves the lse only.
+    and at the task's end the warps' (m, l, O) meet in shared memory: M = max m, O = sum
+    exp2(m - M) O / sum exp2(m - M) l. P is rounded to bf16 for the MMA, and l sums the
+    rounded values, so the output is an exact mean of V under weights off by at most 2**-8
+    (``error_bound(engine="mma")``); O and l are rescaled by the same factors, so their ex2
+    errors move the lse only.
     """
     G, D = heads.block, heads.head_dim
     sub = chunk if sub is None else sub
-    if chunk < 1 or sub < 1 or sub % (16 * WARPS) or chunk % sub or D % (16 * WARPS) \
-            or stages < 1:
+    if chunk < 1 or sub < 1 or sub % (16 * WARPS) or chunk % sub or stages < 1:
         raise EtcError(f"decode split tile on tensor cores: slices of sub ({sub}) tokens must "
-                       f"divide the chunk ({chunk}), and sub and head_dim ({D}) must be "
-                       f"multiples of {16 * WARPS} (m16 blocks of tokens and 16-column blocks "
-                       f"of V for each of the {WARPS} warps); stages ({stages}) at least 1")
+                       f"divide the chunk ({chunk}) and be a multiple of {16 * WARPS} (k16 "
+                       f"blocks of tokens for each of the {WARPS} warps); stages ({stages}) at "
+                       f"least 1")
     check_page(page, chunk)
     stages = min(stages, chunk // sub)
     row_chunks = D // VEC  # 16-byte copies a K or V row
-    token_blocks = sub // 16 // WARPS  # m16 blocks of tokens a warp scores
-    col_blocks = D // WARPS // 8  # n8 blocks of O's columns a warp computes
-    head_blocks = (G + 7) // 8  # n8 blocks of heads in S^T
-    heads_per_warp = (G + WARPS - 1) // WARPS
-    every_warp_full = G % WARPS == 0
+    rows = sub // WARPS  # tokens a warp takes of each slice
+    token_blocks = rows // 16  # k16 blocks of a warp's tokens, each two n8 blocks of S
+    col_blocks = D // 8  # n8 blocks of O's columns
     streams = chunk > stages * sub  # slices loaded inside the loop, not all up front
     scale = heads.scale_log2
 
     @T.inline
-    def load_slice(rows_smem, row, count, j, tx):
-        # slice j's rows into stage j % stages, 16 bytes a copy (row(t, k): element k of the
-        # chunk's token t); a row past count reads nothing and lands as zeros; always one
-        # commit group, empty past the last slice
+    def load_rows(rows_smem, row, count, j, warp, lane):
+        # the warp's rows of slice j into stage j % stages, 16 bytes a copy (row(t, k):
+        # element k of the chunk's token t); a row past count reads nothing and lands as
+        # zeros; always one commit group, empty past the last slice
         if j * sub < count:
-            for i in T.unroll(sub * row_chunks // THREADS):
-                r = T.meta_var((i * THREADS + tx) // row_chunks)
-                k = T.meta_var((i * THREADS + tx) % row_chunks * VEC)
+            for i in T.unroll(rows * row_chunks // 32):
+                r = T.meta_var(warp * rows + (i * 32 + lane) // row_chunks)
+                k = T.meta_var((i * 32 + lane) % row_chunks * VEC)
                 copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]),
                              T.address_of(row(j * sub + r, k)),
                              lambda t: j * sub + t < count, r)
@@ -895,16 +920,20 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         # tokens the cache holds
         Ks = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Vs = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
-        Qt = T.alloc_shared((D, 16 + PAD), "bfloat16")  # q^T, heads past the block zero
-        Ps = T.alloc_shared((16, sub + PAD), "bfloat16")  # P, rows past the block zero
-        scores = T.alloc_shared((G, sub), "float32")
-        stats = T.alloc_shared((3, G), "float32")  # per head: max, sum, the slice's rescale
+        Qs = T.alloc_shared((16, D + PAD), "bfloat16")  # q, heads past the block zero
+        Ps = T.alloc_shared((WARPS, 16, rows + PAD), "bfloat16")  # each warp's P of a slice
+        Os = T.alloc_shared((WARPS, G, D + 4), "float32")  # each warp's O at the end
+        stats = T.alloc_shared((2, WARPS, 16), "float32")  # each warp's max and sum a head
         q_frag = T.alloc_local((D // 16, 4), "uint32")
         a_frag = T.alloc_local((4,), "uint32")
-        b_frag = T.alloc_local((col_blocks, 2), "uint32")
-        st = T.alloc_local((head_blocks, 4), "float32")
+        b_frag = T.alloc_local((4,), "uint32")
+        st = T.alloc_local((2 * token_blocks, 4), "float32")
         acc = T.alloc_local((col_blocks, 4), "float32")
-        red = T.alloc_local((2,), "float32")
+        m = T.alloc_local((2,), "float32")  # running max of heads lane // 4 and + 8
+        total = T.alloc_local((2,), "float32")  # this lane's part of their sums
+        red = T.alloc_local((4,), "float32")  # the slice's max, then its base; the rescale
+        part = T.alloc_local((WARPS,), "float32")  # at the end: each warp's weight
+        o4 = T.alloc_local((VEC // 2,), "float32")
         pb = T.local_scalar("bfloat16")
         count = T.local_scalar("int32")
         outs = HeadOutputs(heads, tx)
@@ -913,120 +942,135 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
-            for j in T.unroll(stages):  # K then V of each slice: S^T waits for K alone
-                load_slice(Ks, K_row, count, j, tx)
-                load_slice(Vs, V_row, count, j, tx)
+            for j in T.unroll(stages):  # K then V of each slice: S waits for K alone
+                load_rows(Ks, K_row, count, j, warp, lane)
+                load_rows(Vs, V_row, count, j, warp, lane)
             for i in T.serial((16 * D + THREADS - 1) // THREADS):
                 if i * THREADS + tx < 16 * D:
                     g = T.meta_var((i * THREADS + tx) // D)
                     d = T.meta_var((i * THREADS + tx) % D)
-                    Qt[d, g] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d],
+                    Qs[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d],
                                               T.bfloat16(0))
-            for i in T.serial(((16 - G) * sub + THREADS - 1) // THREADS):
-                if i * THREADS + tx < (16 - G) * sub:
-                    Ps[G + (i * THREADS + tx) // sub, (i * THREADS + tx) % sub] = \
-                        T.bfloat16(0)
-            if tx < G:
-                stats[0, tx] = T.float32(NEG_INF)
-                stats[1, tx] = T.float32(0)
+            for e in T.unroll(2):
+                m[e] = T.float32(NEG_INF)
+                total[e] = T.float32(0)
             for n in T.unroll(col_blocks):
                 for e in T.unroll(4):
                     acc[n, e] = T.float32(0)
             T.cuda.cta_sync()
-            # q^T as the B operand of every k16 step: heads 0 - 7 (registers 0, 1), 8 - 15
+            # q as the A operand of every k16 step
             for kk in T.unroll(D // 16):
-                T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
+                T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
                     q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
-                    Qt.ptr_to([kk * 16 + lane % 16, lane // 16 * 8]))
+                    Qs.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
             for j in T.serial((count + sub - 1) // sub):
                 T.ptx.cp.async_.wait_group(2 * stages - 1)  # slice j's K
-                T.cuda.cta_sync()
-                # S^T = K rows @ q^T; lane holds tokens (lane // 4, + 8) and heads
-                # (2 (lane % 4), + 1) of each n8 block of heads
-                for mb in T.unroll(token_blocks):
-                    m = T.meta_var(warp * token_blocks + mb)
-                    for nb in T.unroll(head_blocks):
-                        for e in T.unroll(4):
-                            st[nb, e] = T.float32(0)
-                    for kk in T.unroll(D // 16):
+                T.cuda.warp_sync()
+                # S = q @ K rows^T; lane holds heads lane // 4 (registers 0, 1) and + 8
+                # (2, 3), tokens 2 (lane % 4) and + 1 of each n8 block of the warp's rows
+                for n in T.unroll(2 * token_blocks):
+                    for e in T.unroll(4):
+                        st[n, e] = T.float32(0)
+                for kk in T.unroll(D // 16):
+                    for tb in T.unroll(token_blocks):
                         T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
-                            a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                            Ks.ptr_to([j % stages, m * 16 + lane % 16,
-                                       kk * 16 + lane // 16 * 8]))
-                        for nb in T.unroll(head_blocks):
+                            b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                            Ks.ptr_to([j % stages, warp * rows + tb * 16 + lane // 16 * 8
+                                       + lane % 8, kk * 16 + lane // 8 % 2 * 8]))
+                        for n in T.unroll(2):
                             T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                                st[nb, 0], st[nb, 1], st[nb, 2], st[nb, 3], a_frag[0],
-                                a_frag[1], a_frag[2], a_frag[3], q_frag[kk, 2 * nb],
-                                q_frag[kk, 2 * nb + 1], st[nb, 0], st[nb, 1], st[nb, 2],
-                                st[nb, 3])
-                    for nb in T.unroll(head_blocks):
-                        for hv in T.unroll(4):
-                            if nb * 8 + lane % 4 * 2 + hv % 2 < G:
-                                scores[nb * 8 + lane % 4 * 2 + hv % 2,
-                                       m * 16 + hv // 2 * 8 + lane // 4] = \
-                                    st[nb, hv] * T.float32(scale)
-                T.cuda.cta_sync()
-                # the slice's softmax, a warp's heads_per_warp heads, against the running max
-                for k in T.unroll(heads_per_warp):
-                    g = T.meta_var(warp * heads_per_warp + k)
-                    if every_warp_full or g < G:
-                        chunk_max(red, scores, g, count - j * sub, lane)
-                        red[0] = T.max(red[0], stats[0, g])
-                        red[1] = T.float32(0)
-                        for t in T.serial(sub // 32):
-                            pb = T.bfloat16(0)
-                            if j * sub + t * 32 + lane < count:
-                                pb = T.Cast("bfloat16",
-                                            T.exp2(scores[g, t * 32 + lane] - red[0]))
-                            Ps[g, t * 32 + lane] = pb
-                            red[1] = red[1] + T.Cast("float32", pb)
-                        red[1] = T.cuda.warp_sum(red[1])
-                        if lane == 0:
-                            stats[2, g] = T.exp2(stats[0, g] - red[0])
-                            stats[1, g] = stats[1, g] * stats[2, g] + red[1]
-                            stats[0, g] = red[0]
+                                st[2 * tb + n, 0], st[2 * tb + n, 1], st[2 * tb + n, 2],
+                                st[2 * tb + n, 3], q_frag[kk, 0], q_frag[kk, 1],
+                                q_frag[kk, 2], q_frag[kk, 3], b_frag[2 * n],
+                                b_frag[2 * n + 1], st[2 * tb + n, 0], st[2 * tb + n, 1],
+                                st[2 * tb + n, 2], st[2 * tb + n, 3])
+                # scores, tokens past count at -inf; each head's max over the warp's slice
+                for e in T.unroll(2):
+                    red[e] = T.float32(NEG_INF)
+                for n in T.unroll(2 * token_blocks):
+                    for e in T.unroll(4):
+                        st[n, e] = T.if_then_else(
+                            j * sub + warp * rows + n * 8 + lane % 4 * 2 + e % 2 < count,
+                            st[n, e] * T.float32(scale), T.float32(NEG_INF))
+                        red[e // 2] = T.max(red[e // 2], st[n, e])
+                for e in T.unroll(2):
+                    red[e] = T.max(m[e], T.cuda.warp_max(red[e], 4))
+                    # a head the warp has seen no token of yet: P and the rescale are 0
+                    red[2 + e] = T.exp2(m[e] - T.if_then_else(red[e] == T.float32(NEG_INF),
+                                                              T.float32(0), red[e]))
+                    m[e] = red[e]
+                    red[e] = T.if_then_else(red[e] == T.float32(NEG_INF), T.float32(0),
+                                            red[e])
+                    total[e] = total[e] * red[2 + e]
+                for n in T.unroll(2 * token_blocks):
+                    for e in T.unroll(4):
+                        pb = T.Cast("bfloat16", T.exp2(st[n, e] - red[e // 2]))
+                        Ps[warp, e // 2 * 8 + lane // 4, n * 8 + lane % 4 * 2 + e % 2] = pb
+                        total[e // 2] = total[e // 2] + T.Cast("float32", pb)
+                for n in T.unroll(col_blocks):
+                    for e in T.unroll(4):
+                        acc[n, e] = acc[n, e] * red[2 + e // 2]
                 T.ptx.cp.async_.wait_group(2 * stages - 2)  # slice j's V
-                T.cuda.cta_sync()
-                # O = a O + P @ V rows; lane holds heads lane // 4 and lane // 4 + 8 (rows
-                # past the block are padding), columns 2 (lane % 4), + 1 of each n8 block of
-                # the warp's quarter
-                for hh in T.unroll(2):
-                    if hh * 8 + lane // 4 < G:
-                        for n in T.unroll(col_blocks):
-                            for v in T.unroll(2):
-                                acc[n, 2 * hh + v] = acc[n, 2 * hh + v] * \
-                                    stats[2, hh * 8 + lane // 4]
-                for kk in T.unroll(sub // 16):
+                T.cuda.warp_sync()
+                # O += P @ V rows; lane holds heads lane // 4 and + 8, columns 2 (lane % 4)
+                # and + 1 of each n8 block
+                for tb in T.unroll(token_blocks):
                     T.ptx.ldmatrix.sync.aligned.m8n8.x4.shared.b16(
                         a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                        Ps.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
+                        Ps.ptr_to([warp, lane % 16, tb * 16 + lane // 16 * 8]))
                     for n2 in T.unroll(col_blocks // 2):
                         T.ptx.ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16(
-                            b_frag[2 * n2, 0], b_frag[2 * n2, 1], b_frag[2 * n2 + 1, 0],
-                            b_frag[2 * n2 + 1, 1],
-                            Vs.ptr_to([j % stages, kk * 16 + lane % 16,
-                                       warp * (D // WARPS) + n2 * 16 + lane // 16 * 8]))
-                    for n in T.unroll(col_blocks):
-                        T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
-                            acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3], a_frag[0], a_frag[1],
-                            a_frag[2], a_frag[3], b_frag[n, 0], b_frag[n, 1], acc[n, 0],
-                            acc[n, 1], acc[n, 2], acc[n, 3])
+                            b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                            Vs.ptr_to([j % stages, warp * rows + tb * 16 + lane % 16,
+                                       n2 * 16 + lane // 16 * 8]))
+                        for n in T.unroll(2):
+                            T.ptx.mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32(
+                                acc[2 * n2 + n, 0], acc[2 * n2 + n, 1], acc[2 * n2 + n, 2],
+                                acc[2 * n2 + n, 3], a_frag[0], a_frag[1], a_frag[2],
+                                a_frag[3], b_frag[2 * n], b_frag[2 * n + 1],
+                                acc[2 * n2 + n, 0], acc[2 * n2 + n, 1], acc[2 * n2 + n, 2],
+                                acc[2 * n2 + n, 3])
+                T.cuda.warp_sync()  # the warp is done with the stage and with P
                 if streams:  # slice j + stages into the stage slice j leaves
-                    T.cuda.cta_sync()
-                    load_slice(Ks, K_row, count, j + stages, tx)
-                    load_slice(Vs, V_row, count, j + stages, tx)
+                    load_rows(Ks, K_row, count, j + stages, warp, lane)
+                    load_rows(Vs, V_row, count, j + stages, warp, lane)
                 elif stages > 1:  # two empty groups, so that the waits above count slice
                     T.ptx.cp.async_.commit_group()  # j + 1's copies among the last four
                     T.ptx.cp.async_.commit_group()
-            for hh in T.unroll(2):
-                if hh * 8 + lane // 4 < G:
+            # the warps' parts meet: each warp's max and sum a head, and its O
+            for e in T.unroll(2):
+                total[e] = T.cuda.warp_sum(total[e], 4)
+                if lane % 4 == 0:
+                    stats[0, warp, e * 8 + lane // 4] = m[e]
+                    stats[1, warp, e * 8 + lane // 4] = total[e]
+                if e * 8 + lane // 4 < G:
                     for n in T.unroll(col_blocks):
                         for v in T.vectorized(2):
-                            O_part[b, h, s, hh * 8 + lane // 4,
-                                   warp * (D // WARPS) + n * 8 + lane % 4 * 2 + v] = \
-                                acc[n, 2 * hh + v] / stats[1, hh * 8 + lane // 4]
-            if tx < G:
-                lse[b, h, s, tx] = stats[0, tx] + T.log2(stats[1, tx])
+                            Os[warp, e * 8 + lane // 4, n * 8 + lane % 4 * 2 + v] = \
+                                acc[n, 2 * e + v]
+            T.cuda.cta_sync()
+            for r in T.unroll(outs.rounds):
+                if outs.inside(r):
+                    g = T.meta_var(outs.head(r))
+                    red[0] = stats[0, 0, g]
+                    for w in T.unroll(1, WARPS):
+                        red[0] = T.max(red[0], stats[0, w, g])
+                    red[1] = T.float32(0)
+                    for w in T.unroll(WARPS):  # a warp without a token weighs exp2(-inf) = 0
+                        part[w] = T.exp2(stats[0, w, g] - red[0])
+                        red[1] = red[1] + stats[1, w, g] * part[w]
+                    for half in T.unroll(2):
+                        for e in T.unroll(VEC // 2):
+                            o4[e] = T.float32(0)
+                        for w in T.unroll(WARPS):
+                            for e in T.unroll(VEC // 2):
+                                o4[e] = o4[e] + Os[w, g, outs.col(r) + half * (VEC // 2) + e] \
+                                    * part[w]
+                        for e in T.vectorized(VEC // 2):
+                            O_part[b, h, s, g, outs.col(r) + half * (VEC // 2) + e] = \
+                                o4[e] / red[1]
+                    if outs.first_lane(r):
+                        lse[b, h, s, g] = red[0] + T.log2(red[1])
 
     name = f"decode_split_mma_{heads.suffix}_c{chunk}" \
         + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}")
