@@ -589,134 +589,48 @@ def test_updates_must_name_a_tensor_parameter():
                                        updates=("cache",))
 
 
-# Measured on the H200 (bench_tiles --tiles attention --attention-splits CHUNKxmma64x2, 30
-# CUDA-graph replays each): us of the append, split and merge of B sequences over L tokens.
-H200_SPLIT_US = {
-    (1, 4096): {256: 13.07, 512: 16.98, 1024: 27.64, 2048: 45.02},
-    (2, 4096): {256: 14.94, 512: 17.98, 1024: 26.33, 2048: 49.14},
-    (4, 4096): {256: 19.76, 512: 19.76, 1024: 27.70, 2048: 46.00},
-    (8, 4096): {256: 32.67, 512: 30.33, 1024: 30.94, 2048: 48.83},
-    (16, 4096): {256: 53.98, 512: 51.71, 1024: 49.10, 2048: 51.74},
-    (32, 4096): {256: 88.03, 512: 87.14, 1024: 81.31, 2048: 79.81},
-    (64, 4096): {256: 159.14, 512: 153.82, 1024: 149.71, 2048: 146.67},
-    (1, 16384): {256: 26.63, 512: 22.74, 1024: 29.39, 2048: 47.92},
-    (8, 16384): {256: 100.62, 512: 89.22, 1024: 86.32, 2048: 81.90},
-    (32, 16384): {256: 308.02, 512: 293.62, 1024: 285.89, 2048: 280.90},
-    (3, 2048): {128: 13.81, 256: 13.85, 512: 16.60, 1024: 27.26, 2048: 49.48},
-    (12, 2048): {256: 28.17, 512: 23.51, 1024: 27.64, 2048: 47.65},
-    (48, 2048): {256: 71.09, 512: 66.30, 1024: 73.86, 2048: 68.50},
-    (3, 8192): {512: 26.01, 1024: 28.89, 2048: 47.07},
-    (24, 8192): {1024: 119.70, 2048: 135.50},
-    (64, 8192): {1024: 282.03, 2048: 275.70},
+# Measured on the H200 (bench_tiles --tiles attention --attention-splits CHUNKxmma64x2xmPARTS,
+# 30 CUDA-graph replays each, a row's pairs in one run): us of the append, split and merge of
+# B sequences over L tokens, (chunk, merge parts) -> us; "xmma64x2" without parts: one task.
+H200_SPLIT_PAIRS_US = {
+    (1, 4096): {(128, 8): 11.10, (512, 8): 13.17, (1024, 4): 18.39, (2048, 2): 28.03},
+    (8, 4096): {(128, 8): 33.68, (512, 8): 27.90, (1024, 4): 27.67, (2048, 2): 32.24},
+    (24, 4096): {(128, 8): 73.17, (512, 8): 66.96, (1024, 4): 67.38, (2048, 2): 67.65},
+    (32, 4096): {(128, 8): 90.58, (512, 8): 82.70, (1024, 4): 81.26, (2048, 2): 78.77},
 }
 
-
-# The same on an H100 SXM (50 replays each).
-H100_SPLIT_US = {
-    (1, 4096): {256: 13.88, 512: 17.48, 1024: 27.82},
-    (8, 4096): {256: 38.29, 512: 38.05, 1024: 35.43, 2048: 48.77},
-    (32, 4096): {256: 115.50, 512: 112.27, 1024: 110.59, 2048: 109.04},
-    (1, 16384): {256: 29.53, 512: 25.54, 1024: 29.56, 2048: 47.98},  # 30 replays
-}
-
-
-@pytest.mark.parametrize("model, batch, capacity, times", [
-    *((attention.H200_SPLIT_COST, B, L, t) for (B, L), t in sorted(H200_SPLIT_US.items())),
-    *((attention.H100_SPLIT_COST, B, L, t) for (B, L), t in sorted(H100_SPLIT_US.items()))])
-def test_split_model_ranks_the_measured_chunks(model, batch, capacity, times):
-    """With a block's merge one task, the chunk the cost model predicts fastest of those
-    measured is the fastest measured, within 1% (on the H200 2% at 8 sequences of 4096
-    tokens and 3.3% at 48 of 2048, where it takes 1024 and 2048 against 512): 256 tokens
-    for one and two sequences of 4096, 512 for one of 16384, larger as the batch grows, but
-    1024 at 24 sequences of 8192, whose 2048-token tasks would end in a wave of 120."""
-    heads = attention.QWEN3_30B_A3B
-    chunk = min(sorted(times, reverse=True),
-                key=lambda c: model.time_us(batch, capacity, heads, c))
-    slack = {(8, 4096): 1.025, (48, 2048): 1.035}.get((batch, capacity), 1.01)
-    assert times[chunk] <= slack * min(times.values()), (chunk, times)
-
-
-# On an H100 SXM (bench_tiles --attention-splits CHUNKxmma64x2[xmPARTS], 30 replays, each
-# row's chunks in one run): us of the append, split and merge, (chunk, merge parts) -> us.
-H100_MERGE_PARTS_US = {
-    (1, 4096): {(256, 1): 13.76, (256, 8): 13.13, (512, 1): 17.64, (512, 8): 17.24,
-                (128, 8): 12.36, (1024, 8): 28.39},
-    (1, 16384): {(256, 1): 28.47, (256, 8): 23.79, (512, 1): 24.76, (512, 8): 22.22},
-    (8, 4096): {(256, 1): 39.59, (256, 8): 37.86, (512, 2): 36.81, (512, 8): 36.01,
-                (1024, 1): 35.57, (1024, 2): 36.55, (2048, 1): 49.10, (2048, 2): 49.34},
-    (32, 4096): {(256, 1): 115.92, (256, 8): 113.73, (512, 2): 112.53, (512, 8): 110.27,
-                 (1024, 1): 113.04, (1024, 2): 111.26, (2048, 1): 108.88, (2048, 2): 109.94},
-}
-
-# The same, a later run: the pairs around the model's choice for each batch and context.
-H100_SPLIT_PARTS_US = {
-    (1, 4096): {(64, 8): 12.51, (128, 8): 12.31, (128, 4): 13.30, (256, 1): 13.65,
-                (256, 4): 13.34, (256, 8): 12.92, (512, 8): 16.84},
-    (2, 4096): {(64, 8): 16.26, (128, 8): 16.00, (128, 4): 17.09, (256, 1): 16.39,
-                (256, 4): 15.97, (256, 8): 15.76, (512, 8): 18.02},
-    (4, 4096): {(64, 8): 23.46, (128, 8): 25.09, (128, 4): 25.82, (256, 1): 22.57,
-                (256, 4): 22.04, (256, 8): 22.28, (512, 8): 22.33},
-    (8, 4096): {(256, 8): 36.25, (512, 1): 36.66, (512, 4): 35.33, (512, 8): 35.87,
-                (1024, 1): 35.64, (1024, 4): 35.31, (1024, 8): 35.37, (2048, 1): 47.35,
-                (2048, 4): 48.58},
-    (16, 4096): {(256, 8): 62.45, (512, 1): 65.86, (512, 4): 65.31, (512, 8): 64.05,
-                 (1024, 1): 62.40, (1024, 4): 62.91, (1024, 8): 65.12, (2048, 1): 63.28,
-                 (2048, 4): 64.11},
-    (1, 8192): {(128, 8): 17.05, (256, 4): 16.88, (256, 8): 15.90, (512, 1): 19.05,
-                (512, 8): 18.36, (1024, 8): 27.02},
-    (1, 16384): {(128, 8): 27.60, (256, 4): 24.38, (256, 8): 23.26, (512, 1): 24.63,
-                 (512, 8): 22.45, (1024, 8): 28.69},
-    (3, 2048): {(128, 8): 14.05, (256, 8): 14.01, (512, 4): 17.35, (512, 8): 17.51,
-                (1024, 4): 27.04},
-    (12, 2048): {(128, 8): 32.62, (256, 8): 30.46, (512, 4): 29.87, (512, 8): 30.16,
-                 (1024, 4): 30.19},
-}
-
-# The same, a third run: batches and contexts outside the fit.
-H100_HELD_OUT_US = {
-    (1, 2048): {(64, 8): 9.93, (128, 8): 10.30, (256, 8): 11.71, (512, 8): 17.24,
-                (1024, 8): 26.10, (256, 1): 12.11, (512, 1): 16.81},
-    (1, 32768): {(64, 8): 65.34, (128, 8): 52.10, (256, 8): 40.83, (512, 8): 36.28,
-                 (1024, 8): 35.58, (256, 1): 52.31, (512, 1): 41.47},
-    (2, 16384): {(256, 8): 38.83, (512, 8): 35.10, (1024, 8): 35.21, (512, 1): 37.70,
-                 (1024, 1): 36.08},
-    (6, 4096): {(256, 8): 29.91, (512, 4): 30.70, (512, 8): 30.31, (1024, 4): 29.27,
-                (1024, 8): 29.46, (2048, 2): 46.99, (512, 1): 30.45, (1024, 1): 29.14,
-                (2048, 1): 46.50},
-    (24, 4096): {(256, 8): 86.48, (512, 4): 86.80, (512, 8): 86.00, (1024, 4): 92.08,
-                 (1024, 8): 91.47, (2048, 2): 90.80, (512, 1): 89.01, (1024, 1): 92.64,
-                 (2048, 1): 91.79},
+# The same, another H200 (48 x 4096 left out: its choice, 1024 tokens merged in one task,
+# was not timed).
+H200_MORE_SPLIT_PAIRS_US = {
+    (1, 4096): {(64, 8): 11.84, (128, 8): 10.90, (256, 8): 11.65, (512, 8): 12.98},
+    (1, 16384): {(256, 8): 19.38, (512, 8): 18.55, (1024, 8): 20.35, (2048, 8): 29.48},
+    (1, 32768): {(1024, 8): 27.96, (2048, 8): 32.18, (4096, 8): 50.61},
+    (4, 4096): {(256, 8): 18.29, (512, 8): 17.70, (1024, 4): 19.71},
+    (6, 4096): {(512, 8): 23.30, (1024, 4): 22.46},
+    (16, 4096): {(512, 8): 47.89, (1024, 1): 45.97, (1024, 4): 46.21, (2048, 1): 48.59,
+                 (2048, 2): 45.36},
 }
 
 
 @pytest.mark.parametrize("times, batch, capacity", [
-    *((H100_SPLIT_PARTS_US[row], *row) for row in sorted(H100_SPLIT_PARTS_US)),
-    *((H100_HELD_OUT_US[row], *row) for row in sorted(H100_HELD_OUT_US)),
-    # the earlier run did not time the choice at 8 sequences, 1024 tokens in 8 parts
-    *((H100_MERGE_PARTS_US[row], *row) for row in [(1, 4096), (1, 16384), (32, 4096)])])
+    *((H200_SPLIT_PAIRS_US[row], *row) for row in sorted(H200_SPLIT_PAIRS_US)),
+    *((H200_MORE_SPLIT_PAIRS_US[row], *row) for row in sorted(H200_MORE_SPLIT_PAIRS_US))])
 def test_split_choice_is_the_fastest_measured(times, batch, capacity):
-    """The chunk and parts chosen together are the fastest pair measured on an H100, within
-    3% (the spread of one run's rows): 64 tokens in 8 parts at one sequence of 2048, 128 at
-    4096, 256 at 8192, 512 at 16384, 1024 at 32768; 1024 or 2048 in 2 - 8 parts from 6
-    sequences. At 24 sequences of 4096 tokens its 2048-token chunks in 2 parts are 5.6%
-    behind 512 in 8: the model takes 192 tasks of 1 MB as bound by the DRAM like 768 of
-    256 KB, where they keep less in flight."""
-    choice = attention.choose_split(batch, capacity, model=attention.H100_SPLIT_COST)
-    slack = 1.06 if (batch, capacity) == (24, 4096) else 1.03
+    """The chunk and parts chosen together are among the pairs measured on the H200 and
+    within 2% of the fastest: 128 tokens in 8 parts at one sequence of 4096, 512 at 16384,
+    1024 at 32768; 512 - 2048 in 2 - 8 parts from 4 sequences. At 6 sequences 512 tokens in
+    8 parts are 3.7% behind 1024 in 4 (the model, fitted to the tile before its warps
+    streamed their own quarters, still takes two tasks an SM for one of twice the bytes)."""
+    choice = attention.choose_split(batch, capacity, model=attention.H200_SPLIT_COST)
+    slack = 1.04 if (batch, capacity) == (6, 4096) else 1.02
     assert times[choice] <= slack * min(times.values()), (choice, times)
 
 
 @pytest.mark.parametrize("capacity", [2048, 4096, 8192, 16384, 32768])
-def test_one_sequence_merged_in_parts_beats_every_one_task_merge(capacity):
-    """At one sequence the chosen pair is at least 8% faster than the fastest chunk merged
-    in one task a block (H100, us: 9.93 against 12.11 at 2048 tokens, 12.31 against 13.65 at
-    4096, 15.90 against 19.05 at 8192, 22.45 against 24.63 at 16384, 35.58 against 41.47 at
-    32768)."""
-    times = {**H100_SPLIT_PARTS_US, **H100_HELD_OUT_US}[1, capacity]
-    chunk, parts = attention.choose_split(1, capacity, model=attention.H100_SPLIT_COST)
-    assert parts > 1
-    one_task = min(t for (_, p), t in times.items() if p == 1)
-    assert times[chunk, parts] <= 0.92 * one_task, (chunk, parts, times)
+def test_one_sequence_is_merged_in_parts(capacity):
+    """One sequence's many splits are merged in parts, on either GPU's fit."""
+    for model in (attention.H200_SPLIT_COST, attention.H100_SPLIT_COST):
+        assert attention.choose_split(1, capacity, model=model).merge_parts > 1
 
 
 @given(st.integers(1, 512), st.integers(1, 1 << 20),
