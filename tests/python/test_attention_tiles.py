@@ -466,6 +466,20 @@ def test_mma_split_takes_a_group_of_16_heads_in_one_block(tmp_path):
                 tmp_path)
 
 
+@pytest.mark.parametrize("heads", [AttentionHeads(32, 8, 32), AttentionHeads(16, 4, 16)],
+                         ids=lambda h: h.suffix)
+def test_mma_split_takes_heads_of_16_and_32_dims(heads, tmp_path):
+    """A warp computes all of O's columns, so the tensor-core split takes any head dim of
+    whole k16 steps: on the executor within its bound, and compiled with no spill."""
+    graph = decode_attention_graph(128, heads, engine="mma", sub=64)
+    max_len, lengths = MIXES["ragged"]
+    inputs = make_inputs(max_len, lengths, heads=heads)
+    want, bound = attention.error_bound(*inputs, chunk=128, engine="mma")
+    assert_within(execute(graph, *inputs, order=RandomOrder(5)), want, bound)
+    build_cubin(build(graph, {"B": 4, "L": 1000}, strategy="unfused", num_sms=132)
+                .cuda_source(), tmp_path)
+
+
 def test_mma_split_rejects_chunks_its_warps_cannot_share():
     with pytest.raises(EtcError, match="a multiple of 64"):
         attention.make_decode_split_mma_tile(96)

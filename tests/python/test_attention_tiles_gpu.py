@@ -179,10 +179,10 @@ def test_mma_split_megakernel(B, max_len, chunk, sub, stages):
 
 @pytest.mark.parametrize("chunk, sub", [(64, None), (256, 64)])
 @pytest.mark.parametrize("model", ["gpt-oss-120b", "gemma2-9b", "qwen3-235b-a22b",
-                                   "qwen3-235b-a22b, 16 heads a task"])
+                                   "qwen3-235b-a22b, 16 heads a task", "head dim 32"])
 def test_mma_split_other_heads(model, chunk, sub):
-    heads = AttentionHeads(64, 4, 128, max_block=16) if model.endswith("a task") \
-        else OTHER_HEADS[model]
+    heads = {**OTHER_HEADS, "head dim 32": AttentionHeads(32, 8, 32),
+             "qwen3-235b-a22b, 16 heads a task": AttentionHeads(64, 4, 128, max_block=16)}[model]
     B, max_len = 8, 1000
     compiled = build(decode_attention_graph(chunk, heads, engine="mma", sub=sub),
                      {"B": B, "L": max_len}, strategy="unfused")
