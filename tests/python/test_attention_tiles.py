@@ -494,8 +494,8 @@ def test_mma_split_rejects_chunks_its_warps_cannot_share():
 
 
 def test_a_split_no_cta_can_hold_is_refused_naming_the_tile():
-    """Four stages of 64 rows at head dim 256 take 285 KB: more than one CTA may hold, so the
-    error names the tile, not the CTAs an SM."""
+    """Four stages of 64 K and V rows at head dim 256 take 270 KB alone: more than one CTA
+    may hold, so the error names the tile, not the CTAs an SM."""
     graph = decode_attention_graph(1024, AttentionHeads(16, 8, 256), engine="mma", sub=64,
                                    stages=4)
     with pytest.raises(EtcError, match=r"do not fit on one SM .* no CTA holds a task of "
