@@ -556,16 +556,12 @@ def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk:
     x = (qs @ K.T) * scale if engine == "mma" else (qs * scale) @ K.T  # (Gb, tokens)
     sub = chunk if sub is None else sub
     n = x.shape[1]
-    if engine != "mma":
-        m, total, acc = online_softmax(x, V, [np.arange(t, min(t + sub, n))
-                                              for t in range(0, n, sub)], round_p=False)
-        O_part[b, h, s] = acc / total[:, None]
-        lse[b, h, s] = m + np.log2(total)
-        return
-    quarter = sub // WARPS
-    parts = [online_softmax(x, V, [np.arange(t + w * quarter, min(t + (w + 1) * quarter, n))
-                                   for t in range(0, n, sub)], round_p=True)
-             for w in range(WARPS)]
+    # the token spans each softmax takes, slice by slice: one over whole slices ("fma"), or
+    # one a warp over its quarters ("mma"); one part's merge is exact (weight exp2(0) = 1)
+    span, spans = (sub // WARPS, WARPS) if engine == "mma" else (sub, 1)
+    parts = [online_softmax(x, V, [slice(t + w * span, min(t + (w + 1) * span, n))
+                                   for t in range(0, n, sub)], round_p=engine == "mma")
+             for w in range(spans)]
     top = np.max([m for m, _, _ in parts], axis=0)
     weights = [np.exp2(m - top) for m, _, _ in parts]
     total = sum(w * t for w, (_, t, _) in zip(weights, parts))
@@ -576,13 +572,13 @@ def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk:
 
 def online_softmax(x, V, slices, round_p: bool):
     """(running max, sum, unnormalised O) of scores ``x`` (heads x tokens) over the token
-    index arrays ``slices`` in turn, P rounded to bf16 with ``round_p``; a head with no
-    token yet keeps max -inf and weighs nothing."""
+    ``slices`` in turn, P rounded to bf16 with ``round_p``; a head with no token yet keeps
+    max -inf and weighs nothing."""
     m = np.full(len(x), NEG_INF, np.float32)
     total = np.zeros(len(x), np.float32)
     acc = np.zeros((len(x), V.shape[1]), np.float32)
     for t in slices:
-        if not len(t):
+        if t.stop <= t.start:
             continue
         m_new = np.maximum(m, x[:, t].max(axis=1))
         rescale = np.exp2(m - m_new)
