@@ -215,13 +215,15 @@ def split_options(spec: str, batch: int, capacity: int, heads: attention.Attenti
     tensor-core tile streaming slices of SUB tokens, STAGES in flight) or ``auto`` (slices of
     64 tokens, two in flight, the chunk and merge parts ``attention.choose_split`` picks with
     ``model`` for ``batch`` sequences of ``capacity`` tokens); any of them ``xmPARTS`` for a
-    block's merge in PARTS tasks."""
-    *split, last = spec.split("x")
+    block's merge in PARTS tasks, and a tensor-core one ``xa`` for a split that appends this
+    step's rows itself (no append tile before it)."""
+    split = spec.split("x")
     parts = {}
-    if re.fullmatch(r"m\d+", last):
-        parts = {"merge_parts": int(last[1:])}
-    else:
-        split.append(last)
+    if split[-1] == "a":
+        split.pop()
+        parts["append_in_split"] = True
+    if re.fullmatch(r"m\d+", split[-1]):
+        parts["merge_parts"] = int(split.pop()[1:])
     if split == ["auto"]:
         sub = 64
         chunk, merge_parts = attention.choose_split(batch, capacity, heads, sub, page, model)
@@ -486,7 +488,8 @@ def main() -> None:
                         "and its slices and stages (CHUNKxmmaSUBxSTAGES), or that tile with "
                         "the chunk and merge parts the GPU's cost model picks for each batch "
                         "and context (auto, attention.split_cost_model), each with xmPARTS for "
-                        "a block's merge in PARTS tasks; one attention row each")
+                        "a block's merge in PARTS tasks, and the tensor-core ones with xa for a "
+                        "split that appends this step's rows itself; one attention row each")
     parser.add_argument("--attention-page", type=int,
                         help="tokens a page: the decode attention rows over a paged cache "
                         "(pages dealt at random; PyTorch over the contiguous cache)")

@@ -1,4 +1,5 @@
-"""Decode attention as one graph function (append -> split -> merge), and its test inputs.
+"""Decode attention as one graph function (append -> split -> merge, or split -> merge with a
+split that appends), and its test inputs.
 
 Edges: split task (b, h, s) waits for the append of sequence b (it reads the cache row that the
 append wrote); merge task (b, h) waits for the S split tasks of its (b, h): ``split_done`` is
@@ -10,7 +11,7 @@ import zlib
 
 import numpy as np
 
-from etc_tvm import ETensor, Tensor, call_device, graph_func
+from etc_tvm import EtcError, ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import attention
 from etc_tvm.tiles.attention import BF16, QWEN3_30B_A3B, AttentionHeads
 
@@ -37,32 +38,45 @@ OTHER_HEADS = {
 @functools.cache
 def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A3B,
                            unroll: int = 4, page: int | None = None, engine: str = "fma",
-                           sub: int | None = None, stages: int = 2, merge_parts: int = 1):
+                           sub: int | None = None, stages: int = 2, merge_parts: int = 1,
+                           append_in_split: bool = False):
     """``decode_attention(q, k_new, v_new, K_cache, V_cache, seq_lens) -> out`` (bf16); with
     ``page``, ``decode_attention(q, k_new, v_new, K_pages, V_pages, block_table, seq_lens)``
     over a paged cache. The split tasks run on CUDA cores (``engine`` "fma") or on tensor
     cores ("mma", in slices of ``sub`` tokens, ``stages`` in flight); a block's merge is
-    ``merge_parts`` tasks."""
-    append = attention.make_kv_append_tile(heads, page)
-    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page) \
-        if engine == "mma" \
+    ``merge_parts`` tasks. With ``append_in_split`` (tensor cores) the split tasks append
+    this step's rows themselves: split -> merge, no append call."""
+    if append_in_split and engine != "mma":
+        raise EtcError(f"decode attention: the split appends this step's rows on tensor cores "
+                       f"only (engine 'mma'), got engine {engine!r}")
+    split = attention.make_decode_split_mma_tile(chunk, heads, sub, stages, page,
+                                                 append_in_split) if engine == "mma" \
         else attention.make_decode_split_tile(chunk, unroll, heads=heads, page=page)
     merge = attention.make_decode_merge_tile(heads, merge_parts)
     Hq, Hk, D, Gb = heads.q_heads, heads.kv_heads, heads.head_dim, heads.block
 
-    def attend(q, caches, append_args, capacity):
-        # append -> split -> merge; caches: what the split reads besides q and pos
+    def attend(q, k_new, v_new, caches, seq_lens, capacity):
+        # [append ->] split -> merge; caches: the cache's tensors as the split takes them
         B = q.shape[0]
         S = attention.num_splits(capacity, chunk)
-        appended = ETensor((B,), name="appended")
         split_done = ETensor((B, heads.blocks), name="split_done")
-        pos = call_device(append, tile_num=(B,), args=append_args,
-                          out=Tensor((B,), "int32", name="pos"), out_edges={appended: "b->b"})
-        O_part, lse = call_device(
-            split, tile_num=(B, heads.blocks, S), args=[q, *caches, pos],
-            out=[Tensor((B, heads.blocks, S, Gb, D), name="O_part"),
-                 Tensor((B, heads.blocks, S, Gb), name="lse")],
-            in_edges={appended: "bhs->b"}, out_edges={split_done: "bhs->bh"})
+        parts = [Tensor((B, heads.blocks, S, Gb, D), name="O_part"),
+                 Tensor((B, heads.blocks, S, Gb), name="lse")]
+        pos = Tensor((B,), "int32", name="pos")
+        if append_in_split:
+            O_part, lse, pos = call_device(split, tile_num=(B, heads.blocks, S),
+                                           args=[q, k_new, v_new, *caches, seq_lens],
+                                           out=[*parts, pos], out_edges={split_done: "bhs->bh"})
+        else:
+            appended = ETensor((B,), name="appended")
+            # the append takes the cache as (K, V) or (block_table, K_pages, V_pages)
+            pos = call_device(attention.make_kv_append_tile(heads, page), tile_num=(B,),
+                              args=[k_new, v_new, seq_lens, *caches[2:], *caches[:2]],
+                              out=pos, out_edges={appended: "b->b"})
+            O_part, lse = call_device(split, tile_num=(B, heads.blocks, S),
+                                      args=[q, *caches, pos], out=parts,
+                                      in_edges={appended: "bhs->b"},
+                                      out_edges={split_done: "bhs->bh"})
         return call_device(merge, tile_num=(B, heads.blocks * merge_parts),
                            args=[O_part, lse, pos],
                            out=Tensor((B, Hq, D), "bfloat16", name="out"),
@@ -77,8 +91,7 @@ def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A
                              K_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
                              V_cache: Tensor(("B", Hk, "L", D), "bfloat16"),
                              seq_lens: Tensor(("B",), "int32")):
-            return attend(q, [K_cache, V_cache], [k_new, v_new, seq_lens, K_cache, V_cache],
-                          K_cache.shape[2])
+            return attend(q, k_new, v_new, [K_cache, V_cache], seq_lens, K_cache.shape[2])
     else:
         @graph_func
         def decode_attention(q: Tensor(("B", Hq, D), "bfloat16"),
@@ -88,8 +101,7 @@ def decode_attention_graph(chunk: int = 256, heads: AttentionHeads = QWEN3_30B_A
                              V_pages: Tensor(("P", Hk, page, D), "bfloat16"),
                              block_table: Tensor(("B", "NP"), "int32"),
                              seq_lens: Tensor(("B",), "int32")):
-            return attend(q, [K_pages, V_pages, block_table],
-                          [k_new, v_new, seq_lens, block_table, K_pages, V_pages],
+            return attend(q, k_new, v_new, [K_pages, V_pages, block_table], seq_lens,
                           block_table.shape[1] * page)
 
     return decode_attention

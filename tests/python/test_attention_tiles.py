@@ -480,6 +480,88 @@ def test_mma_split_takes_heads_of_16_and_32_dims(heads, tmp_path):
                 .cuda_source(), tmp_path)
 
 
+# (chunk, sub): the chunk at once, and slices of it
+APPENDING_SPLITS = [(64, None), (256, 64)]
+
+
+@pytest.mark.parametrize("chunk, sub", APPENDING_SPLITS, ids=str)
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_split_that_appends_gives_the_append_tiles_bits(mix, chunk, sub):
+    """split -> merge, the split appending this step's rows: the output bits of append ->
+    split -> merge under another order, and the caches and pos the append tile leaves."""
+    max_len, lengths = MIXES[mix]
+    lengths = [*lengths, max_len, -1]  # and two sequences without room
+    inputs = make_inputs(max_len, lengths)
+    graph = decode_attention_graph(chunk, engine="mma", sub=sub, append_in_split=True)
+    tg = TaskGraph.build(graph, {"B": len(lengths), "L": max_len})
+    split = attention.make_decode_split_mma_tile(chunk, sub=sub, append=True)
+    assert len(tg.calls) == 2 and tg.calls[0].name.startswith(split.name)
+    out = execute(graph, *inputs, order=RandomOrder(4))
+    want = execute(decode_attention_graph(chunk, engine="mma", sub=sub), *inputs,
+                   order=RandomOrder(5))
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    assert np.isnan(out[-2:].astype(np.float32)).all()
+
+    q, k_new, v_new, K_cache, V_cache, seq_lens = inputs
+    B, S, heads = len(lengths), attention.num_splits(max_len, chunk), QWEN3_30B_A3B
+    K, V, pos = K_cache.copy(), V_cache.copy(), np.full(B, -7, np.int32)
+    O_part = np.zeros((B, heads.blocks, S, heads.block, heads.head_dim), np.float32)
+    lse = np.zeros((B, heads.blocks, S, heads.block), np.float32)
+    for b, h, s in np.ndindex(B, heads.blocks, S):
+        split.reference(b, h, s, q, k_new, v_new, K, V, seq_lens, O_part, lse, pos)
+    _, want_pos, want_K, want_V, _, _ = run_tiles(chunk, *inputs)
+    np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(K.view(np.uint16), want_K.view(np.uint16))
+    np.testing.assert_array_equal(V.view(np.uint16), want_V.view(np.uint16))
+
+
+@pytest.mark.parametrize("heads", [OTHER_HEADS["qwen3-235b-a22b"], OTHER_HEADS["gemma2-9b"],
+                                   AttentionHeads(64, 4, 128, max_block=16)],
+                         ids=lambda h: h.suffix)
+def test_split_that_appends_over_pages_and_two_blocks_a_kv_head(heads):
+    """A paged cache, and KV heads of two query-head blocks (whose first block writes the
+    row, both reading it from k_new): the append tile's bits."""
+    paged, contiguous = make_paged_inputs(700, [0, 299, 255, 699], page=4, heads=heads)
+    split = {"chunk": 128, "engine": "mma", "sub": 64, "page": 4}
+    dims = {"B": 4, "NP": 700 // 4, "P": len(paged[3])}
+    graph = decode_attention_graph(**split, heads=heads, append_in_split=True)
+    out = execute(graph, *paged, order=RandomOrder(6))
+    np.testing.assert_array_equal(out.view(np.uint16), execute(
+        decode_attention_graph(**split, heads=heads), *paged).view(np.uint16))
+    assert TaskGraph.build(graph, dims).calls[0].grid == (4, heads.blocks, 6)
+
+
+def test_split_that_appends_names_a_page_id_outside_the_pool():
+    paged, _ = make_paged_inputs(128, [10, 0, 124, 40], page=4)
+    paged[5][2, 31] = 999  # the page of sequence 2's new row
+    with pytest.raises(ExecutionError, match=r"decode_split_mma\w*_append: block_table\[2, "
+                       r"31\] = 999 is no page of 0\.\.129"):
+        execute(decode_attention_graph(128, engine="mma", sub=64, page=4,
+                                       append_in_split=True), *paged)
+
+
+def test_only_the_tensor_core_split_appends():
+    with pytest.raises(EtcError, match="on tensor cores only"):
+        decode_attention_graph(128, append_in_split=True)
+
+
+@pytest.mark.parametrize("page, dims", [(None, {"B": 4, "L": 1000}),
+                                        (16, {"B": 4, "NP": 64, "P": 258})])
+def test_split_that_appends_compiles_to_the_same_copies(page, dims, tmp_path):
+    """A row's 16-byte copies from k_new or from the cache: two cp.async under complementary
+    predicates where the split that does not append has one; its MMAs, no spill; alone and
+    in the static megakernel, the caches not read through the read-only path."""
+    for strategy in ("unfused", "static"):
+        source = build(decode_attention_graph(1024, engine="mma", sub=64, page=page,
+                                              append_in_split=True),
+                       dims, strategy=strategy, num_sms=132).cuda_source()
+        (tmp_path / strategy).mkdir()
+        code = sass(build_cubin(source, tmp_path / strategy)[0])
+        assert count(code, "LDGSTS.E.BYPASS.128") == 2 * 3 * 2 * 64 * 128 // 8 // 128
+        assert count(code, "HMMA.16816.F32.BF16") == 2 * (64 // 64) * (128 // 8)  # a slice
+        assert "LDGSTS.E.BYPASS.128.CONSTANT" not in code
+
+
 def test_mma_split_rejects_chunks_its_warps_cannot_share():
     with pytest.raises(EtcError, match="a multiple of 64"):
         attention.make_decode_split_mma_tile(96)
@@ -525,7 +607,7 @@ def test_sliced_split_reference_is_the_chunk_at_once_where_one_slice_holds_it():
         for b in range(B):
             attention.split_reference(b, 1, 0, q,
                                       lambda rows, b=b: (K[b, 0, rows], V[b, 0, rows]),
-                                      seq_lens, O_part, lse, K.shape[2], 128, heads, "mma", sub)
+                                      seq_lens[b] + 1, O_part, lse, 128, heads, "mma", sub)
         outs[sub] = O_part, lse
     for a, b in zip(outs[None], outs[128]):
         np.testing.assert_array_equal(a, b)

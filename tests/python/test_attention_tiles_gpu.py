@@ -209,6 +209,42 @@ def test_merge_in_parts(heads, parts, strategy):
                                           first.view(np.uint16))
 
 
+@pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
+@pytest.mark.parametrize("B, max_len, page", [(4, 1000, None), (32, 4096, None), (4, 4096, 16)])
+def test_split_that_appends(B, max_len, page, strategy):
+    """split -> merge, the split appending this step's rows (512-token chunks in 64-token
+    slices): the bits of append -> split -> merge, the new rows in the device's cache, a
+    sequence without room NaN; 20 launches identical."""
+    import tvm
+
+    lens = [*lengths(B, max_len)[:-1], max_len]  # the last sequence has no room
+    if page is None:
+        inputs = contiguous = make_inputs(max_len, lens, seed="appends")
+        dims = {"B": B, "L": max_len}
+    else:
+        inputs, contiguous = make_paged_inputs(max_len, lens, page, seed="appends")
+        dims = {"B": B, "NP": max_len // page, "P": len(inputs[3])}
+    split = {"chunk": 512, "engine": "mma", "sub": 64, "page": page}
+    run = build(decode_attention_graph(**split, append_in_split=True), dims, strategy=strategy)
+    want = build(decode_attention_graph(**split), dims, strategy=strategy)(*inputs)
+    K_dev, V_dev = (tvm.runtime.tensor(x, tvm.cuda(0)) for x in inputs[3:5])
+    args = [*inputs[:3], K_dev, V_dev, *inputs[5:]]
+    first = run(*args)
+    np.testing.assert_array_equal(first.view(np.uint16), want.view(np.uint16))
+    assert np.isnan(first[-1].astype(np.float32)).all()
+    good = slice(0, B - 1)
+    reference, bound = float64_reference(contiguous, 512, "mma")
+    assert_attention(first[good], reference[good], bound[good])
+    q, k_new, v_new, *_, seq_lens = inputs
+    for b, at in enumerate(seq_lens[good]):
+        major, row = (b, at) if page is None else (inputs[5][b, at // page], at % page)
+        for cache, new in ((K_dev, k_new), (V_dev, v_new)):
+            np.testing.assert_array_equal(cache.numpy()[major, :, row].view(np.uint16),
+                                          new[b].view(np.uint16))
+    for _ in range(20):
+        np.testing.assert_array_equal(run(*args).view(np.uint16), first.view(np.uint16))
+
+
 def test_megakernel_updates_the_device_cache_in_place():
     import tvm
 

@@ -41,6 +41,10 @@ so it waits for the append of its sequence (``"bhs->b"``); its ``pos`` output or
 when they run as separate launches. Bounds: a length outside ``[0, max_len)`` (no room for this
 step's token) writes nothing, sets ``pos[b] = -1``, and the merge writes NaN for all of that
 sequence's output, so a full cache is loud, never a wild write nor a silently shorter context.
+The tensor-core split can append the rows itself (``make_decode_split_mma_tile(append=True)``:
+split -> merge, no append task and no hand-off before the splits): the task whose chunk holds
+the new row writes it, and every task of that chunk copies the row from ``k_new`` and
+``v_new`` rather than from the cache, so none waits for the write.
 
 Inside a split task (128 threads; ``lanes = D / 8`` threads own a row, 16 for D = 128: a
 group of lanes ``rg = tx // lanes`` owns rows ``rg, rg + 128/lanes, ...`` of the chunk, lane
@@ -110,6 +114,7 @@ from tvm.script import tirx as T
 
 from ..device_func import DeviceFunc, device_func, input_check
 from ..errors import EtcError, ExecutionError
+from ..ops import is_op
 from .gemm import PAD, copy_a_chunk
 
 THREADS = 128
@@ -334,6 +339,25 @@ def checked_pages(block_table, b: int, tokens, page: int, num_pages: int, tile: 
     return ids
 
 
+@T.inline
+def write_kv_rows(k_new, v_new, b, K, V, major, row, first: int, count: int, tx):
+    # this step's rows of KV heads first .. first + count - 1 (first may be a run-time value,
+    # count is not): K[major, h, row] = k_new[b, h], likewise V; one 16-byte vector a thread
+    # and round, the K vectors first
+    lanes = T.meta_var(k_new.shape[2] // VEC)
+    half = T.meta_var(count * lanes)  # vectors a cache
+    for r in T.unroll((2 * half + THREADS - 1) // THREADS):
+        v = T.meta_var(r * THREADS + tx)
+        h = T.meta_var(first + v % half // lanes)
+        col = T.meta_var(v % lanes * VEC)
+        if v < half:
+            for e in T.vectorized(VEC):
+                K[major, h, row, col + e] = k_new[b, h, col + e]
+        elif 2 * half % THREADS == 0 or v < 2 * half:
+            for e in T.vectorized(VEC):
+                V[major, h, row, col + e] = v_new[b, h, col + e]
+
+
 @functools.cache
 def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
                         page: int | None = None) -> DeviceFunc:
@@ -342,25 +366,8 @@ def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
     first, then the V vectors). ``page``: into a paged cache (``_p<page>``), at slot
     ``seq_lens[b] % page`` of page ``block_table[b, seq_lens[b] // page]``."""
     check_page(page)
-    Hk, D, lanes = heads.kv_heads, heads.head_dim, heads.lanes
-    half = Hk * lanes  # vectors per cache
-    rounds = (2 * half + THREADS - 1) // THREADS
-    whole = 2 * half % THREADS == 0  # every thread of the last round has a vector
+    Hk, D = heads.kv_heads, heads.head_dim
     B, L = tirx.Var("B", "int32"), tirx.Var("L", "int32")
-
-    @T.inline
-    def write_row(k_new, v_new, b, K, V, major, row, tx):
-        # this step's rows, K[major, h, row] and V[major, h, row] for every KV head h
-        for r in T.unroll(rounds):
-            v = T.meta_var(r * THREADS + tx)
-            h = T.meta_var(v % half // lanes)
-            col = T.meta_var(v % lanes * VEC)
-            if v < half:
-                for e in T.vectorized(VEC):
-                    K[major, h, row, col + e] = k_new[b, h, col + e]
-            elif whole or v < 2 * half:
-                for e in T.vectorized(VEC):
-                    V[major, h, row, col + e] = v_new[b, h, col + e]
 
     if page is None:
         @T.prim_func
@@ -375,7 +382,7 @@ def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
             at = T.local_scalar("int32")
             at = seq_lens[b]
             if at >= 0 and at < L:
-                write_row(k_new, v_new, b, K_cache, V_cache, b, at, tx)
+                write_kv_rows(k_new, v_new, b, K_cache, V_cache, b, at, 0, Hk, tx)
             if tx == 0:
                 pos[b] = T.if_then_else(at >= 0 and at < L, at, -1)
 
@@ -415,7 +422,7 @@ def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
             if input_check(pid, P) == 0:
                 pid = -1
         if pid >= 0:
-            write_row(k_new, v_new, b, K_pages, V_pages, pid, at % page, tx)
+            write_kv_rows(k_new, v_new, b, K_pages, V_pages, pid, at % page, 0, Hk, tx)
         if tx == 0:
             pos[b] = T.if_then_else(pid >= 0, at, -1)
 
@@ -439,16 +446,29 @@ def make_kv_append_tile(heads: AttentionHeads = QWEN3_30B_A3B,
 
 
 @T.inline
-def load_pages(pages, block_table, b, s, pos, num_pages, page: int, tx):
+def copy_element(dst, element, valid, row):
+    # copy_a_chunk of ``element``: a buffer's element, or an if_then_else of two (this step's
+    # row or the cache's), copied from the one it picks
+    if is_op(element, "prim.if_then_else"):
+        if element.args[0]:
+            copy_a_chunk(dst, T.address_of(element.args[1]), valid, row)
+        else:
+            copy_a_chunk(dst, T.address_of(element.args[2]), valid, row)
+    else:
+        copy_a_chunk(dst, T.address_of(element), valid, row)
+
+
+@T.inline
+def load_pages(pages, block_table, b, s, tokens, num_pages, page: int, tx):
     # pages[i] = the id of the chunk's i-th page, checked; a page past the sequence's tokens
-    # is not read (its table entry may hold anything) and stays 0, as does a bad id
-    NP = T.meta_var(block_table.shape[1])
+    # (at most the table's) is not read (its entry may hold anything) and stays 0, as does a
+    # bad id
     per_chunk = T.meta_var(pages.shape[0])
     for i in T.serial((per_chunk + THREADS - 1) // THREADS):
         if i * THREADS + tx < per_chunk:
             slot = T.meta_var(s * per_chunk + i * THREADS + tx)
             pages[i * THREADS + tx] = 0
-            if slot * page < T.min(T.max(pos[b] + 1, 0), NP * page):
+            if slot * page < tokens:
                 if input_check(block_table[b, slot], num_pages) == 1:
                     pages[i * THREADS + tx] = block_table[b, slot]
     T.cuda.cta_sync()
@@ -538,13 +558,13 @@ def chunk_max(red, scores, g, count, lane):
     red[0] = T.cuda.warp_max(red[0])
 
 
-def split_reference(b, h, s, q, kv_rows, pos, O_part, lse, capacity: int, chunk: int,
+def split_reference(b, h, s, q, kv_rows, length: int, O_part, lse, chunk: int,
                     heads: AttentionHeads, engine: str = "fma", sub: int | None = None):
-    """A split task in NumPy: ``kv_rows(rows)`` gives the K and V rows of the task's KV head;
-    "fma" scales q before its dots and runs one softmax over slices of ``sub`` tokens; "mma"
-    scales the dots, gives each of the 4 warps its quarter of every slice, rounds P to bf16
-    against the warp's running maximum and merges the warps' parts, as the tiles do."""
-    length = min(max(int(pos[b]) + 1, 0), capacity)
+    """A split task in NumPy over the first ``length`` tokens of sequence b: ``kv_rows(rows)``
+    gives the K and V rows of the task's KV head; "fma" scales q before its dots and runs one
+    softmax over slices of ``sub`` tokens; "mma" scales the dots, gives each of the 4 warps
+    its quarter of every slice, rounds P to bf16 against the warp's running maximum and
+    merges the warps' parts, as the tiles do."""
     rows = slice(s * chunk, min((s + 1) * chunk, length))
     if rows.start >= length:
         O_part[b, h, s] = 0
@@ -591,89 +611,249 @@ def online_softmax(x, V, slices, round_p: bool):
     return m, total, acc
 
 
-def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int | None,
-                        engine: str = "fma", sub: int | None = None):
-    """The NumPy reference of the split tile ``tile`` (``split_reference``) over its cache:
-    contiguous, or paged with its page ids checked (``checked_pages``)."""
-    if page is None:
-        def contiguous(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
-            kvh = heads.kv_head(h)
-            split_reference(b, h, s, q, lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows]),
-                            pos, O_part, lse, K_cache.shape[2], chunk, heads, engine, sub)
-        return contiguous
+def tokens_of(pos, b: int, capacity: int) -> int:
+    """Sequence b's tokens after this step: ``pos[b] + 1`` (0 where it had no room), at most
+    ``capacity``."""
+    return min(max(int(pos[b]) + 1, 0), capacity)
 
-    def paged(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
+
+def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int | None,
+                        engine: str = "fma", sub: int | None = None, append: bool = False):
+    """The NumPy reference of the split tile ``tile`` (``split_reference``) over its cache:
+    contiguous, or paged with its page ids checked (``checked_pages``); with ``append``, this
+    step's rows appended as the tile does (``split_device_func``)."""
+    per_kv_head = heads.blocks // heads.kv_heads
+
+    def run(b, h, s, q, kv_rows, tokens, O_part, lse):
+        split_reference(b, h, s, q, kv_rows, tokens, O_part, lse, chunk, heads, engine, sub)
+
+    def appending(b, h, s, q, k_new, v_new, kv_rows, write_row, at, O_part, lse, pos):
+        # at: the row this step appends, -1 for none; the task reads it from k_new and v_new,
+        # as the device's does, whichever task of its KV head writes it to the cache
+        kvh = heads.kv_head(h)
+        if at >= 0 and at // chunk == s and h % per_kv_head == 0:
+            write_row(kvh, at)
+        if s == 0:
+            pos[b] = at
+
+        def with_step(rows):
+            K, V = (x.copy() for x in kv_rows(rows))
+            if rows.start <= at < rows.stop:
+                K[at - rows.start], V[at - rows.start] = k_new[b, kvh], v_new[b, kvh]
+            return K, V
+
+        run(b, h, s, q, with_step, at + 1, O_part, lse)
+
+    if page is None:
+        def contiguous_rows(K_cache, V_cache, b, h):
+            kvh = heads.kv_head(h)
+            return lambda rows: (K_cache[b, kvh, rows], V_cache[b, kvh, rows])
+
+        if not append:
+            def contiguous(b, h, s, q, K_cache, V_cache, pos, O_part, lse):
+                run(b, h, s, q, contiguous_rows(K_cache, V_cache, b, h),
+                    tokens_of(pos, b, K_cache.shape[2]), O_part, lse)
+            return contiguous
+
+        def contiguous_append(b, h, s, q, k_new, v_new, K_cache, V_cache, seq_lens, O_part,
+                              lse, pos):
+            at = int(seq_lens[b])
+            at = at if 0 <= at < K_cache.shape[2] else -1
+
+            def write_row(kvh, at):
+                K_cache[b, kvh, at], V_cache[b, kvh, at] = k_new[b, kvh], v_new[b, kvh]
+
+            appending(b, h, s, q, k_new, v_new, contiguous_rows(K_cache, V_cache, b, h),
+                      write_row, at, O_part, lse, pos)
+        return contiguous_append
+
+    def paged_rows(K_pages, V_pages, block_table, b, h):
         kvh = heads.kv_head(h)
 
         def kv_rows(rows):
             ids = checked_pages(block_table, b, rows, page, len(K_pages), tile)
             slots = np.arange(rows.start, rows.stop) % page
             return K_pages[ids, kvh, slots], V_pages[ids, kvh, slots]
+        return kv_rows
 
-        split_reference(b, h, s, q, kv_rows, pos, O_part, lse, block_table.shape[1] * page,
-                        chunk, heads, engine, sub)
-    return paged
+    if not append:
+        def paged(b, h, s, q, K_pages, V_pages, block_table, pos, O_part, lse):
+            run(b, h, s, q, paged_rows(K_pages, V_pages, block_table, b, h),
+                tokens_of(pos, b, block_table.shape[1] * page), O_part, lse)
+        return paged
+
+    def paged_append(b, h, s, q, k_new, v_new, K_pages, V_pages, block_table, seq_lens,
+                     O_part, lse, pos):
+        at, pid = int(seq_lens[b]), -1
+        if 0 <= at < block_table.shape[1] * page:
+            pid = int(checked_pages(block_table, b, slice(at, at + 1), page, len(K_pages),
+                                    tile)[0])
+        else:
+            at = -1
+
+        def write_row(kvh, at):
+            K_pages[pid, kvh, at % page], V_pages[pid, kvh, at % page] = \
+                k_new[b, kvh], v_new[b, kvh]
+
+        appending(b, h, s, q, k_new, v_new, paged_rows(K_pages, V_pages, block_table, b, h),
+                  write_row, at, O_part, lse, pos)
+    return paged_append
 
 
 def split_device_func(name: str, heads: AttentionHeads, chunk: int, page: int | None,
-                      split_task, row_of, engine: str = "fma",
-                      sub: int | None = None) -> DeviceFunc:
-    """The split tile ``name`` around its task's body ``split_task(b, h, s, q, K_at, V_at, pos,
-    capacity, O_part, lse, tx, warp, lane)``, whose ``K_at(t, k)`` is element k of the chunk's
-    token t: the prim_func's parameters and thread scopes over a contiguous cache (token t at
-    row ``row_of(s * chunk + t, L)``) or a paged one (the chunk's page ids read once into
-    shared memory, ``load_pages``), the requirement that S chunks cover the cache, and the
-    NumPy reference (``split_reference_for``)."""
-    G, D = heads.block, heads.head_dim
+                      split_task, row_of, engine: str = "fma", sub: int | None = None,
+                      append: bool = False) -> DeviceFunc:
+    """The split tile ``name`` around its task's body ``split_task(b, h, s, q, K_at, V_at,
+    tokens, O_part, lse, tx, warp, lane)``, whose ``K_at(t, k)`` is element k of the chunk's
+    token t and ``tokens`` the sequence's: the prim_func's parameters and thread scopes over a
+    contiguous cache (token t at row ``row_of(s * chunk + t, L)``) or a paged one (the chunk's
+    page ids read once into shared memory, ``load_pages``), the requirement that S chunks
+    cover the cache, and the NumPy reference (``split_reference_for``).
+
+    With ``append`` the tile appends this step's rows itself, in place of the append tile
+    before it: it takes ``(q, k_new, v_new, <cache>, seq_lens)`` and writes ``pos`` besides
+    O_part and lse (every task of split 0: the merge task of each block waits for one). The
+    row ``seq_lens[b]`` is written by the task whose chunk holds it, the first block of each
+    KV head, and every task of its chunk reads that row from ``k_new`` and ``v_new``
+    (``K_at`` an ``if_then_else`` of the two), so no task waits for another's write.
+    """
+    G, D, Hk = heads.block, heads.head_dim, heads.kv_heads
+    per_kv_head = heads.blocks // Hk
     B, L, S = (tirx.Var(d, "int32") for d in "BLS")
+    NP, P = tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+    # the buffers' shapes in the signatures below
+    q_shape, new_shape = (B, heads.q_heads, D), (B, Hk, D)
+    cache_shape, pages_shape = (B, Hk, L, D), (P, Hk, page, D)
+    part_shape, lse_shape = (B, heads.blocks, S, G, D), (B, heads.blocks, S, G)
+
+    @T.inline
+    def append_step(k_new, v_new, b, h, s, K, V, major, row, at, pos, tx):
+        # this step's row into the cache by its chunk's task of the KV head's first block;
+        # pos[b] = at (-1: no room) by every task of split 0
+        if at >= 0 and at // chunk == s and h % per_kv_head == 0:
+            write_kv_rows(k_new, v_new, b, K, V, major, row, heads.kv_head(h), 1, tx)
+        if s == 0 and tx == 0:
+            pos[b] = at
+
+    def with_step(new, b, h, s, at, element):
+        # element k of the chunk's token t, which is this step's row (from ``new``) at ``at``
+        return lambda t, k: T.if_then_else(s * chunk + t == at, new[b, heads.kv_head(h), k],
+                                           element(t, k))
+
     if page is None:
-        @T.prim_func
-        def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                         K_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         V_cache: T.Buffer((B, heads.kv_heads, L, D), "bfloat16"),
-                         pos: T.Buffer((B,), "int32"),
-                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            split_task(b, h, s, q,
-                       lambda t, k: K_cache[b, heads.kv_head(h), row_of(s * chunk + t, L), k],
-                       lambda t, k: V_cache[b, heads.kv_head(h), row_of(s * chunk + t, L), k],
-                       pos, L, O_part, lse, tx, warp, lane)
+        def cache_rows(cache, b, h, s, L):
+            return lambda t, k: cache[b, heads.kv_head(h), row_of(s * chunk + t, L), k]
+
+        if not append:
+            @T.prim_func
+            def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer(q_shape, "bfloat16"),
+                             K_cache: T.Buffer(cache_shape, "bfloat16"),
+                             V_cache: T.Buffer(cache_shape, "bfloat16"),
+                             pos: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer(part_shape, "float32"),
+                             lse: T.Buffer(lse_shape, "float32")):
+                T.device_entry()
+                tx = T.thread_id([THREADS])
+                warp = T.warp_id([WARPS])
+                lane = T.lane_id([32])
+                split_task(b, h, s, q, cache_rows(K_cache, b, h, s, L),
+                           cache_rows(V_cache, b, h, s, L), T.min(T.max(pos[b] + 1, 0), L),
+                           O_part, lse, tx, warp, lane)
+        else:
+            @T.prim_func
+            def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer(q_shape, "bfloat16"),
+                             k_new: T.Buffer(new_shape, "bfloat16"),
+                             v_new: T.Buffer(new_shape, "bfloat16"),
+                             K_cache: T.Buffer(cache_shape, "bfloat16"),
+                             V_cache: T.Buffer(cache_shape, "bfloat16"),
+                             seq_lens: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer(part_shape, "float32"),
+                             lse: T.Buffer(lse_shape, "float32"),
+                             pos: T.Buffer((B,), "int32")):
+                T.device_entry()
+                tx = T.thread_id([THREADS])
+                warp = T.warp_id([WARPS])
+                lane = T.lane_id([32])
+                at = T.local_scalar("int32")
+                at = seq_lens[b]
+                if at < 0 or at >= L:  # no room for this step's row
+                    at = -1
+                append_step(k_new, v_new, b, h, s, K_cache, V_cache, b, at, at, pos, tx)
+                split_task(b, h, s, q,
+                           with_step(k_new, b, h, s, at, cache_rows(K_cache, b, h, s, L)),
+                           with_step(v_new, b, h, s, at, cache_rows(V_cache, b, h, s, L)),
+                           at + 1, O_part, lse, tx, warp, lane)
 
         capacity, checks, held = L, (), "L"
     else:
-        Hk, NP, P = heads.kv_heads, tirx.Var("NP", "int32"), tirx.Var("P", "int32")
+        def page_rows(pages_of, cache, h):
+            return lambda t, k: cache[pages_of[t // page], heads.kv_head(h), t % page, k]
 
-        @T.prim_func
-        def decode_split(b: T.int32, h: T.int32, s: T.int32,
-                         q: T.Buffer((B, heads.q_heads, D), "bfloat16"),
-                         K_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                         V_pages: T.Buffer((P, Hk, page, D), "bfloat16"),
-                         block_table: T.Buffer((B, NP), "int32"),
-                         pos: T.Buffer((B,), "int32"),
-                         O_part: T.Buffer((B, heads.blocks, S, G, D), "float32"),
-                         lse: T.Buffer((B, heads.blocks, S, G), "float32")):
-            T.device_entry()
-            tx = T.thread_id([THREADS])
-            warp = T.warp_id([WARPS])
-            lane = T.lane_id([32])
-            pages = T.alloc_shared((chunk // page,), "int32")
-            load_pages(pages, block_table, b, s, pos, P, page, tx)
-            split_task(b, h, s, q,
-                       lambda t, k: K_pages[pages[t // page], heads.kv_head(h), t % page, k],
-                       lambda t, k: V_pages[pages[t // page], heads.kv_head(h), t % page, k],
-                       pos, NP * page, O_part, lse, tx, warp, lane)
+        if not append:
+            @T.prim_func
+            def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer(q_shape, "bfloat16"),
+                             K_pages: T.Buffer(pages_shape, "bfloat16"),
+                             V_pages: T.Buffer(pages_shape, "bfloat16"),
+                             block_table: T.Buffer((B, NP), "int32"),
+                             pos: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer(part_shape, "float32"),
+                             lse: T.Buffer(lse_shape, "float32")):
+                T.device_entry()
+                tx = T.thread_id([THREADS])
+                warp = T.warp_id([WARPS])
+                lane = T.lane_id([32])
+                tokens = T.local_scalar("int32")
+                tokens = T.min(T.max(pos[b] + 1, 0), NP * page)
+                pages = T.alloc_shared((chunk // page,), "int32")
+                load_pages(pages, block_table, b, s, tokens, P, page, tx)
+                split_task(b, h, s, q, page_rows(pages, K_pages, h),
+                           page_rows(pages, V_pages, h), tokens, O_part, lse, tx, warp, lane)
+        else:
+            @T.prim_func
+            def decode_split(b: T.int32, h: T.int32, s: T.int32,
+                             q: T.Buffer(q_shape, "bfloat16"),
+                             k_new: T.Buffer(new_shape, "bfloat16"),
+                             v_new: T.Buffer(new_shape, "bfloat16"),
+                             K_pages: T.Buffer(pages_shape, "bfloat16"),
+                             V_pages: T.Buffer(pages_shape, "bfloat16"),
+                             block_table: T.Buffer((B, NP), "int32"),
+                             seq_lens: T.Buffer((B,), "int32"),
+                             O_part: T.Buffer(part_shape, "float32"),
+                             lse: T.Buffer(lse_shape, "float32"),
+                             pos: T.Buffer((B,), "int32")):
+                T.device_entry()
+                tx = T.thread_id([THREADS])
+                warp = T.warp_id([WARPS])
+                lane = T.lane_id([32])
+                at = T.local_scalar("int32")
+                pid = T.local_scalar("int32")
+                at = seq_lens[b]
+                pid = -1  # no room: a length past the table's pages, or a bad id (reported)
+                if at >= 0 and at < NP * page:
+                    pid = block_table[b, at // page]
+                    if input_check(pid, P) == 0:
+                        pid = -1
+                if pid < 0:
+                    at = -1
+                pages = T.alloc_shared((chunk // page,), "int32")
+                load_pages(pages, block_table, b, s, at + 1, P, page, tx)
+                append_step(k_new, v_new, b, h, s, K_pages, V_pages, pid, at % page, at, pos, tx)
+                split_task(b, h, s, q,
+                           with_step(k_new, b, h, s, at, page_rows(pages, K_pages, h)),
+                           with_step(v_new, b, h, s, at, page_rows(pages, V_pages, h)),
+                           at + 1, O_part, lse, tx, warp, lane)
 
         capacity, checks, held = NP * page, (PAGE_CHECK,), f"NP x {page}"
 
+    caches = ("K_cache", "V_cache") if page is None else ("K_pages", "V_pages")
     tile = device_func(decode_split.with_attr("global_symbol", name),
                        cost=chunk * D / (64 * 128), checks=checks,
+                       updates=caches if append else (),
                        requires=[(capacity <= S * chunk, f"{held} at most S x {chunk}")])
-    tile.set_reference(split_reference_for(name, chunk, heads, page, engine, sub))
+    tile.set_reference(split_reference_for(name, chunk, heads, page, engine, sub, append))
     return tile
 
 
@@ -749,9 +929,8 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
                                                      share // 2 >> k, 32, 32)
 
     @T.inline
-    def split_task(b, h, s, q, K_rows, V_rows, pos, capacity, O_part, lse, tx, warp, lane):
-        # K_rows(t, c), V_rows: element c of the chunk's token t; capacity: the
-        # tokens the cache holds
+    def split_task(b, h, s, q, K_rows, V_rows, tokens, O_part, lse, tx, warp, lane):
+        # K_rows(t, c), V_rows: element c of the chunk's token t; tokens: the sequence's
         scores = T.alloc_shared((G, chunk), "float32")
         partial = T.alloc_shared((WARPS, G, D), "float32")
         stats = T.alloc_shared((2, G), "float32")  # per head: max, sum
@@ -767,8 +946,7 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
         c = T.meta_var(tx % lanes)
         col = T.meta_var(tx % lanes * VEC)
         start = T.meta_var(s * chunk)
-        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at capacity
-        count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - start, chunk)
+        count = T.min(tokens - start, chunk)  # tokens of this chunk
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
@@ -859,10 +1037,13 @@ def make_decode_split_tile(chunk: int = 256, unroll: int = 4,
 @functools.cache
 def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_30B_A3B,
                                sub: int | None = None, stages: int = 2,
-                               page: int | None = None) -> DeviceFunc:
-    """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>][_p<page>]``: the split
-    tile's task (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same inputs and outputs
-    as ``make_decode_split_tile``, over a contiguous or, with ``page``, a paged cache).
+                               page: int | None = None, append: bool = False) -> DeviceFunc:
+    """The tile ``decode_split_mma_<heads>_c<chunk>[_s<sub>x<stages>][_p<page>][_append]``:
+    the split tile's task (b, h, s) on tensor cores (``mma.sync.m16n8k16``; the same inputs
+    and outputs as ``make_decode_split_tile``, over a contiguous or, with ``page``, a paged
+    cache). With ``append`` it appends this step's K and V rows itself, so that no append
+    tile runs before it: ``(q, k_new, v_new, <cache>, seq_lens) -> (O_part, lse, pos)``, the
+    cache updated as the append tile does (``split_device_func``).
 
     The chunk streams through shared memory in slices of ``sub`` tokens (the whole chunk
     where ``sub`` is None), ``stages`` slices in flight by cp.async (rows past the tokens land
@@ -908,15 +1089,13 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
             for i in T.unroll(rows * row_chunks // 32):
                 r = T.meta_var(warp * rows + (i * 32 + lane) // row_chunks)
                 k = T.meta_var((i * 32 + lane) % row_chunks * VEC)
-                copy_a_chunk(rows_smem.ptr_to([j % stages, r, k]),
-                             T.address_of(row(j * sub + r, k)),
+                copy_element(rows_smem.ptr_to([j % stages, r, k]), row(j * sub + r, k),
                              lambda t: j * sub + t < count, r)
         T.ptx.cp.async_.commit_group()
 
     @T.inline
-    def split_task(b, h, s, q, K_row, V_row, pos, capacity, O_part, lse, tx, warp, lane):
-        # K_row(t, k), V_row: element k of the chunk's token t; capacity: the
-        # tokens the cache holds
+    def split_task(b, h, s, q, K_row, V_row, tokens, O_part, lse, tx, warp, lane):
+        # K_row(t, k), V_row: element k of the chunk's token t; tokens: the sequence's
         Ks = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Vs = T.alloc_shared((stages, sub, D + PAD), "bfloat16")
         Qs = T.alloc_shared((16, D + PAD), "bfloat16")  # q, heads past the block zero
@@ -936,8 +1115,7 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
         pb = T.local_scalar("bfloat16")
         count = T.local_scalar("int32")
         outs = HeadOutputs(heads, tx)
-        # tokens of this chunk: pos[b] + 1 in all (0 without a valid append), capped at capacity
-        count = T.min(T.min(T.max(pos[b] + 1, 0), capacity) - s * chunk, chunk)
+        count = T.min(tokens - s * chunk, chunk)  # tokens of this chunk
         if count <= 0:
             write_empty_split(O_part, lse, b, h, s, outs, tx)
         else:
@@ -1072,10 +1250,12 @@ def make_decode_split_mma_tile(chunk: int = 128, heads: AttentionHeads = QWEN3_3
                         lse[b, h, s, g] = red[0] + T.log2(red[1])
 
     name = f"decode_split_mma_{heads.suffix}_c{chunk}" \
-        + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}")
+        + ("" if sub == chunk else f"_s{sub}x{stages}") + ("" if page is None else f"_p{page}") \
+        + ("_append" if append else "")
     # a row past the cache is copied from nowhere, but its address must be one
     return split_device_func(name, heads, chunk, page, split_task,
-                             lambda row, L: T.min(row, L - 1), engine="mma", sub=sub)
+                             lambda row, L: T.min(row, L - 1), engine="mma", sub=sub,
+                             append=append)
 
 
 @T.inline
