@@ -39,9 +39,9 @@ def test_readme_tour_runs(tmp_path):
 
 
 def test_bench_tiles_split_specs(monkeypatch):
-    """bench_tiles' ``--attention-splits`` specs, a block's merge in parts among them
-    (PyTorch, which the script times against, stood in by an empty module where it is not
-    installed)."""
+    """bench_tiles' ``--attention-splits`` specs, a block's merge in parts and a split that
+    appends among them (PyTorch, which the script times against, stood in by an empty module
+    where it is not installed)."""
     if importlib.util.find_spec("torch") is None:
         torch = types.ModuleType("torch")
         torch.Tensor = object
@@ -60,6 +60,10 @@ def test_bench_tiles_split_specs(monkeypatch):
     assert split_options("auto", 1, 16384, heads) == {
         "chunk": chunk, "engine": "mma", "sub": 64, "stages": 2, "merge_parts": parts}
     assert split_options("autoxm1", 1, 16384, heads)["merge_parts"] == 1
+    assert split_options("autoxm1xa", 1, 16384, heads) == {
+        "chunk": chunk, "engine": "mma", "sub": 64, "stages": 2, "merge_parts": 1,
+        "append_in_split": True}
+    assert split_options("128xmma64x2xa", 1, 4096, heads)["append_in_split"]
 
 
 @pytest.mark.parametrize("probe", sorted(p.name for p in APPS.glob("*.cu")))
