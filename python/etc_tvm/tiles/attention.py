@@ -637,8 +637,9 @@ def split_reference_for(tile: str, chunk: int, heads: AttentionHeads, page: int 
             pos[b] = at
 
         def with_step(rows):
-            K, V = (x.copy() for x in kv_rows(rows))
-            if rows.start <= at < rows.stop:
+            K, V = kv_rows(rows)
+            if rows.start <= at < rows.stop:  # copies, not the cache's views, take the row
+                K, V = K.copy(), V.copy()
                 K[at - rows.start], V[at - rows.start] = k_new[b, kvh], v_new[b, kvh]
             return K, V
 
