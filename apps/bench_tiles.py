@@ -481,7 +481,7 @@ def main() -> None:
                         metavar=("HQ", "HK", "D"),
                         help="query heads, KV heads and head dim of the decode attention rows")
     parser.add_argument("--attention-splits", nargs="+",
-                        default=["256x4", "auto"],
+                        default=["256x4", "auto", "autoxa"],
                         metavar="SPLIT",
                         help="the split tasks' tokens and rows loaded ahead a thread "
                         "(CHUNKxUNROLL), or the tensor-core split tile's tokens (CHUNKxmma) "
