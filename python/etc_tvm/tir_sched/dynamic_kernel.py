@@ -9,14 +9,16 @@
                         read from the slot it claimed, else that slot's (or a slot claimed
                         now's) task: etc_take (-1: every task taken, -2: stopping)
               barrier; t broadcast through shared memory; leave the loop if t < 0
-              all threads: for each consumer c of t: etc_count_down(pending[c])
+              warps 1.. (all threads in a CTA of one warp), while warp 0 waits on t's
+                        events: for each consumer c of t: etc_count_down(pending[c])
                         (early push: c enters the ring once its last producer is
                         dispatched; it still waits on its events before its body; the first
                         consumer, made ready so, is held for this CTA's next round instead)
-                        thread 0: for each late call L waiting for t's call: count L down
+                        one thread: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
-                        (etc_claim), so that the claim's round trip overlaps task t
+                        (etc_claim), so that the claim's round trip overlaps task t: at once
+                        for a task without consumers, else after the waits and a barrier
               run task t as the static kernel does: waits, inlined body, barrier, then
                         thread 0 reads the claimed slot (etc_peek: its load overlaps the
                         notifies' wait for t's stores; if the task is there, the next round
@@ -52,7 +54,7 @@ from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, lower_edge
 from .grid_kernel import unravel
 from .inline import i32
-from .persistent import DEFAULT_OPTIONS, KernelOptions, PersistentKernel
+from .persistent import DEFAULT_OPTIONS, WARP, KernelOptions, PersistentKernel
 
 
 def pointer(buf: tirx.Buffer, at: int = 0):
@@ -201,12 +203,13 @@ class ReadyRing:
         return tirx.stmt_seq(tirx.BufferStore(into, self.held[0], [i32(0)]),
                              tirx.BufferStore(self.held, i32(-1), [i32(0)]))
 
-    def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False) -> tirx.Stmt:
+    def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False,
+                             first_thread: int = 0) -> tirx.Stmt:
         """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
         for it; the last count-down of each pushes it. ``dispatch``: called by every thread of
-        the CTA that runs ``task``, which spread the consumers over them and keep the first
-        consumer, if this makes it ready, in ``held`` to run next: a chain hands over without
-        a push or a pop, and on the same SM."""
+        the CTA that runs ``task``, which spread the consumers over threads ``first_thread``
+        on and keep the first consumer, if this makes it ready, in ``held`` to run next: a
+        chain hands over without a push or a pop, and on the same SM."""
         kernel = self.kernel
         begin = self.consumer_indptr[task]
         count = self.consumer_indptr[task + 1] - begin
@@ -215,22 +218,25 @@ class ReadyRing:
             pointer(self.held), hold, pointer(self.head_tail), pointer(self.ring),
             i32(len(self.plan.pending)), pointer(kernel.status)))
         if dispatch:
-            steps = [kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)))]
+            steps = [kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
+                                    first_thread)]
         else:
             k = tirx.Var("k", "int32")
             steps = [tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))]
-        among = self._with_consumers(task)
+        among = self.has_consumers(task)
         if among is not None:  # the other calls' tasks read no consumer list
             steps = [tirx.IfThenElse(among, steps[0], None)]
         late = self._count_down_late_calls(task)
         if late is not None:
-            steps.append(tirx.IfThenElse(kernel.tx == 0, late, None) if dispatch else late)
+            steps.append(tirx.IfThenElse(kernel.tx == i32(first_thread), late, None)
+                         if dispatch else late)
         return tirx.stmt_seq(*steps)
 
-    def _with_consumers(self, task: tirx.Expr) -> tirx.Expr | None:
+    def has_consumers(self, task: tirx.Expr) -> tirx.Expr | None:
         """Whether ``task`` lies in a call some of whose tasks have consumers in the plan
         (None: every call's do); a dispatch of another call's task skips the round trip to
-        the consumer list. In the MoE layer only the router's and top-K's tasks have any."""
+        the consumer list, and can hold no task. In the MoE layer only the router's and
+        top-K's tasks have any."""
         indptr, ranges = self.plan.consumer_indptr, []
         for call in self.kernel.calls:
             if not call.num_tasks:
@@ -502,7 +508,23 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     peeked = tirx.decl_buffer((1,), "int32", "peeked", scope="local")  # its task, read early
     task = tirx.Var("t", "int32")
     tx = kernel.tx
-    dispatch = kernel.dispatch(task, before_notifies=tirx.IfThenElse(
+    # warps past the first count the task's consumers down while warp 0 waits on its events
+    counting = WARP if kernel.scopes.num_threads > WARP else 0
+    held_some = ring.has_consumers(task)
+
+    def claim_next(cond: tirx.Expr) -> tirx.Stmt:
+        """Thread 0 claims the next task's slot, so that the claim's round trip overlaps
+        task t; not where t's dispatch made a task to hold."""
+        return tirx.IfThenElse(tirx.And(tx == 0, cond),
+                               tirx.BufferStore(claim, ring.claim(), [i32(0)]), None)
+
+    late_claim = None
+    if counting:  # once the count-downs are done (a barrier) and ``held`` tells
+        late_claim = tirx.stmt_seq(
+            tirx.Evaluate(Tb.cuda.cta_sync()),
+            claim_next(ring.held[0] < 0 if held_some is None
+                       else tirx.And(held_some, ring.held[0] < 0)))
+    dispatch = kernel.dispatch(task, after_waits=late_claim, before_notifies=tirx.IfThenElse(
         tirx.And(tx == 0, claim[0] >= 0),
         tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None))
 
@@ -545,11 +567,13 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
-                Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True))
-                Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
-                with Tb.If(tirx.And(tx == 0, ring.held[0] < 0)):
-                    with Tb.Then():  # the next task's slot, claimed while this one runs
-                        Tb.buffer_store(claim, ring.claim(), [0])
+                Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True,
+                                                           first_thread=counting))
+                if not counting:
+                    Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
+                    Tb.add_to_parent(claim_next(ring.held[0] < 0))
+                elif held_some is not None:  # a task that holds none claims at once
+                    Tb.add_to_parent(claim_next(tirx.Not(held_some)))
                 Tb.add_to_parent(dispatch)
             kernel.end(bx)
     return ib.get()

@@ -1013,14 +1013,15 @@ class PersistentKernel:
         return tirx.For(r, i32(0), i32(-(-n // stride)), tirx.ForKind.SERIAL,
                         tirx.IfThenElse(i < i32(n), body(i), None))
 
-    def strided(self, n: int | tirx.Expr, body) -> tirx.Stmt:
-        """``body(i)`` for i in 0..n-1, spread over the CTA's threads."""
-        threads = self.scopes.num_threads
+    def strided(self, n: int | tirx.Expr, body, first: int = 0) -> tirx.Stmt:
+        """``body(i)`` for i in 0..n-1, spread over the CTA's threads from ``first`` on."""
+        threads = self.scopes.num_threads - first
         n = n if isinstance(n, tirx.Expr) else i32(n)
         r = tirx.Var("r", "int32")
-        i = r * i32(threads) + self.tx
-        return tirx.For(r, i32(0), tirx.floordiv(n + i32(threads - 1), i32(threads)),
+        i = r * i32(threads) + self.tx - i32(first)
+        loop = tirx.For(r, i32(0), tirx.floordiv(n + i32(threads - 1), i32(threads)),
                         tirx.ForKind.SERIAL, tirx.IfThenElse(i < n, body(i), None))
+        return loop if first == 0 else tirx.IfThenElse(self.tx >= i32(first), loop, None)
 
     def arm_at_launch(self, bx) -> tirx.Stmt | None:
         """CTA 0 arms, after the grid-wide barrier, the ETensors no call's completion gates."""
