@@ -222,6 +222,22 @@ def test_dynamic_kernel_ctas_take_their_first_slot_without_a_claim():
     assert "claim_ptr[0] = -1;" not in kernel[:loop]
 
 
+def test_dynamic_kernel_counts_consumers_down_while_warp_0_waits():
+    """Warps 1.. count a task's consumers down while warp 0 waits on its events, no barrier
+    between them; thread 0 claims the next slot only past a barrier after the waits, once
+    ``held`` says whether the count-downs kept a consumer to run next."""
+    source = build(graphs.backward_chain, {"M": 4 * ROWS}, strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("backward_chain_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    down, wait = loop.index("etc_count_down("), loop.index("etc_wait(")
+    assert "if (32 <= ((int)threadIdx.x)) {" in loop[:down]
+    assert down < wait and "cta_sync" not in loop[down:wait]
+    claim = loop.index("etc_claim(", down)
+    assert loop.index("tvm_builtin_cuda_cta_sync", wait) < loop.rindex("held_ptr[0] < 0", 0,
+                                                                        claim) < claim
+
+
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():
     """In the MoE graph the router's and the grouping's tasks have consumers in the plan;
     scatter's, the expert tiles' (released by a trigger) and combine's have none: their
