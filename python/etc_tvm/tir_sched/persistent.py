@@ -1018,7 +1018,7 @@ class PersistentKernel:
         threads = self.scopes.num_threads - first
         n = n if isinstance(n, tirx.Expr) else i32(n)
         r = tirx.Var("r", "int32")
-        i = r * i32(threads) + self.tx - i32(first)
+        i = r * i32(threads) + (self.tx - i32(first) if first else self.tx)
         loop = tirx.For(r, i32(0), tirx.floordiv(n + i32(threads - 1), i32(threads)),
                         tirx.ForKind.SERIAL, tirx.IfThenElse(i < n, body(i), None))
         return loop if first == 0 else tirx.IfThenElse(self.tx >= i32(first), loop, None)
