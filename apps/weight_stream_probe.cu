@@ -6,13 +6,11 @@
 // launches back to back, so it includes the gap between launches.
 //
 //   nvcc -O3 -arch=sm_90a -o weight_stream_probe apps/weight_stream_probe.cu
-//   ./weight_stream_probe [SLAB_KB,... CTAS,...]   (default: 256,192,128 192,256,264,528)
+//   ./weight_stream_probe
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <vector>
 
 constexpr int kThreads = 128;
 
@@ -95,17 +93,8 @@ struct Variant {
   int slot_bytes, stages;
 };
 
-// "a,b,c" as numbers.
-std::vector<long> parse_list(const char* text) {
-  std::vector<long> out;
-  for (char* end; *text; text = *end ? end + 1 : end) out.push_back(std::strtol(text, &end, 10));
-  return out;
-}
-
-int main(int argc, char** argv) {
+int main() {
   const size_t total = size_t{1} << 30;
-  std::vector<long> slabs_kb = parse_list(argc > 1 ? argv[1] : "256,192,128");
-  std::vector<long> ctas = parse_list(argc > 2 ? argv[2] : "192,256,264,528");
   char* w;
   float* sink;
   cudaMalloc(&w, total);
@@ -120,6 +109,8 @@ int main(int argc, char** argv) {
       {"ld.global x4", register_stream<4>, 0, 0},
       {"ld.global x8", register_stream<8>, 0, 0},
   };
+  const size_t slabs[] = {256 << 10, 192 << 10, 128 << 10};
+  const int ctas[] = {192, 256, 264, 528};
   const int reps = 40;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
@@ -128,12 +119,9 @@ int main(int argc, char** argv) {
   for (const Variant& v : variants) {
     const int smem = v.slot_bytes * v.stages;
     cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    for (long kb : slabs_kb) {
-      const size_t slab = static_cast<size_t>(kb) << 10;
-      for (long n_ : ctas) {
-        const int n = static_cast<int>(n_);
+    for (size_t slab : slabs) {
+      for (int n : ctas) {
         const size_t bytes = slab * n;
-        if (bytes > total) continue;
         const size_t windows = total / bytes;
         auto launch = [&](int r) {
           v.kernel<<<n, kThreads, smem>>>(w + (r % windows) * bytes, slab, v.slot_bytes, sink);
