@@ -225,15 +225,26 @@ class DynamicPlan:
     def consumers(self, task: int) -> np.ndarray:
         return self.consumer_tasks[self.consumer_indptr[task]:self.consumer_indptr[task + 1]]
 
+    def first_consumers(self) -> np.ndarray:
+        """Each task's first consumer (-1: none), so that a dispatch finds it without the
+        round trip through ``consumer_indptr``."""
+        n = len(self.consumer_indptr) - 1
+        first = np.full(max(1, n), -1, np.int32)
+        some = np.flatnonzero(np.diff(self.consumer_indptr) > 0)
+        first[some] = self.consumer_tasks[self.consumer_indptr[some]]
+        return first
+
     def tables(self, seeds_at_launch: bool = False) -> list[np.ndarray]:
         """The read-only int32 tables a ring kernel takes (``ReadyRing.inputs``): pending
-        counts (tasks, then late calls), the consumer CSR, the ring's initial slots (seeds,
-        then -1) and its initial head, tail and expected task count. ``seeds_at_launch``:
+        counts (tasks, then late calls), the consumer CSR and each task's first consumer,
+        the ring's initial slots (seeds, then -1) and its initial head, tail and expected
+        task count. ``seeds_at_launch``:
         the ring starts empty, the kernel pushing the seeds the launch's sizes keep."""
         seeds = () if seeds_at_launch else self.seeds
         ring0 = np.full(max(1, self.capacity), -1, np.int32)
         ring0[:len(seeds)] = seeds
-        return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks, ring0,
+        return [self.initial_pending(), self.consumer_indptr, self.consumer_tasks,
+                self.first_consumers(), ring0,
                 np.array([0, len(seeds), self.num_ring_tasks], np.int32)]
 
     def state_sizes(self) -> dict[str, int]:

@@ -238,6 +238,23 @@ def test_dynamic_kernel_counts_consumers_down_while_warp_0_waits():
                                                                         claim) < claim
 
 
+def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
+    """A task kept to run next has its consumer list read by thread 32 while thread 0
+    notifies, into shared memory; the next round counts its consumers down from there, and
+    its first consumer, the one it may hold, with no load at all."""
+    source = build(graphs.backward_chain, {"M": 4 * ROWS}, strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("backward_chain_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    take = loop.index("held_list_ptr[3] = ((int)(0 <= popped_ptr[0]));")
+    down = loop.index("etc_count_down(")
+    assert take < loop.index("condval = held_list_ptr[0];") < down
+    listing = loop.index("if (((int)threadIdx.x) == 32) {", down)
+    assert loop.rindex("tvm_builtin_cuda_cta_sync", 0, listing) > loop.index("etc_wait(")
+    assert "held_list_ptr[2] = first_consumer_ptr[h];" in loop[listing:loop.index(
+        "etc_notify(", listing)]
+
+
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():
     """In the MoE graph the router's and the grouping's tasks have consumers in the plan;
     scatter's, the expert tiles' (released by a trigger) and combine's have none: their

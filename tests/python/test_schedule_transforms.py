@@ -63,13 +63,14 @@ def test_dynamic_becomes_one_ready_ring_kernel_launch():
     assert sorted(gv.name_hint for gv in mod.get_global_vars()) == [
         "gemm_reduce_scatter", "gemm_reduce_scatter_dynamic_megakernel"]
     kernel = kernel_call(mod["gemm_reduce_scatter"])
-    A, B, initial, pending, indptr, consumers, ring, head_tail = kernel.args[1].fields
+    A, B, initial, pending, indptr, consumers, first, ring, head_tail = kernel.args[1].fields
     graph = TaskGraph.build(graphs.gemm_reduce_scatter, DIMS)
     plan = DynamicPlan.of(graph)
     np.testing.assert_array_equal(initial.value.numpy(), EventLayout.of(graph).initial)
     np.testing.assert_array_equal(pending.value.numpy(), [0] * 12 + [1] * 12)
     np.testing.assert_array_equal(indptr.value.numpy(), plan.consumer_indptr)
     np.testing.assert_array_equal(consumers.value.numpy(), list(range(12, 24)))
+    np.testing.assert_array_equal(first.value.numpy(), list(range(12, 24)) + [-1] * 12)
     np.testing.assert_array_equal(ring.value.numpy(), list(range(12)) + [-1] * 12)
     np.testing.assert_array_equal(head_tail.value.numpy(), [0, 12, 24])  # pops, pushes, tasks
     # the watchdog record, the workspace (C, then the counters and the ring's pending, ring,
@@ -246,7 +247,7 @@ def test_mixed_keeps_the_expert_tiles_out_of_the_queues():
     mod = MixedScheduleTransform({"T": 7}, num_sms=4)(moe.mod)
     kernel = kernel_call(mod["moe"])
     args = kernel.args[1].fields
-    indptr, tasks, ring0, head_tail0 = (args[k].value.numpy() for k in (4, 5, 10, 11))
+    indptr, tasks, ring0, head_tail0 = (args[k].value.numpy() for k in (4, 5, 11, 12))
     graph = TaskGraph.build(moe, {"T": 7})
     expert = graph.calls[3]
     assert len(indptr) == 5 and indptr[-1] == graph.num_tasks - expert.num_tasks

@@ -4,7 +4,8 @@ Before: a graph function of ``etc.event_tensor`` and ``etc.call_device`` binding
 ``StaticScheduleTransform``). After::
 
     (counters, status, pending, ring, head_tail, marks, C, D) = call_tir(dynamic_megakernel,
-        (A, B, initial_counts, pending0, consumer_indptr, consumer_tasks, ring0, head_tail0))
+        (A, B, initial_counts, pending0, consumer_indptr, consumer_tasks, first_consumer,
+         ring0, head_tail0))
     return (D, status)
 
 Instead of per-CTA queues fixed at compile time, idle CTAs pop the oldest ready task, so

@@ -5,7 +5,7 @@ Before: a graph function whose ``call_device`` bindings say ``schedule="static"`
 
     (counters, status, pending, ring, head_tail, marks, C, D) = call_tir(mixed_megakernel,
         (A, B, queue_indptr, queue_tasks, initial_counts, pending0, consumer_indptr,
-         consumer_tasks, ring0, head_tail0))
+         consumer_tasks, first_consumer, ring0, head_tail0))
     return (D, status)
 
 The queues and the ring's calls come from ``schedule.mixed_schedule``; the ring follows

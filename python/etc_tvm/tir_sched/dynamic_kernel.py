@@ -96,12 +96,16 @@ class ReadyRing:
         self.consumer_indptr = tirx.decl_buffer((n + 1,), "int32", "consumer_indptr")
         self.consumer_tasks = tirx.decl_buffer((max(1, len(plan.consumer_tasks)),), "int32",
                                                "consumer_tasks")
+        self.first_consumer = tirx.decl_buffer((n,), "int32", "first_consumer")
         self.skipped = tirx.decl_buffer((1,), "int32", "skipped", scope="shared")
         # release marks read back by ``resolve``, a chunk of words at a time
         self.released = tirx.decl_buffer((RELEASE_WORDS,), "int32", "released",
                                          scope="shared")
         # a task the CTA's last dispatch made ready and keeps to run next (-1: none)
         self.held = tirx.decl_buffer((1,), "int32", "held", scope="shared")
+        # the held task's consumers (begin, count, first; ``list_held``), and whether the
+        # round's task is that one, its list read
+        self.held_list = tirx.decl_buffer((4,), "int32", "held_list", scope="shared")
         # runs of released tasks the CTA publishes together (etc_defer_range)
         self.runs = tirx.decl_buffer((3 + 2 * RUN_SLOTS,), "int32", "runs", scope="shared")
         self.unpublished = False  # a run was deferred since the last ``publish`` generated
@@ -112,10 +116,10 @@ class ReadyRing:
 
     @property
     def inputs(self) -> list:
-        """Read-only parameters, in order: initial pending counts, consumer CSR, initial ring
-        (the seeds), initial head/tail/expected."""
+        """Read-only parameters, in order: initial pending counts, consumer CSR, each task's
+        first consumer, initial ring (the seeds), initial head/tail/expected."""
         return [self.initial["pending"], self.consumer_indptr, self.consumer_tasks,
-                self.initial["ring"], self.initial["head_tail"]]
+                self.first_consumer, self.initial["ring"], self.initial["head_tail"]]
 
     @property
     def outputs(self) -> list:
@@ -175,7 +179,7 @@ class ReadyRing:
     @property
     def shared(self) -> tuple:
         """The ring's shared-memory scratch, for ``PersistentKernel.begin``."""
-        return (self.skipped, self.held, self.released, self.runs)
+        return (self.skipped, self.held, self.held_list, self.released, self.runs)
 
     def clear_runs(self) -> tirx.Stmt:
         """Thread 0, before the first ``publish``: no run is deferred."""
@@ -198,31 +202,66 @@ class ReadyRing:
         return tirx.stmt_seq(sync, tirx.IfThenElse(kernel.tx == 0, claim, None), sync, store,
                              sync)
 
-    def take_held(self, into: tirx.Buffer) -> tirx.Stmt:
-        """Thread 0: move the held task (or -1) to ``into[0]``."""
-        return tirx.stmt_seq(tirx.BufferStore(into, self.held[0], [i32(0)]),
-                             tirx.BufferStore(self.held, i32(-1), [i32(0)]))
+    def take_held(self, into: tirx.Buffer, listed: bool = False) -> tirx.Stmt:
+        """Thread 0: move the held task (or -1) to ``into[0]``; ``listed``: its consumer
+        list is in ``held_list`` (``list_held`` ran at the last dispatch)."""
+        steps = [tirx.BufferStore(into, self.held[0], [i32(0)]),
+                 tirx.BufferStore(self.held, i32(-1), [i32(0)])]
+        if listed:
+            steps.append(tirx.BufferStore(self.held_list, tirx.Cast("int32", into[0] >= 0),
+                                          [i32(3)]))
+        return tirx.stmt_seq(*steps)
+
+    def list_held(self, thread: int) -> tirx.Stmt:
+        """``thread`` reads the consumer list of the task this dispatch holds, if any, into
+        ``held_list`` (beside thread 0's notifies, whose fence it waits as long as), so that
+        the next round counts that task's consumers down with no round trip to the tables."""
+        h = tirx.Var("h", "int32")
+        begin = self.consumer_indptr[h]
+        return tirx.IfThenElse(self.kernel.tx == i32(thread), tirx.stmt_seq(
+            tirx.Bind(h, self.held[0]),
+            tirx.IfThenElse(h >= 0, tirx.stmt_seq(
+                tirx.BufferStore(self.held_list, begin, [i32(0)]),
+                tirx.BufferStore(self.held_list, self.consumer_indptr[h + 1] - begin,
+                                 [i32(1)]),
+                tirx.BufferStore(self.held_list, self.first_consumer[h], [i32(2)])), None)),
+            None)
+
+    def _consumer_list(self, task: tirx.Expr, listed: bool) -> list[tirx.Expr]:
+        """``task``'s consumers as (begin, count, first): from ``held_list`` where
+        ``listed`` and the round's task is the held one, else from the tables."""
+        begin = self.consumer_indptr[task]
+        found = [begin, self.consumer_indptr[task + 1] - begin, self.first_consumer[task]]
+        if not listed:
+            return found
+        kept = self.held_list[3] != 0
+        return [tirx.if_then_else(kept, self.held_list[k], value)
+                for k, value in enumerate(found)]
 
     def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False,
-                             first_thread: int = 0) -> tirx.Stmt:
+                             first_thread: int = 0, listed: bool = False) -> tirx.Stmt:
         """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
         for it; the last count-down of each pushes it. ``dispatch``: called by every thread of
         the CTA that runs ``task``, which spread the consumers over threads ``first_thread``
         on and keep the first consumer, if this makes it ready, in ``held`` to run next: a
-        chain hands over without a push or a pop, and on the same SM."""
+        chain hands over without a push or a pop, and on the same SM. ``listed``: a held
+        task's list is in ``held_list`` (``take_held(listed=True)``)."""
         kernel = self.kernel
-        begin = self.consumer_indptr[task]
-        count = self.consumer_indptr[task + 1] - begin
+        begin, count, first = (tirx.Var(name, "int32") for name in ("begin", "count", "first"))
+        consumer = lambda k: tirx.if_then_else(  # noqa: E731
+            k == 0, first, self.consumer_tasks[begin + k])
         down = lambda k, hold: tirx.Evaluate(self._call(  # noqa: E731
-            "etc_count_down", pointer(self.pending), self.consumer_tasks[begin + k],
+            "etc_count_down", pointer(self.pending), consumer(k),
             pointer(self.held), hold, pointer(self.head_tail), pointer(self.ring),
             i32(len(self.plan.pending)), pointer(kernel.status)))
         if dispatch:
-            steps = [kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
-                                    first_thread)]
+            loop = kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
+                                  first_thread)
         else:
             k = tirx.Var("k", "int32")
-            steps = [tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))]
+            loop = tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))
+        steps = [tirx.stmt_seq(*(tirx.Bind(var, value) for var, value in zip(
+            (begin, count, first), self._consumer_list(task, listed))), loop)]
         among = self.has_consumers(task)
         if among is not None:  # the other calls' tasks read no consumer list
             steps = [tirx.IfThenElse(among, steps[0], None)]
@@ -524,9 +563,10 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             tirx.Evaluate(Tb.cuda.cta_sync()),
             claim_next(ring.held[0] < 0 if held_some is None
                        else tirx.And(held_some, ring.held[0] < 0)))
-    dispatch = kernel.dispatch(task, after_waits=late_claim, before_notifies=tirx.IfThenElse(
-        tirx.And(tx == 0, claim[0] >= 0),
-        tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None))
+    peek = tirx.IfThenElse(tirx.And(tx == 0, claim[0] >= 0),
+                           tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None)
+    dispatch = kernel.dispatch(task, after_waits=late_claim, before_notifies=(
+        lambda: tirx.stmt_seq(peek, ring.list_held(counting))) if counting else peek)
 
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -547,7 +587,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
-                        Tb.add_to_parent(ring.take_held(slot))
+                        Tb.add_to_parent(ring.take_held(slot, listed=bool(counting)))
                         with Tb.If(slot[0] < 0):
                             with Tb.Then():
                                 with Tb.If(peeked[0] >= 0):
@@ -568,7 +608,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                     with Tb.Then():
                         Tb.Break()
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True,
-                                                           first_thread=counting))
+                                                           first_thread=counting,
+                                                           listed=bool(counting)))
                 if not counting:
                     Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                     Tb.add_to_parent(claim_next(ring.held[0] < 0))
