@@ -22,7 +22,9 @@
               run task t as the static kernel does: waits, inlined body, barrier, then
                         thread 0 reads the claimed slot (etc_peek: its load overlaps the
                         notifies' wait for t's stores; if the task is there, the next round
-                        takes it without a round trip), then the notifies
+                        takes it without a round trip), thread 32 the held task's consumer
+                        list (the next round's count-down reads it from shared memory),
+                        then the notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
 (its last notify, or the arming that removes its bias) pushes the tasks the maps release (a
@@ -37,9 +39,9 @@ released task, and until the pass ends ``expected`` only overstates, so no CTA l
 The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
 CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
 order: the graph's inputs; the read-only initial state ``initial`` (counts), ``pending0``,
-``consumer_indptr``, ``consumer_tasks``, ``ring0`` (seeds padded with -1), ``head_tail0``; then
-the outputs ``counters``, ``status``, ``pending``, ``ring``, ``head_tail``, ``marks`` and every
-call's output tensors.
+``consumer_indptr``, ``consumer_tasks``, ``first_consumer``, ``ring0`` (seeds padded with -1),
+``head_tail0``; then the outputs ``counters``, ``status``, ``pending``, ``ring``, ``head_tail``,
+``marks`` and every call's output tensors.
 """
 from __future__ import annotations
 
