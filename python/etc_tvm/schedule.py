@@ -24,6 +24,7 @@ import numpy as np
 from .task_graph import TaskGraph
 
 LOCAL_WAITS = 1 << 30  # flag in a queue entry: the task's producers ran earlier on its SM
+ONLY_PRODUCER = 1 << 30  # flag in first_consumers: the task is that consumer's only producer
 TASK_OVERHEAD = 3.0  # in cost-hint units (one elementwise pass over a tile, one GEMM K step)
 
 
@@ -227,11 +228,14 @@ class DynamicPlan:
 
     def first_consumers(self) -> np.ndarray:
         """Each task's first consumer (-1: none), so that a dispatch finds it without the
-        round trip through ``consumer_indptr``."""
+        round trip through ``consumer_indptr``; with ``ONLY_PRODUCER`` where the task is that
+        consumer's only producer: its dispatch makes the consumer ready without a count-down,
+        and a CTA that runs the consumer next has done all it waits on."""
         n = len(self.consumer_indptr) - 1
         first = np.full(max(1, n), -1, np.int32)
         some = np.flatnonzero(np.diff(self.consumer_indptr) > 0)
-        first[some] = self.consumer_tasks[self.consumer_indptr[some]]
+        consumers = self.consumer_tasks[self.consumer_indptr[some]]
+        first[some] = consumers | np.where(self.pending[consumers] == 1, ONLY_PRODUCER, 0)
         return first
 
     def tables(self, seeds_at_launch: bool = False) -> list[np.ndarray]:

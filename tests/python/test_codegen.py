@@ -17,6 +17,7 @@ from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from moe_graph import COUNT_MODES, moe_graph
+from test_executor import chain
 from tiles import ROWS
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -253,6 +254,26 @@ def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
     assert loop.rindex("tvm_builtin_cuda_cta_sync", 0, listing) > loop.index("etc_wait(")
     assert "held_list_ptr[2] = first_consumer_ptr[h];" in loop[listing:loop.index(
         "etc_notify(", listing)]
+
+
+def test_dynamic_kernel_runs_a_task_held_from_its_only_producer_without_waits():
+    """A chain link is its successor's only producer: the successor is ready at the link's
+    dispatch (``etc_count_down``'s last argument 0: nothing to count down, as the launch
+    runs every task; 1 in the kernels of sampled sizes, where a task beyond the launch's
+    grids has a pending count out of reach), and held, it skips its waits: its own CTA did
+    all it waits on last round."""
+    source = build(chain, {"M": 4 * ROWS}, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("chain_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    take = loop.index("done_here_ptr[0] = ((0 <= popped_ptr[0]) ? held_ptr[1] : 0);")
+    bind = loop.index("int here = done_here_ptr[0];")
+    wait = loop.index("etc_wait(")
+    assert take < loop.index("tvm_builtin_cuda_cta_sync", take) < bind
+    assert loop.rindex("if (here == 0) {", 0, wait) > bind
+    assert re.findall(r"etc_count_down\([^;]*, (\d)\);", loop) == ["0"]
+    sampled = build(chain, strategy="dynamic", num_sms=132,
+                    samples=[{"M": 2 * ROWS}, {"M": 4 * ROWS}]).cuda_source()
+    assert set(re.findall(r"etc_count_down\([^;]*, (\d)\);", sampled)) == {"1"}
 
 
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from etc_tvm import ETensor, EtcError, Tensor, call_device, device_func, graph_func
 from etc_tvm.executor import StaticOrder, execute
-from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule, round_robin_schedule
+from etc_tvm.schedule import (LOCAL_WAITS, ONLY_PRODUCER, DynamicPlan, list_schedule,
+                              round_robin_schedule)
 from etc_tvm.task_graph import TaskGraph
 
 import graphs
@@ -127,7 +128,16 @@ def test_dynamic_plan_of_a_fan_in():
     assert plan.pending.tolist() == [0] * 6 + [3, 3]
     assert plan.seeds == tuple(range(6)) and plan.late == frozenset()
     assert [plan.consumers(t).tolist() for t in range(8)] == [[6]] * 3 + [[7]] * 3 + [[], []]
+    assert plan.first_consumers().tolist() == [6] * 3 + [7] * 3 + [-1, -1]  # not the only one
     assert plan.capacity == 8
+
+
+def test_dynamic_plan_marks_a_chain_link_as_its_consumers_only_producer():
+    task_graph = TaskGraph.build(chain, {"M": 4 * ROWS})
+    plan = DynamicPlan.of(task_graph)
+    assert plan.pending.tolist() == [0, 1, 1, 1]
+    assert plan.first_consumers().tolist() == [1 | ONLY_PRODUCER, 2 | ONLY_PRODUCER,
+                                               3 | ONLY_PRODUCER, -1]
 
 
 def test_dynamic_plan_pushes_data_dependent_waiters_late():

@@ -8,7 +8,7 @@ from tvm import relax
 from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
 from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
                                   StaticScheduleTransform, UnfusedTransform)
-from etc_tvm.schedule import LOCAL_WAITS, DynamicPlan, list_schedule
+from etc_tvm.schedule import LOCAL_WAITS, ONLY_PRODUCER, DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.device_runtime import STATUS_WORDS
 from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
@@ -70,7 +70,9 @@ def test_dynamic_becomes_one_ready_ring_kernel_launch():
     np.testing.assert_array_equal(pending.value.numpy(), [0] * 12 + [1] * 12)
     np.testing.assert_array_equal(indptr.value.numpy(), plan.consumer_indptr)
     np.testing.assert_array_equal(consumers.value.numpy(), list(range(12, 24)))
-    np.testing.assert_array_equal(first.value.numpy(), list(range(12, 24)) + [-1] * 12)
+    # each GEMM tile is the only producer of its reduce-scatter tile
+    np.testing.assert_array_equal(first.value.numpy(),
+                                  [t | ONLY_PRODUCER for t in range(12, 24)] + [-1] * 12)
     np.testing.assert_array_equal(ring.value.numpy(), list(range(12)) + [-1] * 12)
     np.testing.assert_array_equal(head_tail.value.numpy(), [0, 12, 24])  # pops, pushes, tasks
     # the watchdog record, the workspace (C, then the counters and the ring's pending, ring,

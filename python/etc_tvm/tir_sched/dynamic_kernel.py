@@ -13,7 +13,9 @@
                         events: for each consumer c of t: etc_count_down(pending[c])
                         (early push: c enters the ring once its last producer is
                         dispatched; it still waits on its events before its body; the first
-                        consumer, made ready so, is held for this CTA's next round instead)
+                        consumer, made ready so, is held for this CTA's next round instead;
+                        a consumer whose only producer is t is ready without a count-down,
+                        and held, it runs without waits: this CTA did all it waits on)
                         one thread: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
@@ -103,8 +105,9 @@ class ReadyRing:
         # release marks read back by ``resolve``, a chunk of words at a time
         self.released = tirx.decl_buffer((RELEASE_WORDS,), "int32", "released",
                                          scope="shared")
-        # a task the CTA's last dispatch made ready and keeps to run next (-1: none)
-        self.held = tirx.decl_buffer((1,), "int32", "held", scope="shared")
+        # a task the CTA's last dispatch made ready and keeps to run next (-1: none), and
+        # whether that dispatch was of its only producer
+        self.held = tirx.decl_buffer((2,), "int32", "held", scope="shared")
         # the held task's consumers (begin, count, first; ``list_held``), and whether the
         # round's task is that one, its list read
         self.held_list = tirx.decl_buffer((4,), "int32", "held_list", scope="shared")
@@ -204,11 +207,17 @@ class ReadyRing:
         return tirx.stmt_seq(sync, tirx.IfThenElse(kernel.tx == 0, claim, None), sync, store,
                              sync)
 
-    def take_held(self, into: tirx.Buffer, listed: bool = False) -> tirx.Stmt:
+    def take_held(self, into: tirx.Buffer, listed: bool = False,
+                  done_here: tirx.Buffer | None = None) -> tirx.Stmt:
         """Thread 0: move the held task (or -1) to ``into[0]``; ``listed``: its consumer
-        list is in ``held_list`` (``list_held`` ran at the last dispatch)."""
+        list is in ``held_list`` (``list_held`` ran at the last dispatch); ``done_here[0]``:
+        1 where the task is held from its only producer, which this CTA ran last (its waits
+        may be elided), else 0."""
         steps = [tirx.BufferStore(into, self.held[0], [i32(0)]),
                  tirx.BufferStore(self.held, i32(-1), [i32(0)])]
+        if done_here is not None:
+            steps.append(tirx.BufferStore(done_here, tirx.Select(
+                into[0] >= 0, self.held[1], i32(0)), [i32(0)]))
         if listed:
             steps.append(tirx.BufferStore(self.held_list, tirx.Cast("int32", into[0] >= 0),
                                           [i32(3)]))
@@ -255,7 +264,7 @@ class ReadyRing:
         down = lambda k, hold: tirx.Evaluate(self._call(  # noqa: E731
             "etc_count_down", pointer(self.pending), consumer(k),
             pointer(self.held), hold, pointer(self.head_tail), pointer(self.ring),
-            i32(len(self.plan.pending)), pointer(kernel.status)))
+            i32(len(self.plan.pending)), pointer(kernel.status), i32(int(kernel.symbolic))))
         if dispatch:
             loop = kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
                                   first_thread)
@@ -545,9 +554,11 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     kernel = PersistentKernel(graph, layout, options, num_ctas, symbolic, rank)
     ring = ReadyRing(kernel, plan, {c.index for c in kernel.calls}, claimed_at_launch=True)
     slot = tirx.decl_buffer((1,), "int32", "popped", scope="shared")
+    # 1: the round's task is held from its only producer, run here last round
+    done_here = tirx.decl_buffer((1,), "int32", "done_here", scope="shared")
     claim = tirx.decl_buffer((1,), "int32", "claim", scope="local")  # thread 0's claimed slot
     peeked = tirx.decl_buffer((1,), "int32", "peeked", scope="local")  # its task, read early
-    task = tirx.Var("t", "int32")
+    task, here = tirx.Var("t", "int32"), tirx.Var("here", "int32")
     tx = kernel.tx
     # warps past the first count the task's consumers down while warp 0 waits on its events
     counting = WARP if kernel.scopes.num_threads > WARP else 0
@@ -567,14 +578,14 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                        else tirx.And(held_some, ring.held[0] < 0)))
     peek = tirx.IfThenElse(tirx.And(tx == 0, claim[0] >= 0),
                            tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None)
-    dispatch = kernel.dispatch(task, after_waits=late_claim, before_notifies=(
+    dispatch = kernel.dispatch(task, skip_waits=here, after_waits=late_claim, before_notifies=(
         lambda: tirx.stmt_seq(peek, ring.list_held(counting))) if counting else peek)
 
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, kernel.initial, *ring.inputs,
                                      *kernel.returned(ring.outputs)],
-                              shared=(slot, *ring.shared),
+                              shared=(slot, done_here, *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx)
             if launch is not None:
@@ -589,7 +600,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             with Tb.While(tirx.IntImm("bool", 1)):
                 with Tb.If(tx == 0):
                     with Tb.Then():
-                        Tb.add_to_parent(ring.take_held(slot, listed=bool(counting)))
+                        Tb.add_to_parent(ring.take_held(slot, listed=bool(counting),
+                                                        done_here=done_here))
                         with Tb.If(slot[0] < 0):
                             with Tb.Then():
                                 with Tb.If(peeked[0] >= 0):
@@ -606,6 +618,7 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                 # every thread reads the slot before the barrier after the count-downs, and
                 # thread 0 rewrites it only past that barrier
                 Tb.add_to_parent(tirx.Bind(task, slot[0]))
+                Tb.add_to_parent(tirx.Bind(here, done_here[0]))
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
