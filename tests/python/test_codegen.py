@@ -257,23 +257,32 @@ def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
 
 
 def test_dynamic_kernel_runs_a_task_held_from_its_only_producer_without_waits():
-    """A chain link is its successor's only producer: the successor is ready at the link's
-    dispatch (``etc_count_down``'s last argument 0: nothing to count down, as the launch
-    runs every task; 1 in the kernels of sampled sizes, where a task beyond the launch's
-    grids has a pending count out of reach), and held, it skips its waits: its own CTA did
-    all it waits on last round."""
+    """A chain link is its successor's only producer: thread 0 holds the successor at the
+    link's dispatch, with no count-down and no barrier before the link's body, loading the
+    successor's consumer tables into registers that it stores beside the notifies; held, the
+    successor skips its waits, as its own CTA did all it waits on last round. In the kernels
+    of sampled sizes, where a task beyond the launch's grids has a pending count out of
+    reach, every consumer is counted down (``etc_count_down``'s last argument)."""
     source = build(chain, {"M": 4 * ROWS}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("chain_dynamic_megakernel_kernel("):]
     loop = kernel[kernel.index("while (1)"):]
     take = loop.index("done_here_ptr[0] = ((0 <= popped_ptr[0]) ? held_ptr[1] : 0);")
     bind = loop.index("int here = done_here_ptr[0];")
-    wait = loop.index("etc_wait(")
     assert take < loop.index("tvm_builtin_cuda_cta_sync", take) < bind
-    assert loop.rindex("if (here == 0) {", 0, wait) > bind
-    assert re.findall(r"etc_count_down\([^;]*, (\d)\);", loop) == ["0"]
+    direct = loop.index("if (held_direct_ptr[0] != 0) {", bind)
+    hold = loop.index("held_ptr[0] = (first & 1073741823);", direct)
+    carry = loop.index("held_carried_ptr[2] = first_consumer_ptr[(first & 1073741823)];", hold)
+    wait = loop.index("etc_wait(", carry)
+    assert loop.rindex("if (here == 0) {", 0, wait) > carry
+    claim = loop.index("if (held_direct_ptr[0] == 0) {\n        tvm_builtin_cuda_cta_sync();",
+                       wait)
+    notify = loop.index("etc_notify(", claim)
+    assert "held_list_ptr[2] = held_carried_ptr[2];" in loop[claim:notify]
+    assert set(re.findall(r"etc_count_down\([^;]*, (\d)\);", loop)) == {"0"}
     sampled = build(chain, strategy="dynamic", num_sms=132,
                     samples=[{"M": 2 * ROWS}, {"M": 4 * ROWS}]).cuda_source()
     assert set(re.findall(r"etc_count_down\([^;]*, (\d)\);", sampled)) == {"1"}
+    assert "held_direct" not in sampled
 
 
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():

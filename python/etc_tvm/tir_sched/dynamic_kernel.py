@@ -53,7 +53,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
 from ..errors import GraphError
-from ..schedule import DynamicPlan
+from ..schedule import ONLY_PRODUCER, DynamicPlan
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, lower_edge
 from .grid_kernel import unravel
@@ -111,6 +111,10 @@ class ReadyRing:
         # the held task's consumers (begin, count, first; ``list_held``), and whether the
         # round's task is that one, its list read
         self.held_list = tirx.decl_buffer((4,), "int32", "held_list", scope="shared")
+        # ``direct_holds``: 1 where thread 0 held the round's first consumer itself, and the
+        # held task's consumer tables as thread 0 loaded them then (registers)
+        self.direct = tirx.decl_buffer((1,), "int32", "held_direct", scope="local")
+        self.carried = tirx.decl_buffer((3,), "int32", "held_carried", scope="local")
         # runs of released tasks the CTA publishes together (etc_defer_range)
         self.runs = tirx.decl_buffer((3 + 2 * RUN_SLOTS,), "int32", "runs", scope="shared")
         self.unpublished = False  # a run was deferred since the last ``publish`` generated
@@ -223,13 +227,25 @@ class ReadyRing:
                                           [i32(3)]))
         return tirx.stmt_seq(*steps)
 
-    def list_held(self, thread: int) -> tirx.Stmt:
+    @property
+    def direct_holds(self) -> bool:
+        """Whether thread 0 holds a first consumer whose only producer is the dispatched task
+        itself, without a count-down (``count_down_consumers(direct=True)``): some task has
+        one, and the launch runs every task (a launch on smaller sizes counts every consumer
+        down: its pending count may be out of reach)."""
+        return not self.kernel.symbolic and bool(
+            (self.plan.first_consumers() & ONLY_PRODUCER).any())
+
+    def list_held(self, thread: int, direct: bool = False) -> tirx.Stmt:
         """``thread`` reads the consumer list of the task this dispatch holds, if any, into
         ``held_list`` (beside thread 0's notifies, whose fence it waits as long as), so that
-        the next round counts that task's consumers down with no round trip to the tables."""
+        the next round counts that task's consumers down with no round trip to the tables;
+        ``direct``: where thread 0 held it itself, thread 0 stores the tables' words it
+        loaded then."""
         h = tirx.Var("h", "int32")
         begin = self.consumer_indptr[h]
-        return tirx.IfThenElse(self.kernel.tx == i32(thread), tirx.stmt_seq(
+        tx = self.kernel.tx
+        read = tirx.IfThenElse(tx == i32(thread), tirx.stmt_seq(
             tirx.Bind(h, self.held[0]),
             tirx.IfThenElse(h >= 0, tirx.stmt_seq(
                 tirx.BufferStore(self.held_list, begin, [i32(0)]),
@@ -237,6 +253,26 @@ class ReadyRing:
                                  [i32(1)]),
                 tirx.BufferStore(self.held_list, self.first_consumer[h], [i32(2)])), None)),
             None)
+        if not direct:
+            return read
+        carried = self.carried
+        return tirx.IfThenElse(self.direct[0] != 0, tirx.IfThenElse(tx == 0, tirx.stmt_seq(
+            tirx.BufferStore(self.held_list, carried[0], [i32(0)]),
+            tirx.BufferStore(self.held_list, carried[1] - carried[0], [i32(1)]),
+            tirx.BufferStore(self.held_list, carried[2], [i32(2)])), None), read)
+
+    def _hold_directly(self, first: tirx.Expr) -> tirx.Stmt:
+        """Thread 0: hold ``first``, whose only producer is the round's task, and load its
+        consumer tables into registers, their round trip overlapping the task."""
+        h = tirx.Var("direct_held", "int32")
+        return tirx.stmt_seq(
+            tirx.Bind(h, tirx.bitwise_and(first, i32(ONLY_PRODUCER - 1))),
+            tirx.BufferStore(self.held, h, [i32(0)]),
+            tirx.BufferStore(self.held, i32(1), [i32(1)]),
+            tirx.Evaluate(self._call("etc_add", pointer(self.head_tail, 2), i32(-1))),
+            tirx.BufferStore(self.carried, self.consumer_indptr[h], [i32(0)]),
+            tirx.BufferStore(self.carried, self.consumer_indptr[h + 1], [i32(1)]),
+            tirx.BufferStore(self.carried, self.first_consumer[h], [i32(2)]))
 
     def _consumer_list(self, task: tirx.Expr, listed: bool) -> list[tirx.Expr]:
         """``task``'s consumers as (begin, count, first): from ``held_list`` where
@@ -250,13 +286,17 @@ class ReadyRing:
                 for k, value in enumerate(found)]
 
     def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False,
-                             first_thread: int = 0, listed: bool = False) -> tirx.Stmt:
+                             first_thread: int = 0, listed: bool = False,
+                             direct: bool = False) -> tirx.Stmt:
         """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
         for it; the last count-down of each pushes it. ``dispatch``: called by every thread of
         the CTA that runs ``task``, which spread the consumers over threads ``first_thread``
         on and keep the first consumer, if this makes it ready, in ``held`` to run next: a
         chain hands over without a push or a pop, and on the same SM. ``listed``: a held
-        task's list is in ``held_list`` (``take_held(listed=True)``)."""
+        task's list is in ``held_list`` (``take_held(listed=True)``). ``direct`` (with
+        ``dispatch``, ``first_thread`` > 0 and ``direct_holds``): where ``task`` is the first
+        consumer's only producer, thread 0 holds it itself (``direct[0]`` = 1 on every
+        thread), the other threads counting the rest down."""
         kernel = self.kernel
         begin, count, first = (tirx.Var(name, "int32") for name in ("begin", "count", "first"))
         consumer = lambda k: tirx.if_then_else(  # noqa: E731
@@ -268,6 +308,15 @@ class ReadyRing:
         if dispatch:
             loop = kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
                                   first_thread)
+            if direct:
+                only = tirx.Cast("int32", tirx.And(
+                    first >= 0, tirx.bitwise_and(first, i32(ONLY_PRODUCER)) != 0))
+                loop = tirx.stmt_seq(
+                    tirx.BufferStore(self.direct, only, [i32(0)]),
+                    tirx.IfThenElse(self.direct[0] != 0, tirx.stmt_seq(
+                        tirx.IfThenElse(kernel.tx == 0, self._hold_directly(first), None),
+                        kernel.strided(count - i32(1), lambda k: down(k + i32(1), i32(0)),
+                                       first_thread)), loop))
         else:
             k = tirx.Var("k", "int32")
             loop = tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))
@@ -276,6 +325,8 @@ class ReadyRing:
         among = self.has_consumers(task)
         if among is not None:  # the other calls' tasks read no consumer list
             steps = [tirx.IfThenElse(among, steps[0], None)]
+            if direct:
+                steps.insert(0, tirx.BufferStore(self.direct, i32(0), [i32(0)]))
         late = self._count_down_late_calls(task)
         if late is not None:
             steps.append(tirx.IfThenElse(kernel.tx == i32(first_thread), late, None)
@@ -562,6 +613,9 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     tx = kernel.tx
     # warps past the first count the task's consumers down while warp 0 waits on its events
     counting = WARP if kernel.scopes.num_threads > WARP else 0
+    # thread 0 holds a consumer the task alone produces, so that a chain's hand-off needs no
+    # barrier after the count-downs and its tables' round trip overlaps the task
+    direct = bool(counting) and ring.direct_holds
     held_some = ring.has_consumers(task)
 
     def claim_next(cond: tirx.Expr) -> tirx.Stmt:
@@ -576,10 +630,12 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             tirx.Evaluate(Tb.cuda.cta_sync()),
             claim_next(ring.held[0] < 0 if held_some is None
                        else tirx.And(held_some, ring.held[0] < 0)))
+        if direct:  # thread 0 knows it holds a task: no claim, and no barrier for it
+            late_claim = tirx.IfThenElse(ring.direct[0] == 0, late_claim, None)
     peek = tirx.IfThenElse(tirx.And(tx == 0, claim[0] >= 0),
                            tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None)
     dispatch = kernel.dispatch(task, skip_waits=here, after_waits=late_claim, before_notifies=(
-        lambda: tirx.stmt_seq(peek, ring.list_held(counting))) if counting else peek)
+        lambda: tirx.stmt_seq(peek, ring.list_held(counting, direct))) if counting else peek)
 
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -590,8 +646,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             launch = ring.launch(bx)
             if launch is not None:
                 Tb.add_to_parent(launch)
-            Tb.add_to_parent(tirx.AllocBuffer(claim))
-            Tb.add_to_parent(tirx.AllocBuffer(peeked))
+            for buf in (claim, peeked, *((ring.direct, ring.carried) if direct else ())):
+                Tb.add_to_parent(tirx.AllocBuffer(buf))
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
@@ -624,7 +680,8 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                         Tb.Break()
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True,
                                                            first_thread=counting,
-                                                           listed=bool(counting)))
+                                                           listed=bool(counting),
+                                                           direct=direct))
                 if not counting:
                     Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                     Tb.add_to_parent(claim_next(ring.held[0] < 0))
