@@ -203,15 +203,15 @@ __device__ __forceinline__ void etc_push(int* head_tail, int* ring, int task, in
 // One producer of ``consumer`` was dispatched: the last one pushes it, or, with ``may_hold``,
 // keeps it in ``held[0]`` for its own CTA to run next (it never enters the ring, so the count
 // of tasks the ring will hold drops by one). A consumer marked ``ETC_ONLY_PRODUCER`` is ready
-// now: no count-down, unless ``count_only`` (a launch on smaller sizes, where a pending count
+// now: no count-down, unless ``count_all`` (a launch on smaller sizes, where a pending count
 // can be out of reach); held, it has ``held[1]`` set: everything it waits on was done by the
 // holding CTA.
 __device__ __forceinline__ void etc_count_down(int* pending, int consumer, int* held,
                                                int may_hold, int* head_tail, int* ring,
-                                               int capacity, int* status, int count_only) {
+                                               int capacity, int* status, int count_all) {
   const int only = consumer & ETC_ONLY_PRODUCER;
   const int task = consumer & ~ETC_ONLY_PRODUCER;
-  if ((!only || count_only) && atomicSub(pending + task, 1) != 1) return;
+  if ((!only || count_all) && atomicSub(pending + task, 1) != 1) return;
   if (may_hold) {
     held[0] = task;
     held[1] = only != 0;

@@ -14,8 +14,9 @@
                         (early push: c enters the ring once its last producer is
                         dispatched; it still waits on its events before its body; the first
                         consumer, made ready so, is held for this CTA's next round instead;
-                        a consumer whose only producer is t is ready without a count-down,
-                        and held, it runs without waits: this CTA did all it waits on)
+                        a first consumer whose only producer is t is held by thread 0
+                        itself, with no count-down, and runs without waits: this CTA did all
+                        it waits on)
                         one thread: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
               thread 0, unless t's dispatch made a task to hold: claim the next slot
@@ -25,8 +26,9 @@
                         thread 0 reads the claimed slot (etc_peek: its load overlaps the
                         notifies' wait for t's stores; if the task is there, the next round
                         takes it without a round trip), thread 32 the held task's consumer
-                        list (the next round's count-down reads it from shared memory),
-                        then the notifies
+                        list (the next round's count-down reads it from shared memory;
+                        thread 0, where it held the task itself, stores the list it loaded
+                        then), then the notifies
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
 (its last notify, or the arming that removes its bias) pushes the tasks the maps release (a
