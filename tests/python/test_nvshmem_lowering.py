@@ -48,7 +48,7 @@ def test_rank_kernel_compiles_and_links_against_nvshmem(rank, nvshmem_home):
 def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
     """Under the dynamic schedule a rank pops its own tasks; the reduce tiles wait on the
     other rank's GEMM tiles, so they enter the ring as a late call, after the rank's GEMM
-    tiles are dispatched."""
+    tiles are dispatched. No task runs without its waits."""
     program = distributed.build_rank(gemm_reduce_scatter(2), DIMS, rank, strategy="dynamic",
                                      num_sms=4)
     source = program.executable.mod.imports[0].inspect_source("cuda")
@@ -57,6 +57,8 @@ def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
                                        "etc_count_down_call(", "etc_notify_remote(",
                                        "etc_wait_sys(")]
     assert order == sorted(order)
+    # an element a task notifies may live on another rank: a held task still waits
+    assert "held_direct" not in kernel and "done_here_ptr[0] = 0;" in kernel
     graph = program.graph
     own = [c for c in graph.calls if c.rank == rank]
     initial, pending, *_, head_tail = program.arrays

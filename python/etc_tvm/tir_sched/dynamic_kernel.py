@@ -223,19 +223,26 @@ class ReadyRing:
                  tirx.BufferStore(self.held, i32(-1), [i32(0)])]
         if done_here is not None:
             steps.append(tirx.BufferStore(done_here, tirx.Select(
-                into[0] >= 0, self.held[1], i32(0)), [i32(0)]))
+                into[0] >= 0, self.held[1], i32(0)) if self.runs_held_without_waits
+                else i32(0), [i32(0)]))
         if listed:
             steps.append(tirx.BufferStore(self.held_list, tirx.Cast("int32", into[0] >= 0),
                                           [i32(3)]))
         return tirx.stmt_seq(*steps)
 
     @property
+    def runs_held_without_waits(self) -> bool:
+        """Whether a task held from its only producer skips its waits: on one rank (where
+        several, an element a task notifies may live on another rank)."""
+        return self.kernel.rank is None
+
+    @property
     def direct_holds(self) -> bool:
         """Whether thread 0 holds a first consumer whose only producer is the dispatched task
         itself, without a count-down (``count_down_consumers(direct=True)``): some task has
-        one, and the launch runs every task (a launch on smaller sizes counts every consumer
-        down: its pending count may be out of reach)."""
-        return not self.kernel.symbolic and bool(
+        one, held tasks skip their waits, and the launch runs every task (a launch on smaller
+        sizes counts every consumer down: its pending count may be out of reach)."""
+        return self.runs_held_without_waits and not self.kernel.symbolic and bool(
             (self.plan.first_consumers() & ONLY_PRODUCER).any())
 
     def list_held(self, thread: int, direct: bool = False) -> tirx.Stmt:
