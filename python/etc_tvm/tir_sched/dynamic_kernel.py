@@ -252,15 +252,12 @@ class ReadyRing:
         ``direct``: where thread 0 held it itself, thread 0 stores the tables' words it
         loaded then."""
         h = tirx.Var("h", "int32")
-        begin = self.consumer_indptr[h]
         tx = self.kernel.tx
         read = tirx.IfThenElse(tx == i32(thread), tirx.stmt_seq(
             tirx.Bind(h, self.held[0]),
-            tirx.IfThenElse(h >= 0, tirx.stmt_seq(
-                tirx.BufferStore(self.held_list, begin, [i32(0)]),
-                tirx.BufferStore(self.held_list, self.consumer_indptr[h + 1] - begin,
-                                 [i32(1)]),
-                tirx.BufferStore(self.held_list, self.first_consumer[h], [i32(2)])), None)),
+            tirx.IfThenElse(h >= 0, tirx.stmt_seq(*(
+                tirx.BufferStore(self.held_list, word, [i32(k)])
+                for k, word in enumerate(self._tabled_list(h)))), None)),
             None)
         if not direct:
             return read
@@ -283,11 +280,15 @@ class ReadyRing:
             tirx.BufferStore(self.carried, self.consumer_indptr[h + 1], [i32(1)]),
             tirx.BufferStore(self.carried, self.first_consumer[h], [i32(2)]))
 
+    def _tabled_list(self, task: tirx.Expr) -> list[tirx.Expr]:
+        """``task``'s consumers as (begin, count, first), read from the tables."""
+        begin = self.consumer_indptr[task]
+        return [begin, self.consumer_indptr[task + 1] - begin, self.first_consumer[task]]
+
     def _consumer_list(self, task: tirx.Expr, listed: bool) -> list[tirx.Expr]:
         """``task``'s consumers as (begin, count, first): from ``held_list`` where
         ``listed`` and the round's task is the held one, else from the tables."""
-        begin = self.consumer_indptr[task]
-        found = [begin, self.consumer_indptr[task + 1] - begin, self.first_consumer[task]]
+        found = self._tabled_list(task)
         if not listed:
             return found
         kept = self.held_list[3] != 0
