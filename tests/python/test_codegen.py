@@ -249,40 +249,61 @@ def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
     loop = kernel[kernel.index("while (1)"):]
     take = loop.index("held_list_ptr[3] = ((int)(0 <= popped_ptr[0]));")
     down = loop.index("etc_count_down(")
-    assert take < loop.index("condval = held_list_ptr[0];") < down
+    assert take < loop.index(" = held_list_ptr[0];") < down
     listing = loop.index("if (((int)threadIdx.x) == 32) {", down)
     assert loop.rindex("tvm_builtin_cuda_cta_sync", 0, listing) > loop.index("etc_wait(")
     assert "held_list_ptr[2] = first_consumer_ptr[h];" in loop[listing:loop.index(
         "etc_notify(", listing)]
 
 
-def test_dynamic_kernel_runs_a_task_held_from_its_only_producer_without_waits():
-    """A chain link is its successor's only producer: thread 0 holds the successor at the
-    link's dispatch, with no count-down and no barrier before the link's body, loading the
-    successor's consumer tables into registers that it stores beside the notifies; held, the
-    successor skips its waits, as its own CTA did all it waits on last round. In the kernels
-    of sampled sizes, where a task beyond the launch's grids has a pending count out of
-    reach, every consumer is counted down (``etc_count_down``'s last argument)."""
+def test_dynamic_kernel_chains_a_consumer_the_task_alone_produces():
+    """A chain link is its successor's only producer: at the link's dispatch every thread
+    chains the successor, with no count-down, loading its consumer tables into registers
+    (their round trip overlaps the link); the next round starts it with no take and no
+    barrier, while thread 0 still notifies, and skips its waits: its own CTA did all it
+    waits on. No claim and no consumer list for the link that chained. In the kernels of
+    sampled sizes, where a task beyond the launch's grids has a pending count out of reach,
+    every consumer is counted down (``etc_count_down``'s last argument) and none chained."""
     source = build(chain, {"M": 4 * ROWS}, strategy="dynamic", num_sms=132).cuda_source()
     kernel = source[source.index("chain_dynamic_megakernel_kernel("):]
     loop = kernel[kernel.index("while (1)"):]
-    take = loop.index("done_here_ptr[0] = ((0 <= popped_ptr[0]) ? held_ptr[1] : 0);")
-    bind = loop.index("int here = done_here_ptr[0];")
-    assert take < loop.index("tvm_builtin_cuda_cta_sync", take) < bind
-    direct = loop.index("if (held_direct_ptr[0] != 0) {", bind)
-    hold = loop.index("held_ptr[0] = (first & 1073741823);", direct)
-    carry = loop.index("held_carried_ptr[2] = first_consumer_ptr[(first & 1073741823)];", hold)
-    wait = loop.index("etc_wait(", carry)
-    assert loop.rindex("if (here == 0) {", 0, wait) > carry
-    claim = loop.index("if (held_direct_ptr[0] == 0) {\n        tvm_builtin_cuda_cta_sync();",
-                       wait)
-    notify = loop.index("etc_notify(", claim)
-    assert "held_list_ptr[2] = held_carried_ptr[2];" in loop[claim:notify]
+    unchained = loop.index("if (chained_now == 0) {")
+    take = loop.index("etc_take(", unchained)
+    bind = loop.index("int t = condval;")
+    assert unchained < take < loop.index("tvm_builtin_cuda_cta_sync", take) < bind
+    assert "condval = chained_ptr[1];" in loop[take:bind]
+    assert "condval_1 = 1;" in loop[take:loop.index("int here = condval_1;")]
+    assert "condval_2 = chain_list_ptr[0];" in loop[bind:]
+    chained = loop.index("if (chained_ptr[0] != 0) {", bind)
+    tables = loop.index("chain_list_ptr[2] = first_consumer_ptr[(first & 1073741823)];",
+                        chained)
+    assert "if (((int)threadIdx.x)" not in loop[chained:tables]  # every thread
+    wait = loop.index("etc_wait(", tables)
+    assert loop.rindex("if (here == 0) {", 0, wait) > tables
+    claim = loop.index("if (chained_ptr[0] == 0) {", wait)
+    assert claim < loop.index("etc_claim(", claim)
+    listing = loop.index("if (chained_ptr[0] == 0) {\n        if (((int)threadIdx.x) == 32) {",
+                         claim)
+    assert listing < loop.index("etc_notify(", listing)
     assert set(re.findall(r"etc_count_down\([^;]*, (\d)\);", loop)) == {"0"}
     sampled = build(chain, strategy="dynamic", num_sms=132,
                     samples=[{"M": 2 * ROWS}, {"M": 4 * ROWS}]).cuda_source()
     assert set(re.findall(r"etc_count_down\([^;]*, (\d)\);", sampled)) == {"1"}
-    assert "held_direct" not in sampled
+    assert "chained" not in sampled
+
+
+def test_dynamic_kernel_claims_past_the_barrier_that_ends_the_waits():
+    """Thread 0 claims the next slot once the count-downs are done: past the barrier that
+    ends the task's waits where they ran, past a barrier of its own only where they did not
+    (a task held from its only producer)."""
+    source = build(chain, {"M": 4 * ROWS}, strategy="dynamic", num_sms=132).cuda_source()
+    kernel = source[source.index("chain_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    wait = loop.index("etc_wait(")
+    claim = loop.index("etc_claim(", wait)
+    own = loop.index("if (here != 0) {\n          tvm_builtin_cuda_cta_sync();\n        }", wait)
+    assert loop.rindex("tvm_builtin_cuda_cta_sync", 0, own) < own < claim
+    assert loop.count("tvm_builtin_cuda_cta_sync", wait, claim) == 2
 
 
 def test_dispatch_reads_consumer_lists_only_for_calls_that_have_consumers():

@@ -49,6 +49,8 @@ order: the graph's inputs; the read-only initial state ``initial`` (counts), ``p
 """
 from __future__ import annotations
 
+import contextlib
+
 import tvm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -113,10 +115,10 @@ class ReadyRing:
         # the held task's consumers (begin, count, first; ``list_held``), and whether the
         # round's task is that one, its list read
         self.held_list = tirx.decl_buffer((4,), "int32", "held_list", scope="shared")
-        # ``direct_holds``: 1 where thread 0 held the round's first consumer itself, and the
-        # held task's consumer tables as thread 0 loaded them then (registers)
-        self.direct = tirx.decl_buffer((1,), "int32", "held_direct", scope="local")
-        self.carried = tirx.decl_buffer((3,), "int32", "held_carried", scope="local")
+        # ``chains``: in every thread's registers, whether the round's task chained its first
+        # consumer (1) and that consumer, and the consumer's tables (begin, end, first)
+        self.chained = tirx.decl_buffer((2,), "int32", "chained", scope="local")
+        self.chain_list = tirx.decl_buffer((3,), "int32", "chain_list", scope="local")
         # runs of released tasks the CTA publishes together (etc_defer_range)
         self.runs = tirx.decl_buffer((3 + 2 * RUN_SLOTS,), "int32", "runs", scope="shared")
         self.unpublished = False  # a run was deferred since the last ``publish`` generated
@@ -237,76 +239,78 @@ class ReadyRing:
         return self.kernel.rank is None
 
     @property
-    def direct_holds(self) -> bool:
-        """Whether thread 0 holds a first consumer whose only producer is the dispatched task
-        itself, without a count-down (``count_down_consumers(direct=True)``): some task has
-        one, held tasks skip their waits, and the launch runs every task (a launch on smaller
-        sizes counts every consumer down: its pending count may be out of reach)."""
+    def chains(self) -> bool:
+        """Whether a first consumer whose only producer is the dispatched task is chained
+        (``count_down_consumers(chain=True)``): every thread keeps it in registers and runs it
+        next, with no count-down, no barrier before it and no waits, as the static kernel
+        runs its queue. Where some task has one, held tasks skip their waits, and the launch
+        runs every task (a launch on smaller sizes counts every consumer down: its pending
+        count may be out of reach)."""
         return self.runs_held_without_waits and not self.kernel.symbolic and bool(
             (self.plan.first_consumers() & ONLY_PRODUCER).any())
 
-    def list_held(self, thread: int, direct: bool = False) -> tirx.Stmt:
+    def list_held(self, thread: int, chain: bool = False) -> tirx.Stmt:
         """``thread`` reads the consumer list of the task this dispatch holds, if any, into
         ``held_list`` (beside thread 0's notifies, whose fence it waits as long as), so that
         the next round counts that task's consumers down with no round trip to the tables;
-        ``direct``: where thread 0 held it itself, thread 0 stores the tables' words it
-        loaded then."""
+        ``chain``: not where the dispatch chained a task (its list is in registers)."""
         h = tirx.Var("h", "int32")
-        tx = self.kernel.tx
-        read = tirx.IfThenElse(tx == i32(thread), tirx.stmt_seq(
+        read = tirx.IfThenElse(self.kernel.tx == i32(thread), tirx.stmt_seq(
             tirx.Bind(h, self.held[0]),
             tirx.IfThenElse(h >= 0, tirx.stmt_seq(*(
                 tirx.BufferStore(self.held_list, word, [i32(k)])
                 for k, word in enumerate(self._tabled_list(h)))), None)),
             None)
-        if not direct:
-            return read
-        carried = self.carried
-        return tirx.IfThenElse(self.direct[0] != 0, tirx.IfThenElse(tx == 0, tirx.stmt_seq(
-            tirx.BufferStore(self.held_list, carried[0], [i32(0)]),
-            tirx.BufferStore(self.held_list, carried[1] - carried[0], [i32(1)]),
-            tirx.BufferStore(self.held_list, carried[2], [i32(2)])), None), read)
+        return tirx.IfThenElse(self.chained[0] == 0, read, None) if chain else read
 
-    def _hold_directly(self, first: tirx.Expr) -> tirx.Stmt:
-        """Thread 0: hold ``first``, whose only producer is the round's task, and load its
-        consumer tables into registers, their round trip overlapping the task."""
-        h = tirx.Var("direct_held", "int32")
+    def _chain(self, first: tirx.Expr) -> tirx.Stmt:
+        """Every thread: chain ``first``, whose only producer is the round's task, loading its
+        consumer tables into registers (their round trip overlaps the task); thread 0 takes it
+        off the count of tasks the ring will hold."""
+        h = tirx.Var("chained_task", "int32")
+        begin = self.consumer_indptr[h]
         return tirx.stmt_seq(
             tirx.Bind(h, tirx.bitwise_and(first, i32(ONLY_PRODUCER - 1))),
-            tirx.BufferStore(self.held, h, [i32(0)]),
-            tirx.BufferStore(self.held, i32(1), [i32(1)]),
-            tirx.Evaluate(self._call("etc_add", pointer(self.head_tail, 2), i32(-1))),
-            tirx.BufferStore(self.carried, self.consumer_indptr[h], [i32(0)]),
-            tirx.BufferStore(self.carried, self.consumer_indptr[h + 1], [i32(1)]),
-            tirx.BufferStore(self.carried, self.first_consumer[h], [i32(2)]))
+            tirx.BufferStore(self.chained, h, [i32(1)]),
+            *(tirx.BufferStore(self.chain_list, word, [i32(k)]) for k, word in enumerate(
+                (begin, self.consumer_indptr[h + 1], self.first_consumer[h]))),
+            tirx.IfThenElse(self.kernel.tx == 0, tirx.Evaluate(self._call(
+                "etc_add", pointer(self.head_tail, 2), i32(-1))), None))
 
     def _tabled_list(self, task: tirx.Expr) -> list[tirx.Expr]:
         """``task``'s consumers as (begin, count, first), read from the tables."""
         begin = self.consumer_indptr[task]
         return [begin, self.consumer_indptr[task + 1] - begin, self.first_consumer[task]]
 
-    def _consumer_list(self, task: tirx.Expr, listed: bool) -> list[tirx.Expr]:
-        """``task``'s consumers as (begin, count, first): from ``held_list`` where
+    def _consumer_list(self, task: tirx.Expr, listed: bool,
+                       chained: tirx.Expr | None = None) -> list[tirx.Expr]:
+        """``task``'s consumers as (begin, count, first): from ``chain_list`` where
+        ``chained`` (nonzero: the round's task was chained), from ``held_list`` where
         ``listed`` and the round's task is the held one, else from the tables."""
         found = self._tabled_list(task)
-        if not listed:
-            return found
-        kept = self.held_list[3] != 0
-        return [tirx.if_then_else(kept, self.held_list[k], value)
-                for k, value in enumerate(found)]
+        if listed:
+            kept = self.held_list[3] != 0
+            found = [tirx.if_then_else(kept, self.held_list[k], value)
+                     for k, value in enumerate(found)]
+        if chained is not None:
+            carried = self.chain_list
+            found = [tirx.if_then_else(chained != 0, value, other) for value, other in zip(
+                (carried[0], carried[1] - carried[0], carried[2]), found)]
+        return found
 
     def count_down_consumers(self, task: tirx.Expr, dispatch: bool = False,
                              first_thread: int = 0, listed: bool = False,
-                             direct: bool = False) -> tirx.Stmt:
+                             chained: tirx.Expr | None = None) -> tirx.Stmt:
         """``task`` was dispatched (or skipped): count down the tasks and late calls waiting
         for it; the last count-down of each pushes it. ``dispatch``: called by every thread of
         the CTA that runs ``task``, which spread the consumers over threads ``first_thread``
         on and keep the first consumer, if this makes it ready, in ``held`` to run next: a
         chain hands over without a push or a pop, and on the same SM. ``listed``: a held
-        task's list is in ``held_list`` (``take_held(listed=True)``). ``direct`` (with
-        ``dispatch``, ``first_thread`` > 0 and ``direct_holds``): where ``task`` is the first
-        consumer's only producer, thread 0 holds it itself (``direct[0]`` = 1 on every
-        thread), the other threads counting the rest down."""
+        task's list is in ``held_list`` (``take_held(listed=True)``). ``chained`` (with
+        ``dispatch``, ``first_thread`` > 0 and ``chains``; nonzero where ``task`` was
+        chained itself: its list is in ``chain_list``): where ``task`` is the first
+        consumer's only producer, every thread chains it (``chained[0]`` = 1), the threads
+        from ``first_thread`` on counting the rest down."""
         kernel = self.kernel
         begin, count, first = (tirx.Var(name, "int32") for name in ("begin", "count", "first"))
         consumer = lambda k: tirx.if_then_else(  # noqa: E731
@@ -318,25 +322,25 @@ class ReadyRing:
         if dispatch:
             loop = kernel.strided(count, lambda k: down(k, tirx.Cast("int32", k == 0)),
                                   first_thread)
-            if direct:
+            if chained is not None:
                 only = tirx.Cast("int32", tirx.And(
                     first >= 0, tirx.bitwise_and(first, i32(ONLY_PRODUCER)) != 0))
                 loop = tirx.stmt_seq(
-                    tirx.BufferStore(self.direct, only, [i32(0)]),
-                    tirx.IfThenElse(self.direct[0] != 0, tirx.stmt_seq(
-                        tirx.IfThenElse(kernel.tx == 0, self._hold_directly(first), None),
+                    tirx.BufferStore(self.chained, only, [i32(0)]),
+                    tirx.IfThenElse(self.chained[0] != 0, tirx.stmt_seq(
+                        self._chain(first),
                         kernel.strided(count - i32(1), lambda k: down(k + i32(1), i32(0)),
                                        first_thread)), loop))
         else:
             k = tirx.Var("k", "int32")
             loop = tirx.For(k, i32(0), count, tirx.ForKind.SERIAL, down(k, i32(0)))
         steps = [tirx.stmt_seq(*(tirx.Bind(var, value) for var, value in zip(
-            (begin, count, first), self._consumer_list(task, listed))), loop)]
+            (begin, count, first), self._consumer_list(task, listed, chained))), loop)]
         among = self.has_consumers(task)
         if among is not None:  # the other calls' tasks read no consumer list
             steps = [tirx.IfThenElse(among, steps[0], None)]
-            if direct:
-                steps.insert(0, tirx.BufferStore(self.direct, i32(0), [i32(0)]))
+            if chained is not None:
+                steps.insert(0, tirx.BufferStore(self.chained, i32(0), [i32(0)]))
         late = self._count_down_late_calls(task)
         if late is not None:
             steps.append(tirx.IfThenElse(kernel.tx == i32(first_thread), late, None)
@@ -623,9 +627,10 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
     tx = kernel.tx
     # warps past the first count the task's consumers down while warp 0 waits on its events
     counting = WARP if kernel.scopes.num_threads > WARP else 0
-    # thread 0 holds a consumer the task alone produces, so that a chain's hand-off needs no
-    # barrier after the count-downs and its tables' round trip overlaps the task
-    direct = bool(counting) and ring.direct_holds
+    # every thread chains a consumer the task alone produces: the next round starts it with
+    # no barrier, while thread 0 notifies, and its tables' round trip overlaps the task
+    chain = bool(counting) and ring.chains
+    chained = tirx.Var("chained_now", "int32") if chain else None
     held_some = ring.has_consumers(task)
 
     def claim_next(cond: tirx.Expr) -> tirx.Stmt:
@@ -634,18 +639,23 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
         return tirx.IfThenElse(tirx.And(tx == 0, cond),
                                tirx.BufferStore(claim, ring.claim(), [i32(0)]), None)
 
-    late_claim = None
-    if counting:  # once the count-downs are done (a barrier) and ``held`` tells
-        late_claim = tirx.stmt_seq(
-            tirx.Evaluate(Tb.cuda.cta_sync()),
+    def late_claim(synced: tirx.Expr) -> tirx.Stmt:
+        """Once the count-downs are done (a barrier: the waits' own where they ran) and
+        ``held`` tells; not where the task chained one (no claim, and no barrier for it)."""
+        stmt = tirx.stmt_seq(*[s for s in (
+            None if _is(synced, 1) else
+            tirx.Evaluate(Tb.cuda.cta_sync()) if _is(synced, 0) else
+            tirx.IfThenElse(tirx.Not(synced), tirx.Evaluate(Tb.cuda.cta_sync()), None),
             claim_next(ring.held[0] < 0 if held_some is None
-                       else tirx.And(held_some, ring.held[0] < 0)))
-        if direct:  # thread 0 knows it holds a task: no claim, and no barrier for it
-            late_claim = tirx.IfThenElse(ring.direct[0] == 0, late_claim, None)
+                       else tirx.And(held_some, ring.held[0] < 0))) if s is not None])
+        return tirx.IfThenElse(ring.chained[0] == 0, stmt, None) if chain else stmt
+
     peek = tirx.IfThenElse(tirx.And(tx == 0, claim[0] >= 0),
                            tirx.BufferStore(peeked, ring.peek(claim[0]), [i32(0)]), None)
-    dispatch = kernel.dispatch(task, skip_waits=here, after_waits=late_claim, before_notifies=(
-        lambda: tirx.stmt_seq(peek, ring.list_held(counting, direct))) if counting else peek)
+    dispatch = kernel.dispatch(
+        task, skip_waits=here, after_waits=late_claim if counting else None,
+        before_notifies=(lambda: tirx.stmt_seq(peek, ring.list_held(counting, chain)))
+        if counting else peek)
 
     with IRBuilder() as ib:
         with Tb.prim_func():
@@ -656,42 +666,55 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
             launch = ring.launch(bx)
             if launch is not None:
                 Tb.add_to_parent(launch)
-            for buf in (claim, peeked, *((ring.direct, ring.carried) if direct else ())):
+            for buf in (claim, peeked, *((ring.chained, ring.chain_list) if chain else ())):
                 Tb.add_to_parent(tirx.AllocBuffer(buf))
+            if chain:
+                Tb.buffer_store(ring.chained, i32(0), [0])
             with Tb.If(tx == 0):
                 with Tb.Then():
                     Tb.buffer_store(ring.held, i32(-1), [0])
                     Tb.buffer_store(claim, bx, [0])
                     Tb.buffer_store(peeked, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
-                with Tb.If(tx == 0):
-                    with Tb.Then():
-                        Tb.add_to_parent(ring.take_held(slot, listed=bool(counting),
-                                                        done_here=done_here))
-                        with Tb.If(slot[0] < 0):
-                            with Tb.Then():
-                                with Tb.If(peeked[0] >= 0):
-                                    with Tb.Then():
-                                        Tb.buffer_store(slot, peeked[0], [0])
-                                    with Tb.Else():
-                                        with Tb.If(claim[0] < 0):
-                                            with Tb.Then():
-                                                Tb.buffer_store(claim, ring.claim(), [0])
-                                        Tb.buffer_store(slot, ring.take(claim[0]), [0])
-                                Tb.buffer_store(claim, i32(-1), [0])
-                        Tb.buffer_store(peeked, i32(-1), [0])
-                Tb.evaluate(Tb.cuda.cta_sync())
+                with contextlib.ExitStack() as unchained:
+                    if chain:  # a chained task needs no take and no barrier
+                        Tb.add_to_parent(tirx.Bind(chained, ring.chained[0]))
+                        unchained.enter_context(Tb.If(chained == 0))
+                        unchained.enter_context(Tb.Then())
+                    with Tb.If(tx == 0):
+                        with Tb.Then():
+                            Tb.add_to_parent(ring.take_held(slot, listed=bool(counting),
+                                                            done_here=done_here))
+                            with Tb.If(slot[0] < 0):
+                                with Tb.Then():
+                                    with Tb.If(peeked[0] >= 0):
+                                        with Tb.Then():
+                                            Tb.buffer_store(slot, peeked[0], [0])
+                                        with Tb.Else():
+                                            with Tb.If(claim[0] < 0):
+                                                with Tb.Then():
+                                                    Tb.buffer_store(claim, ring.claim(), [0])
+                                            Tb.buffer_store(slot, ring.take(claim[0]), [0])
+                                    Tb.buffer_store(claim, i32(-1), [0])
+                            Tb.buffer_store(peeked, i32(-1), [0])
+                    Tb.evaluate(Tb.cuda.cta_sync())
                 # every thread reads the slot before the barrier after the count-downs, and
                 # thread 0 rewrites it only past that barrier
-                Tb.add_to_parent(tirx.Bind(task, slot[0]))
-                Tb.add_to_parent(tirx.Bind(here, done_here[0]))
+                if chain:
+                    Tb.add_to_parent(tirx.Bind(task, tirx.if_then_else(
+                        chained != 0, ring.chained[1], slot[0])))
+                    Tb.add_to_parent(tirx.Bind(here, tirx.if_then_else(
+                        chained != 0, i32(1), done_here[0])))
+                else:
+                    Tb.add_to_parent(tirx.Bind(task, slot[0]))
+                    Tb.add_to_parent(tirx.Bind(here, done_here[0]))
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
                 Tb.add_to_parent(ring.count_down_consumers(task, dispatch=True,
                                                            first_thread=counting,
                                                            listed=bool(counting),
-                                                           direct=direct))
+                                                           chained=chained))
                 if not counting:
                     Tb.evaluate(Tb.cuda.cta_sync())  # ``held`` is read at the next round
                     Tb.add_to_parent(claim_next(ring.held[0] < 0))

@@ -412,7 +412,8 @@ class PersistentKernel:
         """Run global task ``task``; ``skip_waits`` (when nonzero) elides its waits;
         ``static_done`` (when nonzero: ``peek``'s ``READY`` or ``SKIPPED``) elides its waits,
         and for ``SKIPPED`` its body, as a trigger that releases nothing would;
-        ``after_waits`` runs once they are done (or skipped), before the body;
+        ``after_waits`` runs once they are done (or skipped), before the body (a statement,
+        or a function of whether the waits' closing barrier ran, a boolean expression);
         ``before_notifies`` (a statement, or a function that makes a fresh one for each
         call's branch) runs after the body's closing barrier, before the notifies."""
         out = None
@@ -447,7 +448,12 @@ class PersistentKernel:
             stmts.append(self._guarded(self._prelude_waits(call, task), run_waits))
             stmts += [s if isinstance(s, DECLARATIONS) else self._guarded(s, inside)
                       for s in [*peers, *prelude]]
-        stmts.append(self._guarded(self._waits(call, task, coord_vars), run_waits))
+        waits = self._waits(call, task, coord_vars)
+        stmts.append(self._guarded(waits, run_waits))
+        if callable(after_waits):
+            synced = tirx.IntImm("bool", waits is not None)
+            after_waits = after_waits(synced if waits is None or run_waits is None
+                                      else run_waits)
         stmts.append(after_waits)
         stmts.append(self._trace("etc_trace_waited", task))
         released = None
