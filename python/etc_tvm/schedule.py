@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .task_graph import TaskGraph
+from .task_graph import MAX_TASKS, TaskGraph
 
-LOCAL_WAITS = 1 << 30  # flag in a queue entry: the task's producers ran earlier on its SM
-ONLY_PRODUCER = 1 << 30  # flag in first_consumers: the task is that consumer's only producer
+LOCAL_WAITS = MAX_TASKS  # flag in a queue entry: the task's producers ran earlier on its SM
+ONLY_PRODUCER = MAX_TASKS  # flag in first_consumers: the task is that consumer's only producer
 TASK_OVERHEAD = 3.0  # in cost-hint units (one elementwise pass over a tile, one GEMM K step)
 
 

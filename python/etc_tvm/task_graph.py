@@ -187,6 +187,11 @@ def internal_events(uses) -> set:
             and any(e in uses[k][1] for k in calls)}
 
 
+# task ids share the kernels' int32 words with flags at bit 30 (``schedule.LOCAL_WAITS``,
+# ``schedule.ONLY_PRODUCER``)
+MAX_TASKS = 1 << 30
+
+
 @dataclass
 class TaskGraph:
     """Calls, tasks, tensors, ETensors and their static edges, for concrete sizes."""
@@ -751,6 +756,13 @@ class _Builder:
             call.out_ty, relax.TensorType) else ("tuple", outputs)
 
     def instantiate_static_edges(self, graph: TaskGraph) -> None:
+        total = sum(call.num_tasks for call in graph.calls)
+        if total >= MAX_TASKS:
+            raise GraphError(
+                f"{graph.name}: {total} tasks ("
+                + ", ".join(f"{c.name} {c.num_tasks}" for c in graph.calls)
+                + f"); a graph holds fewer than {MAX_TASKS} (2^30) tasks: coarser tiles, or "
+                "several graphs")
         first = 0
         for call in graph.calls:
             call.first_task = first

@@ -134,6 +134,16 @@ def test_cycle_is_reported_with_its_path():
         TaskGraph.build(g, {"M": 3 * ROWS}).validate()
 
 
+def test_a_graph_of_2_to_the_30_tasks_is_refused_by_name():
+    """Task ids share the kernels' int32 words with flags at bit 30: a graph that many tasks
+    would reach is refused before any task is instantiated."""
+    with pytest.raises(GraphError, match=r"two_ops: 1073741824 tasks \(A 536870912, B "
+                                         r"536870912\); a graph holds fewer than 1073741824 "
+                                         r"\(2\^30\) tasks"):
+        TaskGraph.build(two_ops, {"M": 2**29 * ROWS})
+    assert TaskGraph.build(two_ops, {"M": 4 * ROWS}).num_tasks == 8
+
+
 def test_ids_are_topological_when_every_wait_points_to_a_lower_id():
     assert TaskGraph.build(gemm_reduce_scatter, {"M": 32, "K": 16, "N": 48}).ids_are_topological()
     assert TaskGraph.build(two_ops, {"M": 4 * ROWS}).ids_are_topological()
