@@ -5,6 +5,7 @@
               release marks from their initial values, the head past slots 0..ctas-1 (CTA
               bx holds slot bx for its first take); status cleared; grid-wide barrier
     CTA:  loop:
+              unless the last round chained t (below), which needs no take and no barrier:
               thread 0: t = the task held by the last round, else the task the last round
                         read from the slot it claimed, else that slot's (or a slot claimed
                         now's) task: etc_take (-1: every task taken, -2: stopping)
@@ -13,22 +14,23 @@
                         events: for each consumer c of t: etc_count_down(pending[c])
                         (early push: c enters the ring once its last producer is
                         dispatched; it still waits on its events before its body; the first
-                        consumer, made ready so, is held for this CTA's next round instead;
-                        a first consumer whose only producer is t is held by thread 0
-                        itself, with no count-down, and runs without waits: this CTA did all
-                        it waits on)
+                        consumer, made ready so, is held for this CTA's next round instead)
                         one thread: for each late call L waiting for t's call: count L down
                         (the last dispatch pushes all of L's tasks)
-              thread 0, unless t's dispatch made a task to hold: claim the next slot
-                        (etc_claim), so that the claim's round trip overlaps task t: at once
-                        for a task without consumers, else after the waits and a barrier
+              every thread, where t is its first consumer's only producer: chain that
+                        consumer (no count-down; its id and consumer tables in registers),
+                        the next round running it without waits: this CTA did all it waits
+                        on
+              thread 0, unless t's dispatch made a task to hold or chain: claim the next
+                        slot (etc_claim), so that the claim's round trip overlaps task t: at
+                        once for a task without consumers, else past the barrier that ends
+                        the waits (one of its own where they did not run)
               run task t as the static kernel does: waits, inlined body, barrier, then
                         thread 0 reads the claimed slot (etc_peek: its load overlaps the
                         notifies' wait for t's stores; if the task is there, the next round
                         takes it without a round trip), thread 32 the held task's consumer
-                        list (the next round's count-down reads it from shared memory;
-                        thread 0, where it held the task itself, stores the list it loaded
-                        then), then the notifies
+                        list (the next round's count-down reads it from shared memory), then
+                        thread 0's notifies, which a chained task's body does not wait for
 
 Data-dependent graphs: the task that completes an element of an ETensor with trigger maps
 (its last notify, or the arming that removes its bias) pushes the tasks the maps release (a
