@@ -40,6 +40,19 @@ def two_ops(X: Tensor(("M", COLS)), Y: Tensor(("M", COLS))):
 
 
 @graph_func
+def two_ops_ring_mix(X: Tensor(("M", COLS)), Y: Tensor(("M", COLS))):
+    """``two_ops`` with mix through the ready ring under the mixed strategy: each mix tile
+    has one producer, the queued scale tile of its rows."""
+    M = X.shape[0]
+    ready = ETensor((M // ROWS,), name="ready")
+    A = call_device(scale_tile, tile_num=(M // ROWS,), args=[X], out=Tensor((M, COLS), name="A"),
+                    out_edges={ready: "i->i"})
+    return call_device(mix_tile, tile_num=(M // ROWS,), args=[A, Y],
+                       out=Tensor((M, COLS), name="B"), in_edges={ready: "i->i"},
+                       schedule="dynamic")
+
+
+@graph_func
 def gathers(slot: Tensor((4,), "int32"), A: Tensor((8,), "float32")):
     """Two calls of a tile that checks its slots, the first call of the graph among them."""
     B = call_device(gather_tile, tile_num=(1,), args=[slot, A],

@@ -5,12 +5,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from etc_tvm.build import build
 from etc_tvm.errors import EtcError
 from etc_tvm.relax_passes import STRATEGIES, StaticScheduleTransform
-from etc_tvm.schedule import DynamicPlan
+from etc_tvm.schedule import ONLY_PRODUCER, DynamicPlan
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.device_runtime import RUNTIME_SOURCE
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -359,6 +360,21 @@ def test_mixed_kernel_of_fewer_than_32_threads_polls_on_thread_0():
     assert "polled_ptr" not in source and "any_sync" not in loop
     assert loop.index("taken_ptr[0] = held_ptr[0];") < loop.index("etc_poll(") \
         < loop.index("etc_try_pop(")
+
+
+def test_mixed_kernel_runs_a_ring_task_held_from_its_only_producer_without_waits():
+    """Each mix tile of ``two_ops_ring_mix`` goes through the ring and has one producer, a
+    queued scale tile: the CTA that ran the scale tile holds it (``held[1]`` set, no
+    count-down) and runs it next with its waits skipped, as it skips a queued task's."""
+    source = build(graphs.two_ops_ring_mix, {"M": 8 * ROWS}, strategy="mixed",
+                   num_sms=4).cuda_source()
+    loop = source[source.index("while (1)"):]
+    take = loop.index("done_here_ptr[0] = ((0 <= taken_ptr[0]) ? held_ptr[1] : 0);")
+    bind = loop.index("int here = done_here_ptr[0];")
+    wait = loop.index("etc_wait(", bind)
+    assert take < bind < loop.rindex("if ((queued | here) == 0) {", 0, wait)
+    plan = DynamicPlan.of(TaskGraph.build(graphs.two_ops_ring_mix, {"M": 8 * ROWS}), {1})
+    assert (plan.first_consumers()[:8] == np.arange(8, 16) | ONLY_PRODUCER).all()
 
 
 def test_moe_kernel_arms_then_releases_expert_tiles_through_the_trigger():

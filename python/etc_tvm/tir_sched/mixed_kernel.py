@@ -16,7 +16,8 @@ while the other has work for it:
               barrier; broadcast; leave the loop on -1 (done) or -2 (stopping)
               all threads: count down the consumers of the task taken (static or not: both
                         release ring tasks), holding the first one made ready
-              run the task; a queued task's waits were polled already
+              run the task; a queued task's waits were polled already, and a ring task held
+                        from its only producer has none to run: this CTA did all it waits on
 
 Progress: a ring task is pushed only once the tasks it waits on have been taken, and a taken
 task runs to its end; the queues follow a topological order. The earliest unfinished task is
@@ -57,19 +58,24 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
     indptr = tirx.decl_buffer((schedule.num_ctas + 1,), "int32", "indptr")
     tasks = tirx.decl_buffer((max(1, num_queued),), "int32", "tasks")
     taken = tirx.decl_buffer((2,), "int32", "taken", scope="shared")  # task, from the queue
+    # 1: the task taken is a ring task held from its only producer, run here last round
+    done_here = tirx.decl_buffer((1,), "int32", "done_here", scope="shared")
     # the queue's head that warp 0 polls this round, -1 for none
     polled = tirx.decl_buffer((1,), "int32", "polled", scope="shared")
     warp = kernel.warp_waits
     task, queued = tirx.Var("t", "int32"), tirx.Var("queued", "int32")
+    here = tirx.Var("here", "int32")
     head, polled_task = tirx.Var("head", "int32"), tirx.Var("polled_task", "int32")
-    dispatch = kernel.dispatch(task, skip_waits=queued)
+    # a queued task's waits were polled; a held one's were done by this CTA
+    dispatch = kernel.dispatch(task, skip_waits=tirx.bitwise_or(queued, here))
     tx, status = kernel.tx, kernel.status
 
     with IRBuilder() as ib:
         with Tb.prim_func():
             bx = kernel.begin(name, [*kernel.inputs, indptr, tasks, kernel.initial,
                                      *ring.inputs, *kernel.returned(ring.outputs)],
-                              shared=(taken, *([polled] if warp else []), *ring.shared),
+                              shared=(taken, done_here, *([polled] if warp else []),
+                                      *ring.shared),
                               state=ring.initialisation())
             launch = ring.launch(bx)
             if launch is not None:
@@ -91,7 +97,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                         with Tb.Then():
                             with Tb.If(tx == 0):
                                 with Tb.Then():
-                                    Tb.add_to_parent(ring.take_held(taken))
+                                    Tb.add_to_parent(ring.take_held(taken, done_here=done_here))
                                     Tb.buffer_store(polled, tirx.Select(tirx.And(
                                         taken[0] < 0, tirx.And(pos[0] < end,
                                                                at >> i32(30) == 0)),
@@ -105,7 +111,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                 with Tb.If(tx == 0):
                     with Tb.Then():
                         if not warp:
-                            Tb.add_to_parent(ring.take_held(taken))
+                            Tb.add_to_parent(ring.take_held(taken, done_here=done_here))
                         Tb.buffer_store(taken, i32(0), [1])
                         with Tb.If(taken[0] < 0):
                             with Tb.Then():
@@ -148,6 +154,7 @@ def build_mixed_kernel(graph: TaskGraph, schedule: StaticSchedule, plan: Dynamic
                 Tb.evaluate(Tb.cuda.cta_sync())
                 Tb.add_to_parent(tirx.Bind(task, taken[0]))
                 Tb.add_to_parent(tirx.Bind(queued, taken[1]))
+                Tb.add_to_parent(tirx.Bind(here, done_here[0]))
                 Tb.evaluate(Tb.cuda.cta_sync())  # ``taken`` is rewritten next round
                 with Tb.If(tirx.And(task < 0, task != i32(NONE_NOW))):
                     with Tb.Then():
