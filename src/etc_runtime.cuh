@@ -143,20 +143,23 @@ __device__ __forceinline__ int etc_claim(int* head_tail) {
 // The task of claimed slot ``slot`` (acquire: the pusher's writes happen before the task
 // runs), -1 once the slot lies past the tasks the ring will hold, -2 if the grid is stopping.
 // ``head_tail[2]`` is how many tasks will be pushed: the task count, lowered at run time by the
-// tasks no trigger releases. Both loads leave before either is looked at: one round trip
-// when the task is there. Called by the thread that claimed it.
+// tasks no trigger releases, and the tasks held or chained. Both loads leave before either is
+// looked at, on every poll: one round trip when the task is there, and a CTA whose slot no task
+// will fill leaves as soon as the count says so (the last tasks' CTAs wait on nothing else).
+// Called by the thread that claimed it.
 __device__ __noinline__ int etc_take(int* head_tail, const int* ring, int slot, int capacity,
                                      int* status, long long limit_ns) {
-  const int expected = etc_load_relaxed(head_tail + 2);
+  int expected = etc_load_relaxed(head_tail + 2);
   int task = etc_load_acquire(ring + min(slot, capacity - 1));
   if (slot >= expected) return -1;
   if (task >= 0) return task;
   const unsigned long long start = etc_globaltimer_ns();
   for (unsigned polls = 0;; ++polls) {
+    expected = etc_load_relaxed(head_tail + 2);
     task = etc_load_relaxed(ring + slot);
     if (task >= 0) return etc_load_acquire(ring + slot);
+    if (slot >= expected) return -1;
     if (polls % 64 != 63) continue;
-    if (slot >= etc_load_relaxed(head_tail + 2)) return -1;
     if (etc_load_relaxed(status) != 0) return -2;
     if ((long long)(etc_globaltimer_ns() - start) > limit_ns) {
       etc_record_stop(status, 2, -1, slot, task);
