@@ -243,7 +243,7 @@ class ReadyRing:
     @property
     def chains(self) -> bool:
         """Whether a first consumer whose only producer is the dispatched task is chained
-        (``count_down_consumers(chain=True)``): every thread keeps it in registers and runs it
+        (``count_down_consumers(chained=...)``): every thread keeps it in registers and runs it
         next, with no count-down, no barrier before it and no waits, as the static kernel
         runs its queue. Where some task has one, held tasks skip their waits, and the launch
         runs every task (a launch on smaller sizes counts every consumer down: its pending
