@@ -51,8 +51,6 @@ order: the graph's inputs; the read-only initial state ``initial`` (counts), ``p
 """
 from __future__ import annotations
 
-import contextlib
-
 import tvm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -233,6 +231,23 @@ class ReadyRing:
             steps.append(tirx.BufferStore(self.held_list, tirx.Cast("int32", into[0] >= 0),
                                           [i32(3)]))
         return tirx.stmt_seq(*steps)
+
+    def take_next(self, slot: tirx.Buffer, claim: tirx.Buffer, peeked: tirx.Buffer,
+                  listed: bool, done_here: tirx.Buffer) -> tirx.Stmt:
+        """Thread 0: the round's task into ``slot[0]``: the held one (``take_held``), else
+        the one ``peeked[0]`` read early from the claimed slot, else that slot's (claimed now
+        if ``claim[0]`` holds none), waiting for it (``take``)."""
+        from_slot = tirx.stmt_seq(
+            tirx.IfThenElse(claim[0] < 0, tirx.BufferStore(claim, self.claim(), [i32(0)]),
+                            None),
+            tirx.BufferStore(slot, self.take(claim[0]), [i32(0)]))
+        return tirx.stmt_seq(
+            self.take_held(slot, listed=listed, done_here=done_here),
+            tirx.IfThenElse(slot[0] < 0, tirx.stmt_seq(
+                tirx.IfThenElse(peeked[0] >= 0, tirx.BufferStore(slot, peeked[0], [i32(0)]),
+                                from_slot),
+                tirx.BufferStore(claim, i32(-1), [i32(0)])), None),
+            tirx.BufferStore(peeked, i32(-1), [i32(0)]))
 
     @property
     def runs_held_without_waits(self) -> bool:
@@ -678,38 +693,22 @@ def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayou
                     Tb.buffer_store(claim, bx, [0])
                     Tb.buffer_store(peeked, i32(-1), [0])
             with Tb.While(tirx.IntImm("bool", 1)):
-                with contextlib.ExitStack() as unchained:
-                    if chain:  # a chained task needs no take and no barrier
-                        Tb.add_to_parent(tirx.Bind(chained, ring.chained[0]))
-                        unchained.enter_context(Tb.If(chained == 0))
-                        unchained.enter_context(Tb.Then())
-                    with Tb.If(tx == 0):
-                        with Tb.Then():
-                            Tb.add_to_parent(ring.take_held(slot, listed=bool(counting),
-                                                            done_here=done_here))
-                            with Tb.If(slot[0] < 0):
-                                with Tb.Then():
-                                    with Tb.If(peeked[0] >= 0):
-                                        with Tb.Then():
-                                            Tb.buffer_store(slot, peeked[0], [0])
-                                        with Tb.Else():
-                                            with Tb.If(claim[0] < 0):
-                                                with Tb.Then():
-                                                    Tb.buffer_store(claim, ring.claim(), [0])
-                                            Tb.buffer_store(slot, ring.take(claim[0]), [0])
-                                    Tb.buffer_store(claim, i32(-1), [0])
-                            Tb.buffer_store(peeked, i32(-1), [0])
-                    Tb.evaluate(Tb.cuda.cta_sync())
+                take = tirx.stmt_seq(
+                    tirx.IfThenElse(tx == 0, ring.take_next(slot, claim, peeked, bool(counting),
+                                                            done_here), None),
+                    tirx.Evaluate(Tb.cuda.cta_sync()))
+                if chain:  # a chained task needs no take and no barrier
+                    Tb.add_to_parent(tirx.Bind(chained, ring.chained[0]))
+                    take = tirx.IfThenElse(chained == 0, take, None)
+                Tb.add_to_parent(take)
                 # every thread reads the slot before the barrier after the count-downs, and
                 # thread 0 rewrites it only past that barrier
+                taken, taken_here = slot[0], done_here[0]
                 if chain:
-                    Tb.add_to_parent(tirx.Bind(task, tirx.if_then_else(
-                        chained != 0, ring.chained[1], slot[0])))
-                    Tb.add_to_parent(tirx.Bind(here, tirx.if_then_else(
-                        chained != 0, i32(1), done_here[0])))
-                else:
-                    Tb.add_to_parent(tirx.Bind(task, slot[0]))
-                    Tb.add_to_parent(tirx.Bind(here, done_here[0]))
+                    taken = tirx.if_then_else(chained != 0, ring.chained[1], taken)
+                    taken_here = tirx.if_then_else(chained != 0, i32(1), taken_here)
+                Tb.add_to_parent(tirx.Bind(task, taken))
+                Tb.add_to_parent(tirx.Bind(here, taken_here))
                 with Tb.If(task < 0):
                     with Tb.Then():
                         Tb.Break()
