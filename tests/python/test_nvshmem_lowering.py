@@ -58,7 +58,7 @@ def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
                                        "etc_wait_sys(")]
     assert order == sorted(order)
     # an element a task notifies may live on another rank: a held task still waits
-    assert "held_direct" not in kernel and "done_here_ptr[0] = 0;" in kernel
+    assert "chained_ptr" not in kernel and "done_here_ptr[0] = 0;" in kernel
     graph = program.graph
     own = [c for c in graph.calls if c.rank == rank]
     initial, pending, *_, head_tail = program.arrays
