@@ -185,9 +185,11 @@ def _released(node, time, succ, remaining, ready_at):
 
 @dataclass(frozen=True)
 class LateCall:
-    """A call whose tasks' waits are known only at run time (data-dependent in-edges, events
-    counted or notified through data): all its tasks are pushed at once when every task of
-    the calls it depends on (``deps``) has been dispatched or skipped, ``pending`` in all."""
+    """A call whose tasks are pushed at once when every task of the calls it depends on
+    (``deps``) has been dispatched or skipped, ``pending`` in all: a call whose tasks' waits
+    are known only at run time (data-dependent in-edges, events counted or notified through
+    data), or one each of whose tasks waits on every task of ``deps`` (a fan-in over whole
+    calls: a dispatch counts the call down once, not each of its tasks)."""
 
     call: int
     deps: tuple[int, ...]
@@ -203,7 +205,8 @@ class DynamicPlan:
     consumers: CSR (indptr, tasks) of the tasks each task's dispatch counts down (late tasks
       are never among them).
     seeds: the tasks pushed at launch (nothing to wait for), in id order.
-    late_calls: calls pushed whole once the calls they depend on are dispatched.
+    late_calls: calls pushed whole once the calls they depend on are dispatched
+      (``LateCall``).
     triggered: calls whose tasks their trigger maps push, when the releasing element completes.
     late: the tasks of late and triggered calls.
     num_ring_tasks: the tasks that go through the ring (before any is skipped).
@@ -303,14 +306,21 @@ class DynamicPlan:
                                          for e in c.in_edges)))
         late = frozenset(t for k in (*triggered, *(lc.call for lc in late_calls))
                          for t in graph.calls[k].tasks)
+        producers = {task: frozenset(p for e in graph.waits[task] for p in notifiers[e])
+                     - {task} for task in range(graph.num_tasks)
+                     if task not in late and graph.task_call[task] in ring_calls}
+        whole = tuple(LateCall(c.index, deps, len(producers[c.first_task]))
+                      for c in graph.calls if c.first_task in producers
+                      for deps in [_whole_calls_waited(graph, c, producers)] if deps)
+        late_calls += whole
+        late |= {t for lc in whole for t in graph.calls[lc.call].tasks}
         consumers = [set() for _ in range(graph.num_tasks)]
         pending = np.zeros(graph.num_tasks, np.int32)
-        for task in range(graph.num_tasks):
-            if task in late or graph.task_call[task] not in ring_calls:
+        for task, of in producers.items():
+            if task in late:
                 continue
-            producers = {p for e in graph.waits[task] for p in notifiers[e]} - {task}
-            pending[task] = len(producers)
-            for p in producers:
+            pending[task] = len(of)
+            for p in of:
                 consumers[p].add(task)
         indptr = np.zeros(graph.num_tasks + 1, np.int32)
         indptr[1:] = np.cumsum([len(c) for c in consumers])
@@ -320,3 +330,19 @@ class DynamicPlan:
             + tuple(t for lc in late_calls if lc.pending == 0 for t in graph.calls[lc.call].tasks)
         return DynamicPlan(pending, indptr, flat, seeds, late_calls, triggered, late,
                            sum(graph.calls[c].num_tasks for c in ring_calls))
+
+
+def _whole_calls_waited(graph: TaskGraph, call, producers: dict) -> tuple[int, ...] | None:
+    """The calls every task of which each task of ``call`` waits on (``producers``: each
+    task's), where they are the same for all its tasks and there are several tasks on either
+    side: pushed whole, ``call`` costs each producer's dispatch one count-down rather than one
+    per task. None otherwise (a single consumer is held by the CTA its count-down makes it
+    ready on; a single producer chains its first consumer)."""
+    waited = producers[call.first_task]
+    if call.num_tasks < 2 or len(waited) < 2 or any(producers[t] != waited
+                                                    for t in call.tasks):
+        return None
+    deps = sorted({graph.task_call[p] for p in waited})
+    if sum(graph.calls[d].num_tasks for d in deps) != len(waited):
+        return None
+    return tuple(deps)

@@ -29,6 +29,18 @@ def row_sum(X: Tensor(("M", "N"))):
 
 
 @graph_func
+def row_sum_after_all(X: Tensor(("M", "N"))):
+    """Fan-in over whole calls: every row tile of the result waits for all the partial sums
+    (one element that all of them notify)."""
+    M, N = X.shape
+    done = ETensor((1,), name="partials_done")
+    S = call_device(partial_rowsum_tile, tile_num=(M // TILE, N // TILE), args=[X],
+                    out=Tensor((M, N // TILE), name="S"), out_edges={done: "ij->0"})
+    return call_device(rowsum_tile, tile_num=(M // TILE,), args=[S], out=Tensor((M,), name="Y"),
+                       in_edges={done: "i->0"})
+
+
+@graph_func
 def two_ops(X: Tensor(("M", COLS)), Y: Tensor(("M", COLS))):
     """scale then mix, row tile i of mix waiting on row tile i of scale."""
     M = X.shape[0]

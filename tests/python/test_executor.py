@@ -10,7 +10,7 @@ from etc_tvm.executor import (ClaimedOrder, DynamicQueueOrder, RandomOrder, Read
 from etc_tvm.schedule import list_schedule
 from etc_tvm.task_graph import TaskGraph
 
-from graphs import backward_chain, gemm_reduce_scatter, row_sum, two_ops
+from graphs import backward_chain, gemm_reduce_scatter, row_sum, row_sum_after_all, two_ops
 from tiles import COLS, ROWS, scale_tile
 
 
@@ -48,6 +48,15 @@ def test_fan_in_row_sum(rng, M, N):
     X = rng.standard_normal((M, N)).astype("float32")
     for order in orders(row_sum, {"M": M, "N": N}):
         np.testing.assert_allclose(execute(row_sum, X, order=order),
+                                   X.astype("float64").sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,N", [(16, 32), (48, 64)])
+def test_fan_in_over_whole_calls(rng, M, N):
+    """Every row tile waits on all partial sums: the dynamic order pushes the call whole."""
+    X = rng.standard_normal((M, N)).astype("float32")
+    for order in orders(row_sum_after_all, {"M": M, "N": N}):
+        np.testing.assert_allclose(execute(row_sum_after_all, X, order=order),
                                    X.astype("float64").sum(axis=1), rtol=1e-5, atol=1e-5)
 
 

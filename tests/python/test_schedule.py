@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from etc_tvm import ETensor, EtcError, Tensor, call_device, device_func, graph_func
 from etc_tvm.executor import StaticOrder, execute
-from etc_tvm.schedule import (LOCAL_WAITS, ONLY_PRODUCER, DynamicPlan, list_schedule,
+from etc_tvm.schedule import (LOCAL_WAITS, ONLY_PRODUCER, DynamicPlan, LateCall, list_schedule,
                               round_robin_schedule)
 from etc_tvm.task_graph import TaskGraph
 
@@ -130,6 +130,25 @@ def test_dynamic_plan_of_a_fan_in():
     assert [plan.consumers(t).tolist() for t in range(8)] == [[6]] * 3 + [[7]] * 3 + [[], []]
     assert plan.first_consumers().tolist() == [6] * 3 + [7] * 3 + [-1, -1]  # not the only one
     assert plan.capacity == 8
+
+
+def test_dynamic_plan_pushes_a_fan_in_over_whole_calls_whole():
+    """Each of the 2 row tiles of the result waits on all 6 partial sums: one count-down of
+    the call a partial sum, not one of each row tile; the call is pushed whole."""
+    task_graph = TaskGraph.build(graphs.row_sum_after_all, {"M": 2 * TILE, "N": 3 * TILE})
+    plan = DynamicPlan.of(task_graph)
+    assert plan.late_calls == (LateCall(call=1, deps=(0,), pending=6),)
+    assert plan.late == {6, 7} and plan.seeds == tuple(range(6))
+    assert plan.consumer_tasks.size == 0 and plan.pending.tolist() == [0] * 8
+    assert plan.late_dependents(0) == [0]
+
+
+def test_dynamic_plan_keeps_a_single_consumer_of_a_fan_in_task_by_task():
+    """One row tile waiting on 3 partial sums: the partial that makes it ready holds it."""
+    task_graph = TaskGraph.build(graphs.row_sum_after_all, {"M": TILE, "N": 3 * TILE})
+    plan = DynamicPlan.of(task_graph)
+    assert plan.late_calls == () and plan.pending.tolist() == [0, 0, 0, 3]
+    assert [plan.consumers(t).tolist() for t in range(3)] == [[3]] * 3
 
 
 def test_dynamic_plan_marks_a_chain_link_as_its_consumers_only_producer():
