@@ -307,6 +307,29 @@ __device__ __forceinline__ void etc_count_down_call(int* pending, int first, int
   etc_push_range(head_tail, ring, first, count, capacity, status);
 }
 
+// etc_count_down_call by the first ``lanes`` lanes of one warp, at a dispatch: lane 0 counts
+// down and, the last, claims the slots, which the lanes then fill side by side. No release: a
+// late call's tasks wait on their events before their bodies.
+__device__ __forceinline__ void etc_count_down_call_warp(int* pending, int first, int count,
+                                                         int* head_tail, int* ring,
+                                                         int capacity, int* status, int lanes) {
+  const unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  int base = -1;
+  if (lane == 0 && atomicSub(pending, 1) == 1) base = atomicAdd(head_tail + 1, count);
+  base = __shfl_sync(mask, base, 0);
+  if (base < 0 || count <= 0) return;
+  if (base + count > capacity) {
+    if (lane == 0) etc_record_stop(status, 3, first, base + count - 1, capacity);
+    return;
+  }
+  for (int k = (int)lane; k < count; k += lanes) {
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
+                 : "memory");
+  }
+}
+
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring
 // will hold is taken, -3 if none is ready now. A CTA that also has a static queue must not
 // block on the ring: it claims a slot only when a push has reached past the head, and keeps

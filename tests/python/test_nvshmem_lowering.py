@@ -54,7 +54,7 @@ def test_dynamic_rank_kernel_pops_its_own_ring(rank, nvshmem_home):
     source = program.executable.mod.imports[0].inspect_source("cuda")
     kernel = source[source.index(f"gemm_rs_dynamic_rank{rank}_kernel("):]
     order = [kernel.index(s) for s in ("tvm_builtin_nvshmem_barrier_all()", "etc_take(",
-                                       "etc_count_down_call(", "etc_notify_remote(",
+                                       "etc_count_down_call_warp(", "etc_notify_remote(",
                                        "etc_wait_sys(")]
     assert order == sorted(order)
     # an element a task notifies may live on another rank: a held task still waits

@@ -15,8 +15,8 @@
                         (early push: c enters the ring once its last producer is
                         dispatched; it still waits on its events before its body; the first
                         consumer, made ready so, is held for this CTA's next round instead)
-                        one thread: for each late call L waiting for t's call: count L down
-                        (the last dispatch pushes all of L's tasks)
+                        one warp: for each late call L waiting for t's call: count L down
+                        (the last dispatch pushes all of L's tasks, its lanes side by side)
               every thread, where t is its first consumer's only producer: chain that
                         consumer (no count-down; its id and consumer tables in registers),
                         the next round running it without waits: this CTA did all it waits
@@ -358,10 +358,13 @@ class ReadyRing:
             steps = [tirx.IfThenElse(among, steps[0], None)]
             if chained is not None:
                 steps.insert(0, tirx.BufferStore(self.chained, i32(0), [i32(0)]))
-        late = self._count_down_late_calls(task)
+        warp = first_thread // WARP
+        late = self._count_down_late_calls(
+            task, lanes=min(WARP, kernel.scopes.num_threads - warp * WARP) if dispatch else None)
         if late is not None:
-            steps.append(tirx.IfThenElse(kernel.tx == i32(first_thread), late, None)
-                         if dispatch else late)
+            steps.append(tirx.IfThenElse(
+                tirx.floordiv(kernel.tx, i32(WARP)) == i32(warp), late, None)
+                if dispatch else late)
         return tirx.stmt_seq(*steps)
 
     def has_consumers(self, task: tirx.Expr) -> tirx.Expr | None:
@@ -386,19 +389,25 @@ class ReadyRing:
             cond = tirx.Or(cond, tirx.And(i32(lo) <= task, task < i32(hi)))
         return cond
 
-    def _count_down_late_calls(self, task: tirx.Expr) -> tirx.Stmt | None:
+    def _count_down_late_calls(self, task: tirx.Expr,
+                               lanes: int | None = None) -> tirx.Stmt | None:
+        """One thread counts down each late call that waits for ``task``'s call; ``lanes``:
+        the first lanes of one warp, which store a pushed call's slots side by side."""
         n = len(self.plan.pending)
+        by_warp = lanes is not None
+        lanes = [i32(lanes)] if by_warp else []
         late = None
         for call in reversed(self.kernel.calls):
             dependents = self.plan.late_dependents(call.index)
             if not dependents:
                 continue
             downs = [tirx.Evaluate(self._call(
-                "etc_count_down_call", pointer(self.pending, n + j),
+                "etc_count_down_call_warp" if by_warp else "etc_count_down_call",
+                pointer(self.pending, n + j),
                 i32(self.graph.calls[self.plan.late_calls[j].call].first_task),
                 i32(self.graph.calls[self.plan.late_calls[j].call].num_tasks),
                 pointer(self.head_tail), pointer(self.ring), i32(n),
-                pointer(self.kernel.status))) for j in dependents]
+                pointer(self.kernel.status), *lanes)) for j in dependents]
             inside = tirx.And(i32(call.first_task) <= task,
                               task < i32(call.first_task + call.num_tasks))
             late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
