@@ -19,7 +19,7 @@ from etc_tvm.tir_sched.persistent import KernelOptions
 import graphs
 from moe_graph import COUNT_MODES, moe_graph
 from test_executor import chain
-from tiles import ROWS
+from tiles import ROWS, TILE
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 DIMS = {"M": 64, "K": 32, "N": 48}
@@ -238,6 +238,19 @@ def test_dynamic_kernel_counts_consumers_down_while_warp_0_waits():
     claim = loop.index("etc_claim(", down)
     assert loop.index("tvm_builtin_cuda_cta_sync", wait) < loop.rindex("held_ptr[0] < 0", 0,
                                                                         claim) < claim
+
+
+def test_dynamic_kernel_counts_a_fan_in_over_whole_calls_down_once_by_one_warp():
+    """Each result tile waits on all 12 partial sums: a partial sum's dispatch counts the
+    result's call down once, warp 1 storing the pushed call's slots, and counts no task down."""
+    source = build(graphs.row_sum_after_all, {"M": 4 * TILE, "N": 3 * TILE}, strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("row_sum_after_all_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    down = loop.index("etc_count_down_call_warp((&(pending_ptr[16])), 12, 4, ")
+    guard = loop.rindex("if ((((int)threadIdx.x) >> 5) == 1) {", 0, down)
+    assert "if ((0 <= t) && (t < 12)) {" in loop[guard:down]  # warp 1, a partial sum's dispatch
+    assert "etc_count_down(" not in loop
 
 
 def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
