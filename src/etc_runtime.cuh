@@ -330,6 +330,13 @@ __device__ __forceinline__ void etc_count_down_call_warp(int* pending, int first
   }
 }
 
+// One count of a trigger element released at dispatch (a notifier dispatched, or the
+// arming): 1 for the last, which pushes the tasks the element releases. No release: the tasks
+// wait on the element.
+__device__ __forceinline__ int etc_count_down_release(int* pending) {
+  return atomicSub(pending, 1) == 1;
+}
+
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring
 // will hold is taken, -3 if none is ready now. A CTA that also has a static queue must not
 // block on the ring: it claims a slot only when a push has reached past the head, and keeps
