@@ -666,7 +666,7 @@ OUT_OF_REACH = 1 << 30  # a pending count no count-down reaches
 RUN_SLOTS = 16  # ETC_RUN_SLOTS: the runs a CTA defers before it pushes one at once
 SHORT_RUN = 32  # a run of at most this many tasks is pushed by the thread that releases it
 _analyzer = tvm.sym.Analyzer()
-RELEASE_WORDS = 256  # release-mark words (32 tasks each) ``resolve`` reads per round
+RELEASE_WORDS = 128  # release-mark words (32 tasks each) ``resolve`` reads per round
 
 
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,
