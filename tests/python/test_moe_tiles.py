@@ -1024,6 +1024,19 @@ def test_other_models_static_layers_compile_without_spills(model, tokens, tmp_pa
                                                          claim=True)).cuda_source(), tmp_path)
 
 
+@pytest.mark.parametrize("strategy", ["dynamic", "mixed"])
+def test_ring_layers_at_1024_tokens_leave_room_for_four_ctas_an_sm(strategy, tmp_path):
+    """The ring kernels as ``bench_moe`` builds them at 1024 tokens, four CTAs an SM of the
+    largest arena: their static shared memory fits what ``arena_limit`` leaves it (checked by
+    ``build_cubin``), or the cooperative launch fails."""
+    options = moe_layer.options_for(1024, **moe_layer.QWEN3_30B_A3B, blocked_weights=True,
+                                    y_dtype="bfloat16")
+    assert options["ctas_per_sm"] == 4
+    build_cubin(build(make_moe_layer(**options), {"T": 1024}, strategy=strategy, num_sms=132,
+                      options=KernelOptions(ctas_per_sm=4)).cuda_source(), tmp_path,
+                allow_spills=True)
+
+
 @pytest.mark.parametrize("calls", ALIGN_CALLS)
 def test_claimed_static_layer_keeps_wgmma_descriptors_in_uniform_registers(calls, tmp_path):
     """The static kernel as bench_moe builds it at 1024 tokens (claimed): its wgmma K loops

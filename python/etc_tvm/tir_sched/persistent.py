@@ -45,7 +45,9 @@ WARP = 32
 SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM (Hopper)
 CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
 # What a resident CTA takes of its SM's shared memory besides its arena: 1 KB the hardware
-# keeps for each CTA, and the scheduler's own shared words (flags, hooks, release marks)
+# keeps for each CTA, and the kernel's static shared memory (the scheduler's flags, hooks and
+# release marks, the tiles' own words), which must fit the rest
+CTA_RESERVED_BYTES = 1024
 CTA_SHARED_OVERHEAD = 3 * 1024
 GATE_HOOK_BYTES = 512  # of the overhead, what the hooks of ETensors armed at run time may take
 SEEN_SLOTS = 32  # counters of fixed index a CTA remembers complete (``PersistentKernel._wait``)
