@@ -196,9 +196,10 @@ class DynamicQueueOrder(Order):
     ready is not pushed: that CTA keeps it and runs it next. A late call's tasks are pushed
     together once every task of the calls it depends on is dispatched; a triggered task once
     it is ready, or, where its trigger is released at dispatch (``DispatchRelease``), once its
-    element's notifiers are dispatched and the trigger armed (it then waits on a CTA). ``max_queued`` records the deepest the ring got (the plan's capacity covers
-    it). With several ranks, each rank has ``num_ctas`` CTAs and a ring of its own tasks; a
-    CTA keeps only a consumer of its own rank.
+    element's notifiers are dispatched and the trigger armed (it then waits on a CTA).
+    ``max_queued`` records the deepest the ring got (the plan's capacity covers it). With
+    several ranks, each rank has ``num_ctas`` CTAs and a ring of its own tasks; a CTA keeps
+    only a consumer of its own rank.
     """
 
     def __init__(self, num_ctas: int = 132, early_push: bool = True, rank_local: bool = False):

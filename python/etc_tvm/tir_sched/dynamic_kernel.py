@@ -41,6 +41,9 @@ the tasks of each triggered call that some element will release and dispatches t
 skipped (their static notifies and count-downs, and ``expected``, the number of tasks the ring
 will hold, lowered by their number): the marks and the skip pass are off the path to the first
 released task, and until the pass ends ``expected`` only overstates, so no CTA leaves early.
+An ETensor armed at run time whose trigger releases ring tasks only (``DispatchRelease``)
+fires instead once its element's notifiers are dispatched and it is armed (a count each, in
+the pending counts): its tasks then find the element and wait on it, their preludes first.
 
 The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
 CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
@@ -397,8 +400,8 @@ class ReadyRing:
         """One count of element ``k`` (flat) of ``etensor``, whose trigger is released at
         dispatch: the last one fires it (``defer``: the CTA publishes long runs after)."""
         release = self.releases[etensor]
-        last = self._call("etc_count_down_release", self.pending.ptr_to([i32(release.offset) + k]),
-                          return_type="int32")
+        counter = self.pending.ptr_to([i32(release.offset) + k])
+        last = self._call("etc_count_down_release", counter, return_type="int32")
         return tirx.IfThenElse(last != 0, self.fire(
             etensor, unravel(k, self.kernel.layout.shapes[etensor]), defer), None)
 
