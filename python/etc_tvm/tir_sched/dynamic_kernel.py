@@ -432,20 +432,19 @@ class ReadyRing:
         """One thread counts down each late call that waits for ``task``'s call; ``lanes``:
         the first lanes of one warp, which store a pushed call's slots side by side."""
         n = len(self.plan.pending)
-        by_warp = lanes is not None
-        lanes = [i32(lanes)] if by_warp else []
+        name, lane_arg = (("etc_count_down_call", []) if lanes is None
+                          else ("etc_count_down_call_warp", [i32(lanes)]))
         late = None
         for call in reversed(self.kernel.calls):
             dependents = self.plan.late_dependents(call.index)
             if not dependents:
                 continue
             downs = [tirx.Evaluate(self._call(
-                "etc_count_down_call_warp" if by_warp else "etc_count_down_call",
-                pointer(self.pending, n + j),
+                name, pointer(self.pending, n + j),
                 i32(self.graph.calls[self.plan.late_calls[j].call].first_task),
                 i32(self.graph.calls[self.plan.late_calls[j].call].num_tasks),
                 pointer(self.head_tail), pointer(self.ring), i32(n),
-                pointer(self.kernel.status), *lanes)) for j in dependents]
+                pointer(self.kernel.status), *lane_arg)) for j in dependents]
             inside = tirx.And(i32(call.first_task) <= task,
                               task < i32(call.first_task + call.num_tasks))
             late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
