@@ -227,7 +227,7 @@ class DynamicQueueOrder(Order):
             self._push(task)
 
     def make_plan(self, graph) -> DynamicPlan:
-        return DynamicPlan.of(graph, rank_local=self.rank_local)
+        return DynamicPlan.of(graph, rank_local=self.rank_local, num_ctas=self.num_ctas)
 
     @property
     def ring(self) -> deque:
@@ -353,7 +353,7 @@ class MixedOrder(DynamicQueueOrder):
         self.ring_calls = set(ring_calls)
 
     def make_plan(self, graph) -> DynamicPlan:
-        return DynamicPlan.of(graph, self.ring_calls)
+        return DynamicPlan.of(graph, self.ring_calls, num_ctas=self.num_ctas)
 
     def start(self, run):
         if run.graph.world_size > 1:

@@ -1419,11 +1419,14 @@ def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
 def test_the_ring_releases_down_tasks_once_their_tiles_gate_up_tasks_are_dispatched(tokens):
     """``h_ready``'s trigger is released at dispatch: each tile's element counts its gate_up
     tasks and the arming; the order pushes a tile's down tasks before the tile is complete,
-    and they wait for it on a CTA (the layer's result is checked under this order above)."""
+    and they wait for it on a CTA (the layer's result is checked under this order above).
+    With fewer CTAs than down tasks, the trigger fires when the tile completes."""
     graph = small_layer()
     task_graph = TaskGraph.build(graph, {"T": tokens})
-    plan = DynamicPlan.of(task_graph)
-    gate_up = next(c for c in task_graph.calls if c.fn.name.startswith("gate"))
+    gate_up, down = (next(c for c in task_graph.calls if c.fn.name.startswith(p))
+                     for p in ("gate", "down"))
+    assert not DynamicPlan.of(task_graph, num_ctas=down.num_tasks - 1).releases
+    plan = DynamicPlan.of(task_graph, num_ctas=down.num_tasks)
     (release,) = plan.releases.values()
     assert release.etensor == "h_ready" and release.offset == plan.capacity + len(
         plan.late_calls)
@@ -1441,7 +1444,7 @@ def test_the_ring_releases_down_tasks_once_their_tiles_gate_up_tasks_are_dispatc
             super()._push(task)
 
     execute(graph, *make_inputs(np.random.default_rng(tokens), tokens, H, E, F),
-            order=Watched(3))
+            order=Watched(down.num_tasks))
     assert early and any(early)
 
 
@@ -1451,10 +1454,10 @@ def test_dynamic_kernel_down_tasks_wait_on_the_tile_that_releases_them():
     graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2, fused_route=True,
                            early_weights=True)
     task_graph = TaskGraph.build(graph, {"T": 1})
-    release = DynamicPlan.of(task_graph).releases["h_ready"]
     gate_up, down = (next(c for c in task_graph.calls if c.fn.name.startswith(p))
                      for p in ("gate", "down"))
-    source = build(graph, {"T": 1}, strategy="dynamic", num_sms=8).cuda_source()
+    release = DynamicPlan.of(task_graph, num_ctas=down.num_tasks).releases["h_ready"]
+    source = build(graph, {"T": 1}, strategy="dynamic", num_sms=down.num_tasks).cuda_source()
     kernel = source[source.index("moe_layer_dynamic_megakernel_kernel("):]
     loop = kernel[kernel.index("while (1)"):]
     count = re.search(r"if \(\(\(int\)threadIdx.x\) == 32\) \{\s*"
