@@ -224,19 +224,26 @@ __device__ __forceinline__ void etc_count_down(int* pending, int consumer, int* 
   etc_push(head_tail, ring, task, capacity, status);
 }
 
+// Claim ``count`` consecutive slots of the ready ring, the first for ``task``: where they
+// start, or -1 (the stop recorded) where fewer are left.
+__device__ __forceinline__ int etc_claim_slots(int* head_tail, int count, int task, int capacity,
+                                               int* status) {
+  const int base = atomicAdd(head_tail + 1, count);
+  if (base + count <= capacity) return base;
+  etc_record_stop(status, 3, task, base + count - 1, capacity);
+  return -1;
+}
+
 // Publish the run of tasks ``first`` .. ``first + count - 1``: one atomic claims their slots,
 // and one fence before the (strong, relaxed) stores makes each of them a release of what the
 // caller's CTA wrote. Called by one thread.
 __device__ __forceinline__ void etc_push_range(int* head_tail, int* ring, int first, int count,
                                                int capacity, int* status) {
   if (count <= 0) return;
-  const int base = atomicAdd(head_tail + 1, count);
+  const int base = etc_claim_slots(head_tail, count, first, capacity, status);
+  if (base < 0) return;
   __threadfence();
   for (int k = 0; k < count; ++k) {
-    if (base + k >= capacity) {
-      etc_record_stop(status, 3, first + k, base + k, capacity);
-      return;
-    }
     asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
                  : "memory");
   }
@@ -272,11 +279,8 @@ __device__ __forceinline__ void etc_claim_runs(int* runs, int* head_tail, int ca
   runs[0] = 0;
   runs[2] = total;
   if (total == 0) return;
-  runs[1] = atomicAdd(head_tail + 1, total);
-  if (runs[1] + total > capacity) {
-    etc_record_stop(status, 3, runs[3], runs[1] + total - 1, capacity);
-    runs[2] = 0;
-  }
+  runs[1] = etc_claim_slots(head_tail, total, runs[3], capacity, status);
+  if (runs[1] < 0) runs[2] = 0;
 }
 
 // Every thread, after a barrier over ``etc_claim_runs``: writes its share of the claimed slots,
@@ -317,17 +321,22 @@ __device__ __forceinline__ void etc_count_down_call_warp(int* pending, int first
   unsigned lane;
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
   int base = -1;
-  if (lane == 0 && atomicSub(pending, 1) == 1) base = atomicAdd(head_tail + 1, count);
-  base = __shfl_sync(mask, base, 0);
-  if (base < 0 || count <= 0) return;
-  if (base + count > capacity) {
-    if (lane == 0) etc_record_stop(status, 3, first, base + count - 1, capacity);
-    return;
+  if (lane == 0 && atomicSub(pending, 1) == 1 && count > 0) {
+    base = etc_claim_slots(head_tail, count, first, capacity, status);
   }
+  base = __shfl_sync(mask, base, 0);
+  if (base < 0) return;
   for (int k = (int)lane; k < count; k += lanes) {
     asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(ring + base + k), "r"(first + k)
                  : "memory");
   }
+}
+
+// One count of a trigger element released at dispatch (a notifier dispatched, or the
+// arming): 1 for the last, which pushes the tasks the element releases. No release: the tasks
+// wait on the element.
+__device__ __forceinline__ int etc_count_down_release(int* pending) {
+  return atomicSub(pending, 1) == 1;
 }
 
 // The next task of the ready ring if one is there now: the task, -1 once every task the ring

@@ -195,9 +195,11 @@ class DynamicQueueOrder(Order):
     dispatched before it, which have finished. The first consumer that a CTA's dispatch makes
     ready is not pushed: that CTA keeps it and runs it next. A late call's tasks are pushed
     together once every task of the calls it depends on is dispatched; a triggered task once
-    it is ready. ``max_queued`` records the deepest the ring got (the plan's capacity covers
-    it). With several ranks, each rank has ``num_ctas`` CTAs and a ring of its own tasks; a
-    CTA keeps only a consumer of its own rank.
+    it is ready, or, where its trigger is released at dispatch (``DispatchRelease``), once its
+    element's notifiers are dispatched and the trigger armed (it then waits on a CTA).
+    ``max_queued`` records the deepest the ring got (the plan's capacity covers it). With
+    several ranks, each rank has ``num_ctas`` CTAs and a ring of its own tasks; a CTA keeps
+    only a consumer of its own rank.
     """
 
     def __init__(self, num_ctas: int = 132, early_push: bool = True, rank_local: bool = False):
@@ -212,6 +214,10 @@ class DynamicQueueOrder(Order):
         self.plan = self.make_plan(run.graph)
         self.pending = self.plan.pending.copy()
         self.late_pending = [lc.pending for lc in self.plan.late_calls]
+        self.release_left = {name: r.counts.copy() for name, r in self.plan.releases.items()}
+        gates = run.graph.gates()
+        self.unarmed = {name: gates[name] for name in self.plan.releases}
+        self.released_by: dict[str, dict[tuple, list[int]]] = {}  # name -> element -> tasks
         world = run.graph.world_size
         self.rings, self.pushed = [deque() for _ in range(world)], set()
         self.ctas: list[int | None] = [None] * (self.num_ctas * world)  # rank-major
@@ -221,7 +227,7 @@ class DynamicQueueOrder(Order):
             self._push(task)
 
     def make_plan(self, graph) -> DynamicPlan:
-        return DynamicPlan.of(graph, rank_local=self.rank_local)
+        return DynamicPlan.of(graph, rank_local=self.rank_local, num_ctas=self.num_ctas)
 
     @property
     def ring(self) -> deque:
@@ -264,19 +270,53 @@ class DynamicQueueOrder(Order):
                     self.held[cta] = int(c)
                 else:
                     self._push(int(c))
+        for name, idx in self.run.graph.notifies[task]:
+            if name in self.release_left:
+                self._count_down_release(name, idx)
         for k in self.plan.late_dependents(self.run.graph.task_call[task]):
             self.late_pending[k] -= 1
             if self.late_pending[k] == 0:
                 for t in self.run.graph.calls[self.plan.late_calls[k].call].tasks:
                     self._push(t)
 
+    def _count_down_release(self, name: str, idx: tuple) -> None:
+        """One notifier of element ``idx`` of ``name`` was dispatched, or ``name`` armed: the
+        last count pushes the tasks the element releases."""
+        graph = self.run.graph
+        flat = int(np.ravel_multi_index(idx, graph.etensors[name].shape))
+        self.release_left[name][flat] -= 1
+        if self.release_left[name][flat]:
+            return
+        if name not in self.released_by:  # armed: the maps can be read
+            by = self.released_by[name] = {}
+            for call in graph.calls:
+                if any(e.etensor == name for e in call.triggers):
+                    for task, elems in self.run.triggers_of(call).items():
+                        for elem in elems:
+                            by.setdefault(elem[1], []).append(task)
+        for task in self.released_by[name].get(tuple(idx), ()):
+            self._push(task)
+
+    def _arm_releases(self) -> None:
+        """Count down every element of each trigger released at dispatch whose arming calls
+        have all finished."""
+        for name, calls in list(self.unarmed.items()):
+            if all(self.run.unfinished[c] == 0 for c in calls):
+                del self.unarmed[name]
+                for idx in np.ndindex(*self.run.graph.etensors[name].shape):
+                    self._count_down_release(name, idx)
+
     def became_ready(self, task):
         """A triggered task is pushed when its releasing element completes (or, skipped, when
-        its trigger resolves)."""
-        if self.run.graph.task_call[task] in self.plan.triggered:
+        its trigger resolves); one its trigger releases at dispatch, only if skipped."""
+        call = self.run.graph.call_of(task)
+        if call.index in self.plan.triggered and (
+                not any(e.etensor in self.release_left for e in call.triggers)
+                or task in self.run.skipped.get(call.index, ())):
             self._push(task)
 
     def next(self):
+        self._arm_releases()
         for k, task in enumerate(self.ctas):
             ring = self.rings[self._cta_rank(k)]
             if task is None and not self._take_held(k) and ring:
@@ -313,7 +353,7 @@ class MixedOrder(DynamicQueueOrder):
         self.ring_calls = set(ring_calls)
 
     def make_plan(self, graph) -> DynamicPlan:
-        return DynamicPlan.of(graph, self.ring_calls)
+        return DynamicPlan.of(graph, self.ring_calls, num_ctas=self.num_ctas)
 
     def start(self, run):
         if run.graph.world_size > 1:
@@ -328,6 +368,7 @@ class MixedOrder(DynamicQueueOrder):
         self.heads = [0] * len(self.queues)
 
     def next(self):
+        self._arm_releases()
         for k, task in enumerate(self.ctas):
             if task is not None or self._take_held(k):
                 continue
@@ -591,12 +632,12 @@ class _Run:
                     waits.append((e.etensor, self.graph.place(
                         e, call, idx, self.graph.task_name(task), ExecutionError)))
         if call.triggers:
-            waits += self._triggers(call).get(task, [])
+            waits += self.triggers_of(call).get(task, [])
         for name, idx in waits:
             self.touched[name][idx] = True
         return waits
 
-    def _triggers(self, call: CallNode) -> dict[int, list]:
+    def triggers_of(self, call: CallNode) -> dict[int, list]:
         """Task -> the elements whose trigger maps release it; unreleased tasks are skipped."""
         if call.index not in self.released:
             tensors = self._index_tensors(call)
@@ -757,7 +798,7 @@ class _Run:
     def skipped_tasks(self, call: CallNode) -> set[int]:
         out = self.out_of_range & set(call.tasks)
         if call.triggers:
-            self._triggers(call)
+            self.triggers_of(call)
             out |= self.skipped[call.index]
         return out
 

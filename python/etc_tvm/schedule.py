@@ -196,6 +196,19 @@ class LateCall:
     pending: int
 
 
+@dataclass(frozen=True, eq=False)
+class DispatchRelease:
+    """An ETensor whose trigger maps push their tasks once the element's notifiers are all
+    dispatched and the ETensor is armed, not once the element completes: the tasks then wait on
+    the element, their preludes (an expert's weights) loading meanwhile, as the static
+    kernel's tasks wait on theirs. ``counts[k]``: element k's notifiers, plus one for the
+    arming; the counts sit in the pending counts from ``offset`` on."""
+
+    etensor: str
+    offset: int
+    counts: np.ndarray
+
+
 @dataclass(frozen=True)
 class DynamicPlan:
     """What a dynamic schedule needs to know of a task graph before it runs.
@@ -209,6 +222,7 @@ class DynamicPlan:
       (``LateCall``).
     triggered: calls whose tasks their trigger maps push, when the releasing element completes.
     late: the tasks of late and triggered calls.
+    releases: the triggers released at dispatch (``DispatchRelease``), from ETensor name.
     num_ring_tasks: the tasks that go through the ring (before any is skipped).
     capacity: ring slots: every task is pushed at most once.
     """
@@ -221,6 +235,7 @@ class DynamicPlan:
     triggered: frozenset[int]
     late: frozenset[int]
     num_ring_tasks: int
+    releases: dict[str, DispatchRelease]
 
     @property
     def capacity(self) -> int:
@@ -256,15 +271,16 @@ class DynamicPlan:
 
     def state_sizes(self) -> dict[str, int]:
         """The ring kernel's working state, fresh every launch (``ReadyRing.outputs``):
-        pending counts (tasks, then late calls), one ring slot and one release mark bit per
-        task, and head, tail and the expected task count."""
+        pending counts (tasks, late calls, then the elements of triggers released at
+        dispatch), one ring slot and one release mark bit per task, and head, tail and the
+        expected task count."""
         n = max(1, self.capacity)
-        return {"pending": n + len(self.late_calls), "ring": n, "head_tail": 3,
+        return {"pending": len(self.initial_pending()), "ring": n, "head_tail": 3,
                 "marks": -(-n // 32)}
 
     def initial_pending(self) -> np.ndarray:
-        return np.concatenate([self.pending, [lc.pending for lc in self.late_calls]]) \
-            .astype(np.int32)
+        return np.concatenate([self.pending, [lc.pending for lc in self.late_calls],
+                               *(r.counts for r in self.releases.values())]).astype(np.int32)
 
     def late_dependents(self, call: int) -> list[int]:
         """Positions in ``late_calls`` of the late calls that wait for ``call``."""
@@ -272,7 +288,7 @@ class DynamicPlan:
 
     @staticmethod
     def of(graph: TaskGraph, ring_calls: set[int] | None = None, *,
-           rank_local: bool = False) -> "DynamicPlan":
+           rank_local: bool = False, num_ctas: int | None = None) -> "DynamicPlan":
         """The plan for the tasks of ``ring_calls`` (all calls by default); the others run
         from static queues in the same kernel and count their consumers down as the ring's
         tasks do.
@@ -284,7 +300,13 @@ class DynamicPlan:
         That keeps the ranks free of deadlock: take the earliest call whose tasks wait
         forever somewhere, on remote producers of earlier calls; those producers' rank
         dispatched them before pushing any task of a later call that could wait, so they
-        run, and they wait only on earlier calls, which complete."""
+        run, and they wait only on earlier calls, which complete.
+
+        ``num_ctas``: the CTAs that take the ring's tasks. A trigger is released at dispatch
+        (``DispatchRelease``) only where the tasks it releases are at most that many (None:
+        any count): a released task holds its CTA while it waits, and more of them than
+        CTAs could keep every CTA from ready work (the MoE layer's down tasks at 1024 tokens
+        ran 1.2% slower so)."""
         ring_calls = set(range(len(graph.calls))) if ring_calls is None else set(ring_calls)
         runtime = graph.dynamically_notified() | set(graph.arm_inputs())
         triggered = frozenset(c.index for c in graph.calls
@@ -328,8 +350,34 @@ class DynamicPlan:
         seeds = tuple(t for t in range(graph.num_tasks) if pending[t] == 0 and t not in late
                       and graph.task_call[t] in ring_calls) \
             + tuple(t for lc in late_calls if lc.pending == 0 for t in graph.calls[lc.call].tasks)
+        releases, at = {}, len(pending) + len(late_calls)
+        if not rank_local and graph.world_size == 1:
+            for name in sorted(_released_at_dispatch(graph, triggered, num_ctas)):
+                counts = np.ones(graph.etensors[name].shape, np.int32)
+                for elem, tasks in notifiers.items():
+                    if elem[0] == name:
+                        counts[elem[1]] += len(tasks)
+                releases[name] = DispatchRelease(name, at, counts.ravel())
+                at += counts.size
         return DynamicPlan(pending, indptr, flat, seeds, late_calls, triggered, late,
-                           sum(graph.calls[c].num_tasks for c in ring_calls))
+                           sum(graph.calls[c].num_tasks for c in ring_calls), releases)
+
+
+def _released_at_dispatch(graph: TaskGraph, triggered: frozenset[int],
+                          num_ctas: int | None) -> set[str]:
+    """The ETensors whose triggers a ready ring releases at dispatch: armed at run time
+    (``TaskGraph.gates``), notified through static maps only, and releasing tasks of ring
+    calls only, whose one in-edge the trigger is, at most ``num_ctas`` of them."""
+    gates = graph.gates()
+    sources = {e.etensor for c in graph.calls for e in c.triggers}
+    released = {name: [c for c in graph.calls if any(e.etensor == name for e in c.triggers)]
+                for name in sources & set(gates)}
+    return {name for name, calls in released.items()
+            if graph.etensors[name].count_tensor is None
+            and all(c.index in triggered and len(c.in_edges) == 1 for c in calls)
+            and (num_ctas is None or sum(c.num_tasks for c in calls) <= num_ctas)
+            and not any(e.etensor == name and e.map.is_data_dependent
+                        for c in graph.calls for e in c.out_edges)}
 
 
 def _whole_calls_waited(graph: TaskGraph, call, producers: dict) -> tuple[int, ...] | None:

@@ -20,7 +20,7 @@ from etc_tvm.build import build
 from etc_tvm.executor import (DynamicQueueOrder, MixedOrder, RandomOrder, ReadyQueueOrder,
                               StaticOrder, execute)
 from etc_tvm.relax_passes import UnfusedTransform
-from etc_tvm.schedule import mixed_schedule
+from etc_tvm.schedule import DynamicPlan, mixed_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tiles import moe, rope
 from etc_tvm.tir_sched.events import ARM_BIAS, EventLayout
@@ -1413,6 +1413,68 @@ def test_the_route_task_publishes_the_gate_up_run_before_its_completion():
                                       completion_notify(graph, {"T": 1}),
                                       "etc_unbias(", "etc_mark_range(")]
     assert order == sorted(order) and "etc_complete((" not in kernel
+
+
+@pytest.mark.parametrize("tokens", (1, 7))
+def test_the_ring_releases_down_tasks_once_their_tiles_gate_up_tasks_are_dispatched(tokens):
+    """``h_ready``'s trigger is released at dispatch: each tile's element counts its gate_up
+    tasks and the arming; the order pushes a tile's down tasks before the tile is complete,
+    and they wait for it on a CTA (the layer's result is checked under this order above).
+    With fewer CTAs than down tasks, the trigger fires when the tile completes."""
+    graph = small_layer()
+    task_graph = TaskGraph.build(graph, {"T": tokens})
+    gate_up, down = (next(c for c in task_graph.calls if c.fn.name.startswith(p))
+                     for p in ("gate", "down"))
+    assert not DynamicPlan.of(task_graph, num_ctas=down.num_tasks - 1).releases
+    plan = DynamicPlan.of(task_graph, num_ctas=down.num_tasks)
+    (release,) = plan.releases.values()
+    assert release.etensor == "h_ready" and release.offset == plan.capacity + len(
+        plan.late_calls)
+    assert release.counts.tolist() == [gate_up.grid[1] + 1] * gate_up.grid[0]
+    assert len(plan.initial_pending()) == release.offset + gate_up.grid[0]
+
+    early = []
+
+    class Watched(DynamicQueueOrder):
+        def _push(self, task):
+            call = self.run.graph.call_of(task)
+            if call.fn.name.startswith("down") and task not in self.pushed:
+                for name, idx in self.run.triggers_of(call).get(task, []):
+                    early.append(self.run.counters[name][idx] != 0)
+            super()._push(task)
+
+    execute(graph, *make_inputs(np.random.default_rng(tokens), tokens, H, E, F),
+            order=Watched(down.num_tasks))
+    assert early and any(early)
+
+
+def test_dynamic_kernel_down_tasks_wait_on_the_tile_that_releases_them():
+    """A gate_up task's dispatch counts its tile's release down (thread 32), the tile's last
+    notify pushes nothing, and a down task waits on its tile after its weights' prelude."""
+    graph = make_moe_layer(H, E, K, F, combine_cols=64, router_splits=2, fused_route=True,
+                           early_weights=True)
+    task_graph = TaskGraph.build(graph, {"T": 1})
+    gate_up, down = (next(c for c in task_graph.calls if c.fn.name.startswith(p))
+                     for p in ("gate", "down"))
+    release = DynamicPlan.of(task_graph, num_ctas=down.num_tasks).releases["h_ready"]
+    source = build(graph, {"T": 1}, strategy="dynamic", num_sms=down.num_tasks).cuda_source()
+    kernel = source[source.index("moe_layer_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    count = re.search(r"if \(\(\(int\)threadIdx.x\) == 32\) \{\s*"
+                      rf"if \(\({gate_up.first_task} <= t\) && \(t < {down.first_task}\)\) \{{"
+                      r"[^{}]*if \(etc_count_down_release\(\(&\(pending_ptr\[[^]]* \+ "
+                      rf"{release.offset}\)\]\)\)\) != 0\) \{{", loop)
+    assert count and "etc_push_range(" in loop[count.end():count.end() + 900]
+    # the route's notify fires ``aligned`` when it completes; no tile of ``h_ready`` does
+    layout = EventLayout.of(task_graph)
+    aligned = layout.offsets["aligned"]
+    assert loop.count("etc_notify_last(") == loop.count(
+        f"etc_notify_last((&(counters_ptr[{aligned}])))") == 1
+    body = loop[loop.index(f"if (t < {down.first_task + down.num_tasks})"):]
+    tile = re.search(rf"etc_wait\(\(&\(counters_ptr\[\(\(\(t - {down.first_task}\) >> 1\) \+ "
+                     rf"{layout.offsets['h_ready']}\)\]\)\)", body)
+    assert tile and body.index("cp_async_commit_group") < tile.start() < body.index(
+        "int skip = etc_uniform(skip_ptr[0]);")
 
 
 @pytest.mark.parametrize("tokens", (1, 9))

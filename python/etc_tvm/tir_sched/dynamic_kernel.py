@@ -41,6 +41,9 @@ the tasks of each triggered call that some element will release and dispatches t
 skipped (their static notifies and count-downs, and ``expected``, the number of tasks the ring
 will hold, lowered by their number): the marks and the skip pass are off the path to the first
 released task, and until the pass ends ``expected`` only overstates, so no CTA leaves early.
+An ETensor armed at run time whose trigger releases ring tasks only (``DispatchRelease``)
+fires instead once its element's notifiers are dispatched and it is armed (a count each, in
+the pending counts): its tasks then find the element and wait on it, their preludes first.
 
 The plan (pending counts, consumer lists, seeds, late calls) is ``schedule.DynamicPlan``; the
 CPU executor's ``DynamicQueueOrder`` follows the same plan and protocol. Kernel parameters, in
@@ -124,6 +127,7 @@ class ReadyRing:
         self.unpublished = False  # a run was deferred since the last ``publish`` generated
         self.trigger_sources = {e.etensor for c in self.graph.calls for e in c.triggers
                                 if c.index in self.triggered}
+        self.releases = plan.releases
         self._check(kernel.layout)
         kernel.ring = self
 
@@ -365,7 +369,41 @@ class ReadyRing:
             steps.append(tirx.IfThenElse(
                 tirx.floordiv(kernel.tx, i32(WARP)) == i32(warp), late, None)
                 if dispatch else late)
+        releases = self._count_down_releases(task)
+        if releases is not None:
+            steps.append(tirx.IfThenElse(kernel.tx == i32(first_thread), releases, None)
+                         if dispatch else releases)
         return tirx.stmt_seq(*steps)
+
+    def _count_down_releases(self, task: tirx.Expr) -> tirx.Stmt | None:
+        """One thread counts down the trigger elements released at dispatch that ``task``
+        notifies (``DispatchRelease``); the last count of an element pushes what it
+        releases."""
+        out = None
+        for call in reversed(self.kernel.calls):
+            edges = [e for e in call.out_edges if e.etensor in self.releases]
+            if not edges or not call.num_tasks:
+                continue
+            coords = [tirx.Var(f"{c}_released", "int32") for c in call.fn.coord_params]
+            steps = [tirx.Bind(v, x) for v, x in zip(
+                coords, unravel(task - i32(call.first_task), call.grid))]
+            for e in edges:
+                lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
+                steps.append(lowered.nest(self.count_down_release(e.etensor, _ravel(
+                    lowered.index, self.kernel.layout.shapes[e.etensor]))))
+            inside = tirx.And(i32(call.first_task) <= task,
+                              task < i32(call.first_task + call.num_tasks))
+            out = tirx.IfThenElse(inside, tirx.stmt_seq(*steps), out)
+        return out
+
+    def count_down_release(self, etensor: str, k: tirx.Expr, defer: bool = False) -> tirx.Stmt:
+        """One count of element ``k`` (flat) of ``etensor``, whose trigger is released at
+        dispatch: the last one fires it (``defer``: the CTA publishes long runs after)."""
+        release = self.releases[etensor]
+        counter = self.pending.ptr_to([i32(release.offset) + k])
+        last = self._call("etc_count_down_release", counter, return_type="int32")
+        return tirx.IfThenElse(last != 0, self.fire(
+            etensor, unravel(k, self.kernel.layout.shapes[etensor]), defer), None)
 
     def has_consumers(self, task: tirx.Expr) -> tirx.Expr | None:
         """Whether ``task`` lies in a call some of whose tasks have consumers in the plan
@@ -630,7 +668,7 @@ OUT_OF_REACH = 1 << 30  # a pending count no count-down reaches
 RUN_SLOTS = 16  # ETC_RUN_SLOTS: the runs a CTA defers before it pushes one at once
 SHORT_RUN = 32  # a run of at most this many tasks is pushed by the thread that releases it
 _analyzer = tvm.sym.Analyzer()
-RELEASE_WORDS = 256  # release-mark words (32 tasks each) ``resolve`` reads per round
+RELEASE_WORDS = 128  # release-mark words (32 tasks each) ``resolve`` reads per round
 
 
 def build_dynamic_kernel(graph: TaskGraph, plan: DynamicPlan, layout: EventLayout, name: str,

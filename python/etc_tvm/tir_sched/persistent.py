@@ -820,9 +820,13 @@ class PersistentKernel:
                      REMEMBERED_SLOTS)
 
     def _scans(self, call) -> bool:
-        """Whether ``call``'s tasks find their releasing elements themselves (the static
-        kernel); a ready ring instead pushes them when an element completes."""
-        return bool(call.triggers) and (self.ring is None or call.index not in self.ring.calls)
+        """Whether ``call``'s tasks find their releasing elements themselves and wait on them:
+        in the static kernel, and in a ring that pushes them once the element's notifiers are
+        dispatched (``DispatchRelease``); a ring otherwise pushes them when the element
+        completes."""
+        return bool(call.triggers) and (
+            self.ring is None or call.index not in self.ring.calls
+            or all(e.etensor in self.ring.releases for e in call.triggers))
 
     def _notifies(self, call, task, coords, released=None) -> tirx.Stmt | None:
         """Thread 0's decrements: static out-edges always (a skipped task's too, so that
@@ -859,7 +863,8 @@ class PersistentKernel:
         """One decrement; on an element whose completion a ready ring acts on, the decrement
         that completes it fires it."""
         counter = self.counters.ptr_to([flat])
-        if self.ring is None or edge.etensor not in self.ring.trigger_sources:
+        if (self.ring is None or edge.etensor not in self.ring.trigger_sources
+                or edge.etensor in self.ring.releases):
             return tirx.Evaluate(self.runtime_call(
                 "etc_notify_fenced" if self.fenced_notifies else "etc_notify", counter))
         last = self.runtime_call("etc_notify_last", counter, return_type="int32")
@@ -960,6 +965,9 @@ class PersistentKernel:
 
     def _unbias(self, name: str, flat) -> tirx.Stmt:
         left = self.runtime_call("etc_unbias", self.counters.ptr_to([flat]), return_type="int32")
+        if self.ring is not None and name in self.ring.releases:
+            return tirx.stmt_seq(tirx.Evaluate(left), self.ring.count_down_release(
+                name, flat - i32(self.layout.offsets[name]), defer=True))
         if self.ring is None or name not in self.ring.trigger_sources:
             return tirx.Evaluate(left)
         return tirx.IfThenElse(left == 0, self.ring.fire(
