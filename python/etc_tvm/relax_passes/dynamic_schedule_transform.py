@@ -43,10 +43,10 @@ class DynamicScheduleTransform(PersistentScheduleTransform):
         super().__init__(dims, num_sms, options, samples=samples)
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
-        num_ctas = self.num_sms * self.options.ctas_per_sm
-        plan = DynamicPlan.of(graph, num_ctas=num_ctas)
+        plan = DynamicPlan.of(graph, num_ctas=self.num_ctas)
         layout = EventLayout.of(graph)
-        kernel = build_dynamic_kernel(graph, plan, layout, kernel_name, num_ctas, self.options,
+        kernel = build_dynamic_kernel(graph, plan, layout, kernel_name, self.num_ctas,
+                                      self.options,
                                       symbolic=variant is not None)
         constants = [layout.initial, *plan.tables(seeds_at_launch=variant is not None)]
         return replace_with_persistent_kernel(mod, name, graph, kernel, constants, variant)

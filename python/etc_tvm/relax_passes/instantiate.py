@@ -87,6 +87,11 @@ class PersistentScheduleTransform:
         self.scheduler = scheduler
         self.samples = [dict(s) for s in samples] if samples else None
 
+    @property
+    def num_ctas(self) -> int:
+        """The kernel's persistent CTAs."""
+        return self.num_sms * self.options.ctas_per_sm
+
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for name in graph_functions(mod):
             if self.samples is None:

@@ -31,9 +31,8 @@ class MixedScheduleTransform(PersistentScheduleTransform):
     kernel_name = "mixed_megakernel"
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
-        num_ctas = self.num_sms * self.options.ctas_per_sm
-        schedule, ring_calls = mixed_schedule(graph, num_ctas, scheduler=self.scheduler)
-        plan = DynamicPlan.of(graph, ring_calls, num_ctas=num_ctas)
+        schedule, ring_calls = mixed_schedule(graph, self.num_ctas, scheduler=self.scheduler)
+        plan = DynamicPlan.of(graph, ring_calls, num_ctas=self.num_ctas)
         layout = EventLayout.of(graph)
         kernel = build_mixed_kernel(graph, schedule, plan, ring_calls, layout, kernel_name,
                                     self.options, symbolic=variant is not None)

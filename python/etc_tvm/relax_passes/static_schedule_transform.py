@@ -41,7 +41,7 @@ class StaticScheduleTransform(PersistentScheduleTransform):
     ``PersistentScheduleTransform``."""
 
     def lower(self, mod, name, graph, kernel_name, variant=None):
-        num_ctas, layout = self.num_sms * self.options.ctas_per_sm, EventLayout.of(graph)
+        num_ctas, layout = self.num_ctas, EventLayout.of(graph)
         symbolic = variant is not None
         if self.options.claim:  # no queues: the CTAs claim the tasks at run time
             kernel = build_claiming_kernel(graph, num_ctas, layout, kernel_name, self.options,

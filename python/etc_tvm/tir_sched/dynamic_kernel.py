@@ -63,7 +63,7 @@ from ..errors import GraphError
 from ..schedule import ONLY_PRODUCER, DynamicPlan
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, lower_edge
-from .grid_kernel import unravel
+from .grid_kernel import in_call, unravel
 from .inline import i32
 from .persistent import DEFAULT_OPTIONS, WARP, KernelOptions, PersistentKernel
 
@@ -391,9 +391,7 @@ class ReadyRing:
                 lowered = lower_edge(e.map, dict(zip(e.map.coords, coords)))
                 steps.append(lowered.nest(self.count_down_release(e.etensor, _ravel(
                     lowered.index, self.kernel.layout.shapes[e.etensor]))))
-            inside = tirx.And(i32(call.first_task) <= task,
-                              task < i32(call.first_task + call.num_tasks))
-            out = tirx.IfThenElse(inside, tirx.stmt_seq(*steps), out)
+            out = tirx.IfThenElse(in_call(call, task), tirx.stmt_seq(*steps), out)
         return out
 
     def count_down_release(self, etensor: str, k: tirx.Expr, defer: bool = False) -> tirx.Stmt:
@@ -445,9 +443,7 @@ class ReadyRing:
                 i32(self.graph.calls[self.plan.late_calls[j].call].num_tasks),
                 pointer(self.head_tail), pointer(self.ring), i32(n),
                 pointer(self.kernel.status), *lane_arg)) for j in dependents]
-            inside = tirx.And(i32(call.first_task) <= task,
-                              task < i32(call.first_task + call.num_tasks))
-            late = tirx.IfThenElse(inside, tirx.stmt_seq(*downs), late)
+            late = tirx.IfThenElse(in_call(call, task), tirx.stmt_seq(*downs), late)
         return late
 
     def fire(self, etensor: str, elem, defer: bool = False) -> tirx.Stmt:
@@ -563,8 +559,7 @@ class ReadyRing:
 
         def skip_task(i):
             unmarked = tirx.And(
-                tirx.And(i32(call.first_task) <= task,
-                         task < i32(call.first_task + call.num_tasks)),
+                in_call(call, task),
                 tirx.bitwise_and(tirx.shift_right(self.released[i // 32], i % 32), i32(1))
                 == i32(0))
             return tirx.stmt_seq(
@@ -647,10 +642,8 @@ class ReadyRing:
             inside = self._skipped_at_launch(call, unravel(idx - i32(call.first_task),
                                                            call.grid))
             if inside is not None:
-                within = tirx.And(i32(call.first_task) <= idx,
-                                  idx < i32(call.first_task + call.num_tasks))
-                value = tirx.Select(tirx.And(within, tirx.Not(inside)), i32(OUT_OF_REACH),
-                                    value)
+                value = tirx.Select(tirx.And(in_call(call, idx), tirx.Not(inside)),
+                                    i32(OUT_OF_REACH), value)
         return value
 
 

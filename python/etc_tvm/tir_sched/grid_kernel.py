@@ -34,6 +34,11 @@ def unravel(flat: tirx.Expr, grid: Sequence[int]) -> list:
     return out
 
 
+def in_call(call, task: tirx.Expr) -> tirx.Expr:
+    """Whether the flat task id ``task`` is one of ``call``'s tasks."""
+    return tirx.And(i32(call.first_task) <= task, task < i32(call.first_task + call.num_tasks))
+
+
 def build_grid_kernel(fn: DeviceFunc, grid: Sequence[int], buffers: Sequence[tirx.Buffer],
                       name: str, inputs: int | None = None, one_task: bool = False,
                       triggers: Sequence[tuple[em.EdgeMap, tuple[int, ...]]] = (),

@@ -36,7 +36,7 @@ from ..errors import EtcError, GraphError
 from ..task_graph import TaskGraph
 from .events import EventLayout, LoweredEdge, edge_sites, lower_edge, trigger_scan
 from .device_runtime import STATUS_WORDS, runtime_source
-from .grid_kernel import unravel
+from .grid_kernel import in_call, unravel
 from .inline import (DECLARATIONS, ThreadScopes, encode_tensor_maps, i32, inline_task,
                      input_check_sites, shared_bytes)
 
@@ -724,9 +724,7 @@ class PersistentKernel:
                 continue
             body = tirx.stmt_seq(*[tirx.Bind(v, x) for v, x in zip(
                 coords, unravel(task - i32(call.first_task), call.grid))], body)
-            out = tirx.IfThenElse(tirx.And(i32(call.first_task) <= task,
-                                           task < i32(call.first_task + call.num_tasks)),
-                                  body, out)
+            out = tirx.IfThenElse(in_call(call, task), body, out)
         return out
 
     def _poll(self, flat: tirx.Expr, task) -> tirx.Stmt:
