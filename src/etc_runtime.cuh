@@ -225,7 +225,7 @@ __device__ __forceinline__ void etc_count_down(int* pending, int consumer, int* 
 }
 
 // Claim ``count`` consecutive slots of the ready ring, the first for ``task``: where they
-// start, or -1 (the stop recorded) where fewer are left.
+// start, or -1 where fewer are left (the stop names ``task`` and the last slot needed).
 __device__ __forceinline__ int etc_claim_slots(int* head_tail, int count, int task, int capacity,
                                                int* status) {
   const int base = atomicAdd(head_tail + 1, count);

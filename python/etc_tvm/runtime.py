@@ -62,8 +62,9 @@ class GraphMeta:
             why = (f"a CTA on SM {sm} waited for slot {where} of the ready ring for more than "
                    f"{self.timeout_s} s: a task was never pushed")
         elif kind == 3:
-            why = (f"the ready ring overflowed: pushing task {self.task_names[task]} took slot "
-                   f"{where} of {seen}")
+            why = (f"the ready ring overflowed: a push from task {self.task_names[task]} "
+                   f"(with any tasks claimed beside it) needed slot {where}, past the ring's "
+                   f"{seen} slots")
         elif kind == 4:
             who = f"task {self.task_names[task]}" if task >= 0 else "arming"
             why = (f"{who} on SM {sm}: the edge map {self.edges[seen]} gave the index {where}, "

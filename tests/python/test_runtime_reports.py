@@ -51,7 +51,8 @@ RECORDS = {  # name: (record, what the error says)
                         r"task expert0\(0\) on SM 3 waited on completion of grouping0 "),
     "pop": ((2, -1, 40, -1, 5), r"a CTA on SM 5 waited for slot 40 of the ready ring"),
     "overflow": ((3, task("expert0", 9), 44, 44, 2),
-                 r"the ready ring overflowed: pushing task expert0\(9\) took slot 44 of 44"),
+                 r"the ready ring overflowed: a push from task expert0\(9\) \(with any tasks "
+                 r"claimed beside it\) needed slot 44, past the ring's 44 slots"),
     "index": ((4, task("scatter0", 0), 9, site("scatter0", "expert_ready"), 1),
               r"task scatter0\(0\) on SM 1: the edge map scatter0: expert_ready "
               r"'t->topk\[t,:\]' gave the index 9, outside its event tensor or grid"),
