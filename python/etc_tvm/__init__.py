@@ -21,7 +21,7 @@ from .runtime import load  # noqa: E402
 __all__ = ["DeadlockError", "EdgeMapError", "EtcError", "ExecutionError", "GraphError", "load"]
 
 if not RUNTIME_ONLY:
-    from . import edge_map
+    from . import cuda_cache, edge_map
     from .build import build
     from .device_func import (RANK, WORLD_SIZE, DeviceFunc, await_inputs, device_func,
                               input_check)
@@ -32,3 +32,4 @@ if not RUNTIME_ONLY:
     __all__ += ["RANK", "WORLD_SIZE", "DeviceFunc", "ETensor", "GraphFunc", "Tensor",
                 "await_inputs", "build", "call_device", "device_func", "edge_map", "graph_func",
                 "input_check"]
+    cuda_cache.install()
