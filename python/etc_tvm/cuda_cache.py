@@ -44,26 +44,29 @@ def cache_dir() -> Path | None:
 
 
 @functools.cache
-def compiler_version(mode: str) -> str:
-    """What identifies the compiler of ``mode`` ("nvcc" or "nvrtc"): its version text."""
-    if mode == "nvcc":
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            return "nvcc: none"
-        run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False)
-        return f"{nvcc}\n{run.stdout}"
+def compiler_version(mode: str) -> str | None:
+    """What identifies the compiler of ``mode`` ("nvcc" or "nvrtc"), its version text, or None
+    where it cannot be told (nothing is cached then)."""
     try:
+        if mode == "nvcc":
+            nvcc = shutil.which("nvcc")
+            run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True)
+            return f"{nvcc}\n{run.stdout}"
         from cuda.bindings import nvrtc  # noqa: PLC0415 (present only with cuda-bindings)
 
-        return f"nvrtc {nvrtc.nvrtcVersion()[1:]}"
-    except ImportError:
-        return "nvrtc: unknown"
+        result, major, minor = nvrtc.nvrtcVersion()
+        return f"nvrtc {major}.{minor}" if result == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
+    except Exception:  # noqa: BLE001 (no nvcc, no cuda-bindings, no libnvrtc: unknown)
+        return None
 
 
-def binary_key(code: str, target: tvm.target.Target) -> str:
-    """The SHA-256 (hex) of everything that decides the binary compiled from ``code``."""
-    mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
-    parts = [code, str(target), tvm.__version__, compiler_version(mode),
+def binary_key(code: str, target: tvm.target.Target) -> str | None:
+    """The SHA-256 (hex) of everything that decides the binary compiled from ``code``, or None
+    where the compiler cannot be told."""
+    compiler = compiler_version(os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower())
+    if compiler is None:
+        return None
+    parts = [code, str(target), tvm.__version__, compiler,
              *(f"{name}={os.environ.get(name, '')}" for name in COMPILE_ENV)]
     digest = hashlib.sha256()
     for part in parts:
@@ -84,7 +87,10 @@ class CachedCompile:
         if (directory is None or target is None or os.environ.get("TVM_KERNEL_DUMP")
                 or "#include <nvshmem" in code):  # linked against a library not in the key
             return self.compile(code)
-        path = directory / f"{binary_key(code, target)}.bin"
+        key = binary_key(code, target)
+        if key is None:
+            return self.compile(code)
+        path = directory / f"{key}.bin"
         try:
             return bytearray(path.read_bytes())
         except OSError:

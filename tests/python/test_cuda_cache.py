@@ -86,6 +86,15 @@ def test_without_a_current_target_or_with_nvshmem_nothing_is_cached(cache):
     assert counting.calls == 4 and not cache.exists()
 
 
+def test_a_compiler_that_cannot_be_told_caches_nothing(cache, monkeypatch):
+    monkeypatch.setattr(cuda_cache, "compiler_version", lambda mode: None)
+    counting = CountingCompile()
+    compile = cuda_cache.CachedCompile(counting)
+    for _ in range(2):
+        compile_in(SM90A, compile, "__global__ void k() {}")
+    assert counting.calls == 2 and not cache.exists()
+
+
 def test_a_directory_that_cannot_be_written_costs_only_the_cache(tmp_path, monkeypatch):
     blocked = tmp_path / "a file"
     blocked.write_text("")
