@@ -26,8 +26,10 @@ class CountingCompile:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """An empty cache directory; the compiler's version told without running it."""
     monkeypatch.setenv("ETC_TVM_CACHE_DIR", str(tmp_path / "cuda"))
     monkeypatch.delenv("TVM_KERNEL_DUMP", raising=False)
+    monkeypatch.setattr(cuda_cache, "compiler_version", lambda mode: f"a compiler, {mode}")
     return tmp_path / "cuda"
 
 
@@ -58,6 +60,7 @@ def test_another_source_or_target_compiles_again(cache):
                                          ("TVM_CUDA_PTXAS_EXTRA_OPTS", "-O1"),
                                          ("TVM_CUDA_COMPILE_MODE", "nvrtc")])
 def test_the_compilers_options_are_in_the_key(name, value, cache, monkeypatch):
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "nvcc")
     code = "__global__ void k() {}"
     with tvm.target.Target(SM90A) as target:
         before = cuda_cache.binary_key(code, target)
@@ -95,7 +98,8 @@ def test_a_compiler_that_cannot_be_told_caches_nothing(cache, monkeypatch):
     assert counting.calls == 2 and not cache.exists()
 
 
-def test_a_directory_that_cannot_be_written_costs_only_the_cache(tmp_path, monkeypatch):
+def test_a_directory_that_cannot_be_written_costs_only_the_cache(cache, tmp_path,
+                                                                 monkeypatch):
     blocked = tmp_path / "a file"
     blocked.write_text("")
     monkeypatch.setenv("ETC_TVM_CACHE_DIR", str(blocked / "cuda"))
