@@ -14,7 +14,7 @@ from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout, edge_sites
 from .tir_sched.inline import input_check_sites
-from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
+from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, is_integer
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -40,11 +40,15 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     """
     target = target or default_target()
     dims = dict(dims or {})
-    num_sms = num_sms or (tvm.cuda(0).multi_processor_count if has_gpu() else 132)
+    check_dims(graph, dims, "dims")
+    if num_sms is None:
+        num_sms = tvm.cuda(0).multi_processor_count if has_gpu() else 132
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:
         samples = sorted((dict(s) for s in samples), key=lambda s: sorted(s.items()))
+        for sample in samples:
+            check_dims(graph, sample, "a sample")
     with target:
         executable = tvm.compile(graph.mod, target=target, tir_pipeline="etc_tvm",
                                  relax_pipeline=pipeline(target, strategy, dims, num_sms, options,
@@ -87,6 +91,19 @@ def power_of_two_samples(max_dims: Mapping[str, int]) -> list[dict[str, int]]:
         raise EtcError(f"max_dims {name}={top}: the maximum must be positive")
     values = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
     return [{name: v} for v in values]
+
+
+def check_dims(graph: GraphFunc, sizes: Mapping[str, int], what: str) -> None:
+    """Refuse sizes of dims that ``graph`` does not have, or that are no integers."""
+    known = sorted(v.name for v in tvm.relax.analysis.defined_symbolic_vars(graph.func))
+    unknown = sorted(set(sizes) - set(known))
+    if unknown:
+        raise EtcError(f"{graph.name}: {what} {dict(sizes)}: {unknown} are not among its "
+                       f"symbolic dims {known}")
+    for name, value in sizes.items():
+        if not is_integer(value, least=0):
+            raise EtcError(f"{graph.name}: {what} {dict(sizes)}: {name} = {value!r} is not a "
+                           "size (an integer of at least 0)")
 
 
 def dim_sources(graph: GraphFunc) -> dict[str, list[int]]:

@@ -40,7 +40,8 @@ from .errors import EtcError, ExecutionError
 from .graph_func import GraphFunc
 from .profile import Timeline
 from .tir_sched.device_runtime import RUNTIME_SOURCE, STATUS_WORDS
-from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, kernel_table, timeline_size
+from .tir_sched.persistent import (DEFAULT_OPTIONS, KernelOptions, kernel_table, positive_count,
+                                   timeline_size)
 
 HOST_SOURCE = RUNTIME_SOURCE.with_name("etc_nvshmem_host.cu")
 MODULE_HOOK = "runtime.nvshmem.cumodule_init"
@@ -315,7 +316,7 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     a call that waits on other ranks enters the ring after the rank's earlier calls)."""
     import tvm
 
-    from .build import default_target, has_gpu, task_graph_meta
+    from .build import check_dims, default_target, has_gpu, task_graph_meta
     from .schedule import DynamicPlan, list_schedule
     from .task_graph import TaskGraph
     from .tir_sched.dynamic_kernel import build_dynamic_kernel
@@ -325,12 +326,14 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     if strategy not in ("static", "dynamic"):
         raise EtcError(f"a kernel of several ranks runs the static or the dynamic schedule, "
                        f"not {strategy!r}")
+    check_dims(graph, dims, "dims")
     task_graph = TaskGraph.build(graph, dims)
     if task_graph.world_size == 1:
         raise EtcError(f"{graph.name} runs on one rank: build it with etc_tvm.build")
     task_graph.validate()
-    num_sms = num_sms or (tvm.cuda(_current_device()).multi_processor_count if has_gpu()
-                          else 132)
+    if num_sms is None:
+        num_sms = tvm.cuda(_current_device()).multi_processor_count if has_gpu() else 132
+    num_sms = positive_count("build_rank: num_sms", num_sms)
     layout = EventLayout.of(task_graph)
     name = f"{graph.name}_rank{rank}" if strategy == "static" else \
         f"{graph.name}_{strategy}_rank{rank}"

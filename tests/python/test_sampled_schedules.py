@@ -31,6 +31,20 @@ def test_power_of_two_samples_end_at_the_maximum():
         power_of_two_samples({"B": 0})
 
 
+@pytest.mark.parametrize("sizes, message", [
+    ({"dims": {"M": 64, "N": 64, "Q": 3}},
+     r"row_sum: dims \{'M': 64, 'N': 64, 'Q': 3\}: \['Q'\] are not among its symbolic dims "
+     r"\['M', 'N'\]"),
+    ({"dims": {"M": 64.0, "N": 64}}, r"row_sum: dims .*: M = 64.0 is not a size"),
+    ({"dims": {"M": -1, "N": 64}}, r"row_sum: dims .*: M = -1 is not a size"),
+    ({"samples": [{"M": 8, "N": 8}, {"M": 16, "n": 8}]},
+     r"row_sum: a sample \{'M': 16, 'n': 8\}: \['n'\] are not among its symbolic dims"),
+])
+def test_build_refuses_sizes_of_dims_the_graph_does_not_have(sizes, message):
+    with pytest.raises(EtcError, match=message):
+        build(graphs.row_sum, **sizes)
+
+
 def test_each_sample_is_a_function_with_the_graph_functions_symbolic_parameters():
     mod = StaticScheduleTransform(samples=[{"M": 16}, {"M": 64}], num_sms=8)(graphs.two_ops.mod)
     relax.analysis.well_formed(mod)

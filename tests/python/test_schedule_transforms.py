@@ -89,6 +89,31 @@ def test_static_needs_sizes():
         StaticScheduleTransform({"M": 64, "K": 32})(graphs.gemm_reduce_scatter.mod)
 
 
+@pytest.mark.parametrize("transform", [StaticScheduleTransform, DynamicScheduleTransform,
+                                       MixedScheduleTransform])
+@pytest.mark.parametrize("num_sms", [0, -3, 2.5, True])
+def test_a_persistent_transform_needs_a_positive_number_of_sms(transform, num_sms):
+    with pytest.raises(EtcError, match=rf"{transform.__name__}: num_sms={num_sms!r} is not a "
+                                       "positive integer"):
+        transform(DIMS, num_sms=num_sms)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"timeout_s": 0}, r"timeout_s=0 is not a positive number of seconds"),
+    ({"timeout_s": -1.5}, r"timeout_s=-1.5 is not a positive number of seconds"),
+    ({"timeout_s": float("nan")}, r"timeout_s=nan is not a positive number of seconds"),
+    ({"timeout_s": 1e10}, r"timeout_s=10000000000.0 is not a positive number of seconds "
+                          r"\(below 9.2e9\)"),
+    ({"timeout_s": "4"}, r"timeout_s='4' is not a positive number"),
+    ({"ctas_per_sm": 0}, r"ctas_per_sm=0 is not a positive integer"),
+    ({"ctas_per_sm": 1.5}, r"ctas_per_sm=1.5 is not a positive integer"),
+    ({"drop_notify": -1}, r"drop_notify=-1 is not a task id"),
+])
+def test_kernel_options_out_of_range_are_refused(options, message):
+    with pytest.raises(EtcError, match=rf"KernelOptions: {message}"):
+        KernelOptions(**options)
+
+
 def test_unfused_is_one_grid_launch_per_call():
     mod = UnfusedTransform(DIMS)(graphs.gemm_reduce_scatter.mod)
     relax.analysis.well_formed(mod)

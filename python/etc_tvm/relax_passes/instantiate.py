@@ -15,7 +15,7 @@ from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
 from ..tir_sched.persistent import (DEFAULT_OPTIONS, WORKSPACE, WORKSPACE_ATTR, KernelOptions,
-                                    kernel_table, returned_tensors)
+                                    kernel_table, positive_count, returned_tensors)
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -82,7 +82,7 @@ class PersistentScheduleTransform:
                  options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
                  samples: Sequence[Mapping[str, int]] | None = None):
         self.dims = dict(dims or {})
-        self.num_sms = num_sms
+        self.num_sms = positive_count(f"{type(self).__name__}: num_sms", num_sms)
         self.options = options
         self.scheduler = scheduler
         self.samples = [dict(s) for s in samples] if samples else None

@@ -139,6 +139,25 @@ def timeline_size(graph: TaskGraph, num_ctas: int) -> int:
     return (max(1, graph.num_tasks) + num_ctas) * TIMELINE_WORDS
 
 
+def is_integer(value, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
+
+
+def is_number(value) -> bool:
+    """Whether ``value`` is a real number (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer,
+                                                              np.floating))
+
+
+def positive_count(what: str, value) -> int:
+    """``value`` (a count of SMs, CTAs, ...) as an int, or an error naming ``what`` where it
+    is not a positive integer."""
+    if not is_integer(value, least=1):
+        raise EtcError(f"{what}={value!r} is not a positive integer")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """timeout_s: how long a wait may spin before the grid stops with an error.
@@ -159,6 +178,15 @@ class KernelOptions:
     drop_notify: int | None = None
     profile: bool = False
     claim: bool = False
+
+    def __post_init__(self):
+        # the kernel counts the limit in int64 nanoseconds
+        if not (is_number(self.timeout_s) and 0 < self.timeout_s < 2**63 / 1e9):
+            raise EtcError(f"KernelOptions: timeout_s={self.timeout_s!r} is not a positive "
+                           "number of seconds (below 9.2e9)")
+        positive_count("KernelOptions: ctas_per_sm", self.ctas_per_sm)
+        if self.drop_notify is not None and not is_integer(self.drop_notify, least=0):
+            raise EtcError(f"KernelOptions: drop_notify={self.drop_notify!r} is not a task id")
 
 
 DEFAULT_OPTIONS = KernelOptions()
