@@ -87,8 +87,8 @@ def power_of_two_samples(max_dims: Mapping[str, int]) -> list[dict[str, int]]:
     if len(max_dims) != 1:
         raise EtcError(f"max_dims samples one symbolic dim, got {dict(max_dims)}: give samples")
     (name, top), = max_dims.items()
-    if top < 1:
-        raise EtcError(f"max_dims {name}={top}: the maximum must be positive")
+    if not is_integer(top, least=1):
+        raise EtcError(f"max_dims {name}={top!r}: the maximum must be positive (an integer)")
     values = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
     return [{name: v} for v in values]
 

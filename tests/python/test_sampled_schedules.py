@@ -29,6 +29,8 @@ def test_power_of_two_samples_end_at_the_maximum():
         power_of_two_samples({"B": 8, "C": 8})
     with pytest.raises(EtcError, match="must be positive"):
         power_of_two_samples({"B": 0})
+    with pytest.raises(EtcError, match=r"B=64.0: the maximum must be positive \(an integer\)"):
+        power_of_two_samples({"B": 64.0})
 
 
 @pytest.mark.parametrize("sizes, message", [
