@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import tvm
@@ -98,9 +99,10 @@ class CachedCompile:
         binary = self.compile(code)
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            aside = path.with_name(f"{path.name}.{os.getpid()}")
-            aside.write_bytes(bytes(binary))
-            aside.replace(path)
+            handle, aside = tempfile.mkstemp(dir=directory, prefix=f"{path.name}.")
+            with os.fdopen(handle, "wb") as file:
+                file.write(bytes(binary))
+            os.replace(aside, path)
         except OSError:
             pass
         return binary
