@@ -42,19 +42,26 @@ def expert_weights():
     return moe_layer.make_expert_weights(np.random.default_rng(7), H, E, F)
 
 
-def f64(a):
-    """float64 on the GPU (bf16 arrays converted there)."""
+def on_gpu(a):
+    """A NumPy array as a torch tensor on the GPU, bf16 as ``torch.bfloat16``."""
     a = np.asarray(a)
     if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16).double()
-    return torch.from_numpy(a.astype(np.float64)).cuda()
+        return torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(a).cuda()
+
+
+def f64(a):
+    """float64 on the GPU (bf16 arrays converted there)."""
+    return on_gpu(a).double()
 
 
 @pytest.fixture(scope="module")
-def expert_weights_f64(expert_weights):
-    """(w_gate, w_up, w_down) in float64 on the GPU, converted once for the module."""
+def expert_weights_gpu(expert_weights):
+    """(w_gate, w_up, w_down) in bf16 on the GPU, moved once for the module. The float64
+    reference widens one expert's at a time: all of them in float64 are 4.8 GB a pytest
+    worker, 77 GB for the 16 workers of ``-n auto`` on 16 cores, nearly all of an H100."""
     w_gate_up, w_down = expert_weights
-    return (*(f64(w) for w in moe.split_gate_up(w_gate_up)), f64(w_down))
+    return (*(on_gpu(w) for w in moe.split_gate_up(w_gate_up)), on_gpu(w_down))
 
 
 @pytest.mark.parametrize("name", ("router", "router_mma"))
@@ -272,22 +279,22 @@ _layers = {}
 @pytest.mark.parametrize("routing", moe_layer.ROUTINGS)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert_weights_f64):
+def test_layer_megakernel(strategy, tokens, routing, rng, expert_weights, expert_weights_gpu):
     key = (strategy, tokens)
     if key not in _layers:
         _layers[key] = build(moe_layer.make_moe_layer(), {"T": tokens}, strategy=strategy)
     for _ in range(3):  # fresh routings through one compiled kernel
-        check_layer(_layers[key], tokens, routing, rng, expert_weights, expert_weights_f64)
+        check_layer(_layers[key], tokens, routing, rng, expert_weights, expert_weights_gpu)
 
 
-def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64,
+def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_gpu,
                 y_dtype="float32"):
     """One fresh routing through ``run`` against the float64 layer, within the tiles' bound
     (down's output stored as ``y_dtype``)."""
     inputs = (*moe_layer.make_routing_inputs(rng, tokens, H, E, routing), *expert_weights)
     want, bound = moe_layer.moe_layer_reference(*inputs, K, y_dtype=y_dtype)
     np.testing.assert_allclose(
-        moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_f64, K),
+        moe_layer.layer_float64_torch(f64(inputs[0]), f64(inputs[1]), *expert_weights_gpu, K),
         want, rtol=1e-9, atol=1e-9)
     assert_within(run(*inputs), want, bound)
 
@@ -296,32 +303,32 @@ def check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64,
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 @pytest.mark.parametrize("splits", (8, 32))
 def test_split_router_layer_megakernel(splits, strategy, tokens, rng, expert_weights,
-                                       expert_weights_f64):
+                                       expert_weights_gpu):
     """The router over splits of the hidden rows, 8 experts a task, two CTAs an SM, as
     bench_moe runs one token: 8 splits are 128 tasks of 256 rows; 32 splits, of 64 rows,
     leave half of a task's threads idle in the sums."""
     graph = moe_layer.make_moe_layer(experts_per_task=8, router_splits=splits, ctas_per_sm=2)
     run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
     for routing in moe_layer.ROUTINGS:
-        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (16, 100))
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
-def test_mma_router_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+def test_mma_router_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_gpu):
     """The router on tensor cores (blocks of 16 tokens, 32 experts; 100: a partial block)."""
     options = moe_layer.options_for(tokens, router_engine="mma", ctas_per_sm=2)
     run = build(moe_layer.make_moe_layer(**options), {"T": tokens}, strategy=strategy,
                 options=KernelOptions(ctas_per_sm=2))
     for routing in moe_layer.ROUTINGS:
-        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("bn, down_bn", [(32, None), (48, 64)])
 @pytest.mark.parametrize("tokens", (1, 16))
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_narrow_task_layer_megakernel(strategy, tokens, bn, down_bn, rng, expert_weights,
-                                      expert_weights_f64):
+                                      expert_weights_gpu):
     """Grouped-GEMM tasks of 32 or 48 columns (warps splitting K; down tasks of 64 columns
     with 48), blocked weights, two CTAs an SM."""
     graph = moe_layer.make_moe_layer(bn=bn, down_bn=down_bn, ctas_per_sm=2,
@@ -331,49 +338,49 @@ def test_narrow_task_layer_megakernel(strategy, tokens, bn, down_bn, rng, expert
     blocked = moe_layer.blocked_expert_weights(*expert_weights, 16, bn, down_bn)
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64)
+                    expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens, tile_rows, engine", [(16, 16, "mma"), (512, 64, "wgmma")])
 def test_blocked_weight_layer_megakernel(tokens, tile_rows, engine, rng, expert_weights,
-                                         expert_weights_f64):
+                                         expert_weights_gpu):
     graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine=engine, blocked_weights=True)
     run = build(graph, {"T": tokens}, strategy="dynamic")
     blocked = moe_layer.blocked_expert_weights(*expert_weights, tile_rows)
     check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, "random", rng,
-                expert_weights, expert_weights_f64)
+                expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tile_rows", [64, 128])
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
-def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert_weights_f64):
+def test_wgmma_layer_megakernel(strategy, tile_rows, rng, expert_weights, expert_weights_gpu):
     """64- and 128-row expert tiles on warpgroup MMA, as bench_moe --engine wgmma runs them
     (--tile-rows 128: at 1024 tokens most experts' pairs fit one tile), with the combine's
     whole-row tasks of ``combine_cols_for`` 512 tokens."""
     graph = moe_layer.make_moe_layer(tile_rows=tile_rows, engine="wgmma",
                                      combine_cols=moe_layer.combine_cols_for(512))
     check_layer(build(graph, {"T": 512}, strategy=strategy), 512, "random", rng,
-                expert_weights, expert_weights_f64)
+                expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic"])
 def test_128_row_wgmma_tiles_with_one_or_two_blocks_of_rows(strategy, routing, rng,
                                                             expert_weights,
-                                                            expert_weights_f64):
+                                                            expert_weights_gpu):
     """At 1024 tokens an expert averages 64 pairs: its 128-row tile holds rows in one m64
     block or in both, and the wgmmas of a block without rows are not issued; one expert as
     every token's first choice fills several tiles."""
     graph = moe_layer.make_moe_layer(**moe_layer.options_for(1024, tile_rows=128,
                                                               ctas_per_sm=2))
     run = build(graph, {"T": 1024}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
-    check_layer(run, 1024, routing, rng, expert_weights, expert_weights_f64)
+    check_layer(run, 1024, routing, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (1, 7, 20))
 @pytest.mark.parametrize("strategy", ["barrier", "static", "dynamic", "unfused"])
 def test_fused_route_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                      expert_weights_f64):
+                                      expert_weights_gpu):
     """Top-k and align as one task (20 tokens: its picks over two blocks of the tensor-core
     router's 16 tokens), as bench_moe runs it where align is one task, two CTAs an SM, every
     routing."""
@@ -381,13 +388,13 @@ def test_fused_route_layer_megakernel(strategy, tokens, rng, expert_weights,
                                                               ctas_per_sm=2))
     run = build(graph, {"T": tokens}, strategy=strategy, options=KernelOptions(ctas_per_sm=2))
     for routing in moe_layer.ROUTINGS:
-        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens, bn", [(512, 128), (1024, 256)])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weights,
-                                        expert_weights_f64):
+                                        expert_weights_gpu):
     """Grouped GEMMs of 32-column K slices (A in 64-byte swizzled rows, the rings 5 and 8
     stages deep), two CTAs an SM, blocked weights (the static kernel claiming), every
     routing."""
@@ -398,14 +405,14 @@ def test_shallow_slice_layer_megakernel(strategy, tokens, bn, rng, expert_weight
     blocked = moe_layer.blocked_expert_weights(*expert_weights, 64, bn)
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
-                    rng, expert_weights, expert_weights_f64)
+                    rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("bn, ctas_per_sm", [(256, 1), (128, 2)])
 @pytest.mark.parametrize("tokens", (100, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_two_warpgroup_layer_megakernel(strategy, tokens, bn, ctas_per_sm, rng, expert_weights,
-                                        expert_weights_f64):
+                                        expert_weights_gpu):
     """128 x ``bn`` tasks on two warpgroups of one m64 block each (256 threads; 128 x 256 at
     one CTA an SM, 128 x 128 at two; the static and barrier kernels claiming), every routing:
     a warpgroup whose block holds no rows multiplies zeros and stores nothing."""
@@ -417,7 +424,7 @@ def test_two_warpgroup_layer_megakernel(strategy, tokens, bn, ctas_per_sm, rng, 
     blocked = moe_layer.blocked_expert_weights(*expert_weights, 128, bn, bn)
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
-                    rng, expert_weights, expert_weights_f64)
+                    rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens, tile_rows, threads, bk, ctas_per_sm", [
@@ -425,7 +432,7 @@ def test_two_warpgroup_layer_megakernel(strategy, tokens, bn, ctas_per_sm, rng, 
     (100, 24, 128, 32, 2), (1, 8, 128, 64, 2)])
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_swapped_layer_megakernel(strategy, tokens, tile_rows, threads, bk, ctas_per_sm, rng,
-                                  expert_weights, expert_weights_f64):
+                                  expert_weights, expert_weights_gpu):
     """Grouped GEMMs on swapped wgmma tiles (the weights on the m64 side, the tile's rows
     the instruction's N): tiles of 96, 80 and 72 rows (at 1024 tokens an expert's pairs
     mostly fit one; 72 rows in 5-stage rings at three CTAs an SM, whose A stages end off a
@@ -441,13 +448,13 @@ def test_swapped_layer_megakernel(strategy, tokens, tile_rows, threads, bk, ctas
                                                options["down_bn"])
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *blocked), tokens, routing,
-                    rng, expert_weights, expert_weights_f64)
+                    rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens, tile_rows, blocked", [(512, 64, True), (1024, 128, False)])
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, expert_weights,
-                                   expert_weights_f64):
+                                   expert_weights_gpu):
     """Down tiles that fill their rings by TMA (``down_loads="tma"``), two CTAs an SM (the
     static kernel claiming): h's rows and the weight slab in whole boxes, through maps of the
     blocked (E, H/bn, F, bn) or in-place (E, F, H) weights; 128-row tiles with rows in one
@@ -460,12 +467,12 @@ def test_tma_down_layer_megakernel(strategy, tokens, tile_rows, blocked, rng, ex
         if blocked else expert_weights
     for routing in ("random", "one_expert"):
         check_layer(lambda x, w_router, *_: compiled(x, w_router, *weights), tokens, routing,
-                    rng, expert_weights, expert_weights_f64)
+                    rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (1, 16, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier"])
-def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_gpu):
     """CTAs that claim their tasks at run time (``KernelOptions.claim``), on the layer as
     bench_moe runs it, every routing: the tiles of unused experts are claimed and skipped, the
     peek before a task's notifies lets its next task skip waits its producers completed."""
@@ -473,34 +480,34 @@ def test_claimed_layer_megakernel(strategy, tokens, rng, expert_weights, expert_
     run = build(graph, {"T": tokens}, strategy=strategy,
                 options=KernelOptions(ctas_per_sm=2, claim=True))
     for routing in moe_layer.ROUTINGS:
-        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_f64)
+        check_layer(run, tokens, routing, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (1, 100))
 def test_deepest_rings_of_two_ctas_an_sm_launch(tokens, rng, expert_weights,
-                                                expert_weights_f64):
+                                                expert_weights_gpu):
     """64 x 64 wgmma rings as deep as two CTAs an SM allow (6 stages): the cooperative
     launch takes them, as it refused the 7 that an arena limit of half the SM's shared memory
     let through."""
     graph = moe_layer.make_moe_layer(tile_rows=64, bn=64, engine="wgmma", ctas_per_sm=2)
     run = build(graph, {"T": tokens}, strategy="barrier", options=KernelOptions(ctas_per_sm=2))
-    check_layer(run, tokens, "random", rng, expert_weights, expert_weights_f64)
+    check_layer(run, tokens, "random", rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (100, 512, 2048))
 @pytest.mark.parametrize("strategy", ["barrier", "dynamic", "unfused"])
-def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+def test_bf16_y_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_gpu):
     """Down's output stored in bf16 and read back by the combine, as bench_moe --y-dtype
     bfloat16 runs it (blocked weights, the tokens' defaults: at 100 tokens swapped 16-row
     tiles at four CTAs an SM, at 512 tokens swapped 48-row tiles, at 2048 tokens swapped
     152-row tiles on two warpgroups, two CTAs an SM)."""
-    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu)
     want = {100: ("swapped", 128, 4), 512: ("swapped", 128, 4),
             2048: ("swapped", 256, 2)}[tokens]
     assert (options["engine"], options["threads"], options["ctas_per_sm"]) == want
 
 
-def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64) -> dict:
+def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu) -> dict:
     """The layer as bench_moe builds it for ``tokens`` (``options_for``: its tiles, threads
     and CTAs an SM, blocked weights, y in bf16), every routing through one kernel; its
     options."""
@@ -511,21 +518,21 @@ def check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
                                                options["bn"], options["down_bn"])
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64, "bfloat16")
+                    expert_weights, expert_weights_gpu, "bfloat16")
     return options
 
 
 @pytest.mark.parametrize("tokens", (1101, 2048))  # 1101: a partial last combine block
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_combine_blocks_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                         expert_weights_f64):
+                                         expert_weights_gpu):
     """Combine tasks of 2 tokens (``pair_tile[2*b:2*b+2, :]`` in-edges), the tokens'
     defaults otherwise (blocked weights, y in bf16; the static and barrier kernels claiming)."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               combine_tokens=2)
 
 
-def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               **options):
     """The layer with ``options`` over the tokens' defaults (blocked weights, y in bf16), the
     static and barrier kernels claiming, every routing through one kernel."""
@@ -538,54 +545,54 @@ def check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weig
                                                options["bn"], options["down_bn"])
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64, "bfloat16")
+                    expert_weights, expert_weights_gpu, "bfloat16")
 
 
 @pytest.mark.parametrize("tokens, rows, bn", [(2, 8, 64), (15, 8, 64), (256, 24, 128)])
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_few_token_swapped_layer_megakernel(strategy, tokens, rows, bn, rng, expert_weights,
-                                            expert_weights_f64):
+                                            expert_weights_gpu):
     """Swapped grouped GEMM tiles at few tokens, as bench_moe builds the layer (8-row tiles of
     64-column tasks below 16 tokens, four CTAs an SM; the static and barrier kernels
     claiming), every routing: one expert's pairs then fill several tiles of 8 rows."""
     options = moe_layer.options_for(tokens)
     assert (options["engine"], options["tile_rows"], options["bn"]) == ("swapped", rows, bn)
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu)
 
 
 @pytest.mark.parametrize("tokens", (600, 1024, 2048))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_offsets_task_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                       expert_weights_f64):
+                                       expert_weights_gpu):
     """Align in three calls (one offsets task between the count and place calls, where the
     default's place tasks sum the counts themselves), the tokens' defaults otherwise (600: a
     partial last chunk)."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               place_offsets=False)
 
 
 @pytest.mark.parametrize("tokens", (600, 1024, 2048))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
-def test_topk_counts_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+def test_topk_counts_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_gpu):
     """Align in one call: the top-k tasks count their picks, the place tasks sum those rows
     (600: a partial last chunk and top-k block), the tokens' defaults otherwise."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               topk_counts=True)
 
 
 @pytest.mark.parametrize("tokens", (600, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
-def test_count_call_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_f64):
+def test_count_call_layer_megakernel(strategy, tokens, rng, expert_weights, expert_weights_gpu):
     """Align in two calls (a count call, then place tasks that sum its rows), where the
     default's top-k tasks count their picks themselves."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               topk_counts=False)
 
 
 @pytest.mark.parametrize("tokens", (1101,))  # a partial last combine block
 @pytest.mark.parametrize("strategy", ["static", "dynamic", "unfused"])
 def test_combine_prefetch_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                           expert_weights_f64):
+                                           expert_weights_gpu):
     """Combine tasks that first ask for their rows of y in L2 (bulk prefetches), the tokens'
     defaults otherwise (blocked weights, y in bf16; the static kernel claiming)."""
     options = moe_layer.options_for(tokens, blocked_weights=True, y_dtype="bfloat16",
@@ -597,26 +604,26 @@ def test_combine_prefetch_layer_megakernel(strategy, tokens, rng, expert_weights
                                                options["bn"], options["down_bn"])
     for routing in moe_layer.ROUTINGS:
         check_layer(lambda x, w_router, *_: run(x, w_router, *blocked), tokens, routing, rng,
-                    expert_weights, expert_weights_f64, "bfloat16")
+                    expert_weights, expert_weights_gpu, "bfloat16")
 
 
 @pytest.mark.parametrize("tokens", (1100,))  # partial last router and top-k blocks
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic", "unfused"))
 def test_wide_router_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                      expert_weights_f64):
+                                      expert_weights_gpu):
     """Router tasks of 32 tokens x 64 experts beside top-k tasks of 8 (the default from 1024
     tokens), as bench_moe runs the layer."""
-    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu)
     assert (options["router_tokens"], options["block_tokens"]) == (32, 8)
 
 
 @pytest.mark.parametrize("tokens", (600,))  # 10 chunks of 64 tokens, the last of 24
 @pytest.mark.parametrize("strategy", ("barrier", "dynamic"))
 def test_align_over_chunks_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                            expert_weights_f64):
+                                            expert_weights_gpu):
     """The layer with align over several CTAs in one call (the default from 512 to 1024
     tokens), as bench_moe runs it."""
-    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64)
+    options = check_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu)
     assert options["align_tokens"] == moe.ALIGN_CHUNK_TOKENS and options["topk_counts"]
 
 
@@ -647,23 +654,23 @@ def test_graphs_captured_between_builds_keep_their_memory(rng, expert_weights):
 @pytest.mark.parametrize("tokens", (1, 3, 4))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "mixed", "unfused"])
 def test_routed_gate_up_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                         expert_weights_f64):
+                                         expert_weights_gpu):
     """gate_up tasks that route themselves from the router's logits and wait for the router
     only (``routed_gate_up``), the tokens' defaults otherwise, every routing: their rows of h
     are those align gives the down tasks."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               routed_gate_up=True)
 
 
 @pytest.mark.parametrize("tokens", (1, 16, 1024))
 @pytest.mark.parametrize("strategy", ["static", "barrier", "dynamic", "unfused"])
 def test_early_weights_layer_megakernel(strategy, tokens, rng, expert_weights,
-                                        expert_weights_f64):
+                                        expert_weights_gpu):
     """Down tasks whose prelude issues their first weight slices before they wait for h
     (``early_weights``), the tokens' defaults otherwise (blocked weights, y in bf16; the
     static and barrier kernels claiming): the tasks of unused tiles, which the trigger skips
     after their prelude ran, leave no copy in flight."""
-    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_f64,
+    check_claimed_bench_layer(strategy, tokens, rng, expert_weights, expert_weights_gpu,
                               early_weights=True)
 
 
