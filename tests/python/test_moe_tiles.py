@@ -915,6 +915,31 @@ def test_layer_with_early_weights_or_routed_gate_up_matches_float64(option, engi
     assert_within(out, want, bound)
 
 
+def test_one_cta_an_sm_layer_with_deep_rings_compiles_and_matches_float64(tmp_path):
+    """One token on one CTA an SM, as ``bench_moe --ctas-per-sm 1 --bn 96 --down-bn 128
+    --stages 10`` builds it: 128 gate_up tasks of 96 columns and 128 down tasks of 128, one
+    of each an SM, through 10-stage rings (165 and 193 KB, past what two CTAs an SM hold).
+    The claimed static and the dynamic kernels compile for sm_90a without spills; the small
+    layer of the same task widths matches float64 on the reference executor."""
+    options = moe_layer.options_for(1, blocked_weights=True, y_dtype="bfloat16",
+                                    ctas_per_sm=1, bn=96, down_bn=128, stages=10)
+    graph = make_moe_layer(**options)
+    calls = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": 1}).calls}
+    assert calls["gate_up_2048x768_e128_16x96x64_s10_t128_blocked_routed_top8_s8"] == 128
+    assert calls["down_768x2048_e128_16x128x64_s10_t128_blocked_ybf16_early"] == 128
+    for strategy, claim in (("static", True), ("dynamic", False)):
+        build_cubin(build(graph, {"T": 1}, strategy=strategy, num_sms=132,
+                          options=KernelOptions(ctas_per_sm=1, claim=claim)).cuda_source(),
+                    tmp_path)
+    inputs = make_inputs(np.random.default_rng(1), 1, H, E, 192)  # 2F and F: 96s and 64s
+    small = make_moe_layer(H, E, K, 192, bn=96, down_bn=128, combine_cols=128, stages=10,
+                           ctas_per_sm=1, blocked_weights=True, routed_gate_up=True,
+                           early_weights=True)
+    weights = moe_layer.blocked_expert_weights(*inputs[2:], BT, 96, 128)
+    want, bound = moe_layer_reference(*inputs, K)
+    assert_within(execute(small, *inputs[:2], *weights, order=RandomOrder(seed=1)), want, bound)
+
+
 def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
     """gate_up tasks that route themselves from the router's logits, in the static kernel as
     bench_moe builds it at one token (claimed): they wait for the router's element, not for

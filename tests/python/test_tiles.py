@@ -172,6 +172,20 @@ def test_gemm_shared_memory_fits_a_task(config):
     assert tile.num_threads == cfg.get("threads", 128)
 
 
+def test_gemm_ring_depth_is_bounded_by_one_ctas_arena_not_by_two():
+    """An mma ring may take what one persistent CTA an SM holds (a 16 x 96 tile of 12 stages
+    and its K-split partial sums, 195 KB), as a wgmma ring may; a stage more is refused,
+    naming the bytes."""
+    assert gemm.shared_bytes(16, 96, 64, 12) == 12 * (16 * 72 + 64 * 104) * 2 \
+        + 2 * 16 * 96 * 4 <= gemm.SMEM_LIMIT
+    gemm.check_geometry(16, 96, 64, 128, 12)
+    assert gemm.deepest_stages(16, 96, 64, most=16) == 12
+    over = gemm.shared_bytes(16, 96, 64, 13)
+    with pytest.raises(EtcError, match=f"16x96x64 x13 stages needs {over} bytes of shared "
+                                       f"memory, more than {gemm.SMEM_LIMIT}"):
+        gemm.check_geometry(16, 96, 64, 128, 13)
+
+
 @pytest.mark.parametrize("bm, bn, bk, warps, grid", [
     (64, 64, 32, 4, (2, 2, 1)), (16, 64, 64, 4, (1, 4, 1)), (128, 128, 32, 8, (2, 4, 1)),
     (16, 32, 64, 4, (1, 2, 2)), (16, 16, 64, 4, (1, 1, 4)), (16, 16, 32, 4, None)])
@@ -200,7 +214,7 @@ def test_a_configuration_is_one_device_function():
 @pytest.mark.parametrize("make, kwargs, message", [
     (gemm.make_gemm_tile, {"bk": 24}, "bk a multiple of 16"),
     (gemm.make_gemm_tile, {"threads": 96, "bm": 16, "bn": 16}, "cannot split"),
-    (gemm.make_gemm_tile, {"bm": 256, "bn": 128, "bk": 64, "stages": 2}, "more than"),
+    (gemm.make_gemm_tile, {"bm": 256, "bn": 128, "bk": 64, "stages": 4}, "more than"),
     (gemm.make_gemm_tile, {"out_dtype": "float16"}, "out_dtype"),
     (elementwise.make_activation_tile, {"activation": "tanh"}, "unknown activation"),
     (elementwise.make_activation_tile, {"cols": 6}, "divide"),

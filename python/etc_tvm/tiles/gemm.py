@@ -44,7 +44,9 @@ from ..errors import EtcError
 
 PAD = 8  # bf16 elements of padding per shared row (16 bytes)
 CHUNK = 8  # bf16 elements per cp.async (16 bytes)
-SMEM_LIMIT = 100 * 1024  # bytes per task; the megakernel's arena holds the largest tile
+# bytes of shared memory a task may use, on any engine: the arena of one persistent CTA an
+# SM (227 KB less the kernel's own) holds it; with more CTAs an SM, their share bounds it
+SMEM_LIMIT = 200 * 1024
 OUT_DTYPES = ("float32", "bfloat16")
 
 

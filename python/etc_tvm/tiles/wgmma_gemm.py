@@ -92,8 +92,9 @@ from tvm.script import tirx as T
 from ..device_func import DeviceFunc, device_func
 from ..errors import EtcError
 from ..tensor_map import TensorMap
-from .gemm import (OUT_DTYPES, block_requires, chunk_source, copy_a_chunk, error_bound,
-                   gathered_rows, row_stored, set_block_reference, store_fragments)
+from .gemm import (OUT_DTYPES, SMEM_LIMIT, block_requires, chunk_source, copy_a_chunk,
+                   error_bound, gathered_rows, row_stored, set_block_reference,
+                   store_fragments)
 
 ROW_BYTES = 128  # one 128B-swizzle row: 64 bf16
 PANEL = ROW_BYTES // 2  # bf16 columns of one panel
@@ -103,7 +104,6 @@ SWIZZLES = {64: 2, 128: 3}  # swizzle bytes -> the CUtensorMapSwizzle encode_mat
 WARPGROUP = 128
 BLOCK_ROWS = 64  # rows of one wgmma (m64)
 MAX_ACC_REGS = 128  # fp32 accumulators per thread; more leaves too few registers to run
-SMEM_LIMIT = 200 * 1024  # bytes per task; the megakernel's arena (227 KB a CTA) holds it
 LOADS = ("cp.async", "tma")
 STORES = ("fragments", "staged")  # WgmmaTile.store, WgmmaTile.store_staged
 STAGE_PAD = 8  # bf16 a staged row is padded by: the fragments' 4-byte writes miss no bank twice
