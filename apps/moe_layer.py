@@ -822,7 +822,8 @@ def engine_for(tile_rows: int, engine: str) -> str:
 def layer_float64_torch(x, w_router, w_gate, w_up, w_down, top_k: int) -> np.ndarray:
     """The layer in float64 with PyTorch, on the device of its (torch) inputs: ties to the
     lower expert index (a stable sort), one expert's rows at a time. ``w_gate`` and ``w_up``
-    (E, H, F) are ``moe.split_gate_up`` of the layer's interleaved weights."""
+    (E, H, F) are ``moe.split_gate_up`` of the layer's interleaved weights; the expert weights
+    may stay bf16, as each expert's are widened to float64 (exactly) where they are used."""
     import torch
 
     x, w_router = x.double(), w_router.double()
