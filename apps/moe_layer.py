@@ -96,7 +96,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     two CTAs on 132 SMs, against 192 of 64 columns; on the H200 no faster). ``stages``: each
     grouped GEMM's cp.async ring, by default the deepest that fits (``gemm.deepest_stages``)
     the shared memory of one of the ``ctas_per_sm`` persistent CTAs an SM runs
-    (``KernelOptions.ctas_per_sm``), within ``gemm.SMEM_LIMIT``. For 64 x 128
+    (``KernelOptions.ctas_per_sm``), within ``gemm.DEFAULT_RING_BYTES`` for "mma" tiles
+    and ``gemm.SMEM_LIMIT`` for wgmma ones (a given ``stages`` up to that). For 64 x 128
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
     overlap the other's task.
@@ -312,7 +313,7 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     wgmma = engine in ("wgmma", "swapped")
     footprint = wgmma_gemm.shared_bytes if wgmma else functools.partial(gemm.shared_bytes,
                                                                          threads=threads)
-    limit = min(gemm.SMEM_LIMIT, arena_limit(ctas_per_sm))
+    limit = min(gemm.SMEM_LIMIT if wgmma else gemm.DEFAULT_RING_BYTES, arena_limit(ctas_per_sm))
 
     def deepest(columns: int, bk: int) -> int:
         return gemm.deepest_stages(tile_rows, columns, bk, footprint=footprint, limit=limit)

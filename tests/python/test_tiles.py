@@ -173,13 +173,15 @@ def test_gemm_shared_memory_fits_a_task(config):
 
 
 def test_gemm_ring_depth_is_bounded_by_one_ctas_arena_not_by_two():
-    """An mma ring may take what one persistent CTA an SM holds (a 16 x 96 tile of 12 stages
-    and its K-split partial sums, 195 KB), as a wgmma ring may; a stage more is refused,
-    naming the bytes."""
+    """An mma ring asked for may take what one persistent CTA an SM holds (a 16 x 96 tile of
+    12 stages and its K-split partial sums, 195 KB), as a wgmma ring may; a stage more is
+    refused, naming the bytes. The default ring stays within ``DEFAULT_RING_BYTES``."""
     assert gemm.shared_bytes(16, 96, 64, 12) == 12 * (16 * 72 + 64 * 104) * 2 \
         + 2 * 16 * 96 * 4 <= gemm.SMEM_LIMIT
     gemm.check_geometry(16, 96, 64, 128, 12)
-    assert gemm.deepest_stages(16, 96, 64, most=16) == 12
+    assert gemm.deepest_stages(16, 96, 64, most=16, limit=gemm.SMEM_LIMIT) == 12
+    assert gemm.shared_bytes(16, 96, 64, gemm.deepest_stages(16, 96, 64)) \
+        <= gemm.DEFAULT_RING_BYTES < gemm.shared_bytes(16, 96, 64, 6)
     over = gemm.shared_bytes(16, 96, 64, 13)
     with pytest.raises(EtcError, match=f"16x96x64 x13 stages needs {over} bytes of shared "
                                        f"memory, more than {gemm.SMEM_LIMIT}"):

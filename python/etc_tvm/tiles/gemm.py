@@ -47,6 +47,9 @@ CHUNK = 8  # bf16 elements per cp.async (16 bytes)
 # bytes of shared memory a task may use, on any engine: the arena of one persistent CTA an
 # SM (227 KB less the kernel's own) holds it; with more CTAs an SM, their share bounds it
 SMEM_LIMIT = 200 * 1024
+# what ``deepest_stages`` gives an mma ring by default: deeper ones were never timed (a
+# caller's ``stages`` may take up to SMEM_LIMIT)
+DEFAULT_RING_BYTES = 100 * 1024
 OUT_DTYPES = ("float32", "bfloat16")
 
 
@@ -75,7 +78,7 @@ def shared_bytes(bm: int, bn: int, bk: int, stages: int, threads: int = 128) -> 
 
 
 def deepest_stages(bm: int, bn: int, bk: int, most: int = 8, footprint=None,
-                   limit: int = SMEM_LIMIT) -> int:
+                   limit: int = DEFAULT_RING_BYTES) -> int:
     """The deepest cp.async ring, up to ``most``, that fits ``limit`` bytes: a tile that
     streams weights through few rows is bound by the loads it keeps in flight, ``stages - 1``
     slices (at 2 stages the MoE grouped GEMMs waited a memory latency per K slice).
