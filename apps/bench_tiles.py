@@ -281,8 +281,9 @@ def decode_cases(rows, batches, contexts, heads=attention.QWEN3_30B_A3B, splits=
 
 def routed_cases(rows):
     """The MoE tiles after the router at Qwen3-30B-A3B sizes (align, the grouped GEMMs on the
-    layer's decode tiles: 16 rows, 64 columns, the deepest default ring (gemm.deepest_stages), and
-    combine), for one random routing of each count of tokens in ``rows``."""
+    layer's decode tiles: 16 rows, 64 columns, the deepest default ring
+    (``gemm.deepest_stages``), and combine), for one random routing of each count of tokens
+    in ``rows``."""
     H, E, K, F = (QWEN3_30B_A3B[k] for k in ("hidden", "experts", "top_k", "intermediate"))
     graphs = one_call_graphs(H, E, K, F, grouped_stages=gemm.deepest_stages(BT, MMA_BN, 64),
                              chunk_tokens=moe.ALIGN_CHUNK_TOKENS)
