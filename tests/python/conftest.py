@@ -1,5 +1,6 @@
 import etc_tvm  # noqa: F401  (first: prepares CUDA builds before anything imports tvm)
 
+import os
 import shutil
 import zlib
 
@@ -37,6 +38,19 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def pytest_configure(config):
+    """One BLAS thread a pytest-xdist worker (where the environment names none): ``-n auto``
+    already runs a worker a core, and a BLAS pool of a thread a core in every worker would
+    run the float64 references' matrix products on many times more threads than cores.
+    Workers start after this hook and inherit the environment."""
+    if config.getoption("numprocesses", None):
+        for name in BLAS_THREADS:
+            os.environ.setdefault(name, "1")
 
 
 def pytest_collection_modifyitems(config, items):
