@@ -80,17 +80,17 @@ def run_tasks(tile, grid, *arrays):
 
 def gaussian_routing_inputs(rng, tokens, draws=100):
     """bf16 x and w_router with every token's K-th and (K+1)-th logit apart by more than
-    twice the fp32 logit bound. The tokens with a near tie are redrawn, not the whole draw:
-    a token's margin does not depend on the others, and at 128 tokens nearly every whole
-    draw holds a tie."""
+    twice the fp32 logit bound. The tokens with a near tie are redrawn, not the whole draw
+    (``moe.routing_margins``: a token's margin does not depend on the others): at 128 tokens
+    nearly every whole draw holds a tie."""
     w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(BF16)
     x = rng.standard_normal((tokens, H)).astype(BF16)
     for _ in range(draws):
-        tied = [t for t in range(tokens) if moe.routing_margin(x[t:t + 1], w, K) <= 0]
-        if not tied:
+        tied = np.flatnonzero(moe.routing_margins(x, w, K) <= 0)
+        if tied.size == 0:
             return x, w
         x[tied] = rng.standard_normal((len(tied), H)).astype(BF16)
-    raise AssertionError(f"tokens {tied} still have a near tie after {draws} draws")
+    raise AssertionError(f"tokens {tied.tolist()} still have a near tie after {draws} draws")
 
 
 # ------------------------------------------------------------------ references vs float64

@@ -514,15 +514,20 @@ def logit_bound(x, w_router) -> np.ndarray:
                                       @ np.abs(w_router.astype(np.float64)))
 
 
-def routing_margin(x, w_router, top_k: int) -> float:
-    """The smallest float64 gap between a token's K-th and (K+1)-th logit, less the fp32 logit
-    bound twice: positive means the device must pick the float64 experts."""
+def routing_margins(x, w_router, top_k: int) -> np.ndarray:
+    """Each token's float64 gap between its K-th and (K+1)-th logit, less its fp32 logit
+    bound twice: positive means the device must pick that token's float64 experts."""
     logits = x.astype(np.float64) @ w_router.astype(np.float64)
-    ordered = np.sort(logits, axis=1)[:, ::-1]
     if top_k == logits.shape[1]:
-        return np.inf
-    return float((ordered[:, top_k - 1] - ordered[:, top_k]
-                  - 2 * logit_bound(x, w_router).max(axis=1)).min())
+        return np.full(logits.shape[0], np.inf)
+    ordered = np.sort(logits, axis=1)[:, ::-1]
+    return ordered[:, top_k - 1] - ordered[:, top_k] - 2 * logit_bound(x, w_router).max(axis=1)
+
+
+def routing_margin(x, w_router, top_k: int) -> float:
+    """The smallest of ``routing_margins``: positive means the device must pick the float64
+    experts of every token."""
+    return float(routing_margins(x, w_router, top_k).min())
 
 
 def router_weight_bound(x, w_router, topw64) -> np.ndarray:
