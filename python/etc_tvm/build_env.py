@@ -5,8 +5,9 @@ installed it cannot load, and ``tvm.compile`` then silently keeps CUDA *source* 
 so an exported library would compile at load time. To export real sm_90a machine code from
 such a machine, a stub ``libcuda.so.1`` (every entry point answers "no device") is built with
 the C compiler and loaded before TVM, and TVM compiles through ``nvcc`` (NVRTC needs the
-``cuda-bindings`` package, which driverless machines lack). This must run before ``import
-tvm``; ``etc_tvm`` does it on import. Where a driver exists nothing changes.
+``cuda-bindings`` package, which driverless machines lack). ``etc_tvm`` does it on import;
+where ``tvm`` was imported first, its CUDA runtime library (skipped then, for want of a
+driver) is loaded once the stub is. Where a driver exists nothing changes.
 """
 from __future__ import annotations
 
@@ -49,8 +50,6 @@ def prepare() -> str:
     """Make TVM able to emit machine code here; returns what was done (for diagnostics)."""
     if has_driver():
         return "driver present"
-    if "tvm" in sys.modules:
-        return "tvm already imported: CUDA modules keep their source"
     if shutil.which("nvcc") is None or shutil.which("cc") is None:
         return "no nvcc or C compiler: CUDA modules keep their source"
     stub_dir = Path(tempfile.gettempdir()) / f"etc_tvm_cuda_stub_{os.getuid()}"
@@ -65,4 +64,19 @@ def prepare() -> str:
         partial.replace(stub)
     ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    if "tvm" in sys.modules:
+        _load_tvm_cuda_runtime()
     return "stub driver, nvcc"
+
+
+def _load_tvm_cuda_runtime() -> None:
+    """Load TVM's CUDA runtime library as ``import tvm`` does (``tvm.backend.cuda``), for an
+    ``import tvm`` that ran before the stub and could not load it."""
+    from tvm.base import _LOADED_LIBS
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    if "tvm_runtime_cuda" not in _LOADED_LIBS:
+        runtime_dir = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
+            package="tvm", target_name="tvm_runtime_cuda", extra_lib_paths=[runtime_dir],
+            mode="RTLD_LOCAL")

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import etc_tvm
 from cubin import NVCC
+from etc_tvm.build import has_gpu
 from etc_tvm.tiles import attention
 
 APPS = Path(__file__).resolve().parents[2] / "apps"
@@ -26,6 +28,10 @@ def test_quickstart(capsys):
     out = capsys.readouterr().out
     assert "task graph scale_then_mix (B=96): 24 tasks in 2 calls" in out
     assert out.count(": correct") == 3 + ("run from the exported" in out)
+    if has_gpu():
+        assert "run from the exported scale_then_mix.so" in out
+    elif not etc_tvm.BUILD_ENV.startswith("no nvcc"):
+        assert "sm_90a machine code); no GPU here" in out
 
 
 def test_readme_tour_runs(tmp_path):

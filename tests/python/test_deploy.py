@@ -25,6 +25,15 @@ x, y = np.load(sys.argv[2]), np.load(sys.argv[3])
 np.save(sys.argv[4], graph(x, y))
 assert "tvm.relax" not in sys.modules  # the compiler's Python side never loaded
 """
+TVM_FIRST = """
+import sys
+import tvm  # before etc_tvm: on a machine without a driver it loads no CUDA runtime
+import etc_tvm
+sys.path.insert(0, sys.argv[3])
+import graphs
+etc_tvm.build(graphs.two_ops, {"M": int(sys.argv[2])}).export(sys.argv[1])
+print(etc_tvm.BUILD_ENV)
+"""
 
 
 def export(tmp_path: Path) -> Path:
@@ -33,13 +42,33 @@ def export(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.skipif(etc_tvm.BUILD_ENV.startswith("no nvcc"), reason="needs nvcc")
-def test_export_holds_machine_code_not_source(tmp_path):
-    data = export(tmp_path).read_bytes()
+def assert_machine_code(library: Path) -> None:
+    data = library.read_bytes()
     assert b"__global__" not in data  # no CUDA source to compile at load time
     assert data.count(b"\x7fELF") >= 2  # the host library and the embedded GPU image
     assert b"sm_90a" in data
-    assert (tmp_path / "two_ops.so.json").exists()
+    assert library.with_name(library.name + ".json").exists()
+
+
+needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV.startswith("no nvcc"), reason="needs nvcc")
+
+
+@needs_nvcc
+def test_export_holds_machine_code_not_source(tmp_path):
+    assert_machine_code(export(tmp_path))
+
+
+@needs_nvcc
+def test_export_holds_machine_code_when_tvm_was_imported_first(tmp_path):
+    """A program that imports tvm before etc_tvm, in a fresh process."""
+    library = tmp_path / "two_ops.so"
+    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
+    proc = subprocess.run([sys.executable, "-c", TVM_FIRST, str(library), str(DIMS["M"]),
+                           str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() in ("driver present", "stub driver, nvcc"), proc.stdout
+    assert_machine_code(library)
 
 
 @pytest.mark.gpu
