@@ -1,10 +1,13 @@
 """``etc_tvm.build``: a graph function to a runnable megakernel, in one call."""
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Mapping, Sequence
 
 import tvm
 
+from . import build_env
 from .graph_func import GraphFunc
 from .relax_passes import pipeline
 from .errors import EtcError
@@ -132,3 +135,14 @@ class _Unloaded(CompiledGraph):
 
     def run(self, *inputs):
         raise RuntimeError("no GPU here: export() the library and load() it where one is")
+
+    def export(self, path: str | os.PathLike) -> None:
+        """Write the library, with a warning where its kernels stay CUDA source (then a
+        machine that loads it has to compile them)."""
+        from . import BUILD_ENV
+
+        if BUILD_ENV == build_env.NO_COMPILER:
+            warnings.warn(f"{path}: the kernels are CUDA source, not sm_90a machine code "
+                          f"({BUILD_ENV}); with nvcc on the PATH, a build exports machine "
+                          "code", stacklevel=2)
+        super().export(path)

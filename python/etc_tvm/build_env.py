@@ -38,6 +38,12 @@ CUresult cuTensorMapEncodeTiled(void* t, int d, unsigned r, void* g, const void*
 """
 
 
+# what ``prepare`` did, which ``etc_tvm.BUILD_ENV`` holds
+DRIVER = "driver present"
+STUB_DRIVER = "stub driver, nvcc"
+NO_COMPILER = "no nvcc or C compiler: CUDA modules keep their source"
+
+
 def has_driver() -> bool:
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -49,9 +55,9 @@ def has_driver() -> bool:
 def prepare() -> str:
     """Make TVM able to emit machine code here; returns what was done (for diagnostics)."""
     if has_driver():
-        return "driver present"
+        return DRIVER
     if shutil.which("nvcc") is None or shutil.which("cc") is None:
-        return "no nvcc or C compiler: CUDA modules keep their source"
+        return NO_COMPILER
     stub_dir = Path(tempfile.gettempdir()) / f"etc_tvm_cuda_stub_{os.getuid()}"
     stub = stub_dir / "libcuda.so.1"
     if not stub.exists():
@@ -66,7 +72,7 @@ def prepare() -> str:
     os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
     if "tvm" in sys.modules:
         _load_tvm_cuda_runtime()
-    return "stub driver, nvcc"
+    return STUB_DRIVER
 
 
 def _load_tvm_cuda_runtime() -> None:

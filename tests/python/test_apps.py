@@ -30,7 +30,7 @@ def test_quickstart(capsys):
     assert out.count(": correct") == 3 + ("run from the exported" in out)
     if has_gpu():
         assert "run from the exported scale_then_mix.so" in out
-    elif not etc_tvm.BUILD_ENV.startswith("no nvcc"):
+    elif etc_tvm.BUILD_ENV != etc_tvm.build_env.NO_COMPILER:
         assert "sm_90a machine code); no GPU here" in out
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import etc_tvm
+from etc_tvm import build_env
 from etc_tvm.build import build
 from etc_tvm.executor import execute
 
@@ -50,7 +51,8 @@ def assert_machine_code(library: Path) -> None:
     assert library.with_name(library.name + ".json").exists()
 
 
-needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV.startswith("no nvcc"), reason="needs nvcc")
+needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV == etc_tvm.build_env.NO_COMPILER,
+                                reason="needs nvcc")
 
 
 @needs_nvcc
@@ -67,8 +69,26 @@ def test_export_holds_machine_code_when_tvm_was_imported_first(tmp_path):
                            str(Path(__file__).parent)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() in ("driver present", "stub driver, nvcc"), proc.stdout
+    assert proc.stdout.strip() in (build_env.DRIVER, build_env.STUB_DRIVER), proc.stdout
     assert_machine_code(library)
+
+
+def test_export_without_nvcc_warns_that_it_holds_source(tmp_path):
+    """On a machine with neither a driver nor nvcc (nvcc taken off the PATH, in a fresh
+    process), the library carries CUDA source, and export says so."""
+    if etc_tvm.BUILD_ENV == build_env.DRIVER:
+        pytest.skip("a driver compiles through NVRTC, nvcc or not")
+    library = tmp_path / "two_ops.so"
+    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
+                                  if not (Path(d) / "nvcc").exists())
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", TVM_FIRST, str(library),
+                           str(DIMS["M"]), str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == build_env.NO_COMPILER
+    assert "the kernels are CUDA source, not sm_90a machine code" in proc.stderr
+    assert b"__global__" in library.read_bytes()
 
 
 @pytest.mark.gpu
