@@ -99,5 +99,6 @@ def main() -> None:
     print(f"{'GPU megakernel':>22}: correct (max |error| {np.abs(y - want).max():.1e}), "
           f"run from the exported {library.name}")
 
+
 if __name__ == "__main__":
     main()

@@ -51,8 +51,7 @@ def assert_machine_code(library: Path) -> None:
     assert library.with_name(library.name + ".json").exists()
 
 
-needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV == etc_tvm.build_env.NO_COMPILER,
-                                reason="needs nvcc")
+needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV == build_env.NO_COMPILER, reason="needs nvcc")
 
 
 @needs_nvcc
@@ -60,33 +59,35 @@ def test_export_holds_machine_code_not_source(tmp_path):
     assert_machine_code(export(tmp_path))
 
 
+def export_after_import_tvm(library: Path, path: str) -> subprocess.CompletedProcess:
+    """``TVM_FIRST`` in a fresh process whose PATH is ``path``; its stdout is BUILD_ENV."""
+    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", TVM_FIRST, str(library),
+                           str(DIMS["M"]), str(Path(__file__).parent)],
+                          env={**env, "PATH": path}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @needs_nvcc
 def test_export_holds_machine_code_when_tvm_was_imported_first(tmp_path):
-    """A program that imports tvm before etc_tvm, in a fresh process."""
     library = tmp_path / "two_ops.so"
-    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
-    proc = subprocess.run([sys.executable, "-c", TVM_FIRST, str(library), str(DIMS["M"]),
-                           str(Path(__file__).parent)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = export_after_import_tvm(library, os.environ.get("PATH", ""))
     assert proc.stdout.strip() in (build_env.DRIVER, build_env.STUB_DRIVER), proc.stdout
     assert_machine_code(library)
 
 
 def test_export_without_nvcc_warns_that_it_holds_source(tmp_path):
-    """On a machine with neither a driver nor nvcc (nvcc taken off the PATH, in a fresh
-    process), the library carries CUDA source, and export says so."""
+    """With neither a driver nor nvcc (taken off the PATH) the library carries CUDA source,
+    and export says so."""
     if etc_tvm.BUILD_ENV == build_env.DRIVER:
         pytest.skip("a driver compiles through NVRTC, nvcc or not")
     library = tmp_path / "two_ops.so"
-    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
-    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
-                                  if not (Path(d) / "nvcc").exists())
-    proc = subprocess.run([sys.executable, "-W", "always", "-c", TVM_FIRST, str(library),
-                           str(DIMS["M"]), str(Path(__file__).parent)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == build_env.NO_COMPILER
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not (Path(d) / "nvcc").exists())
+    proc = export_after_import_tvm(library, path)
+    assert proc.stdout.strip() == build_env.NO_COMPILER, proc.stdout
     assert "the kernels are CUDA source, not sm_90a machine code" in proc.stderr
     assert b"__global__" in library.read_bytes()
 
