@@ -844,7 +844,7 @@ def moe_layer_reference(x, w_router, w_gate_up, w_down, top_k: int,
                         y_dtype: str = "float32"):
     """(out, bound): the layer in float64 from the same bf16 inputs, and the bound on
     ``|out_device - out|`` the tiles' contracts compose to, given the device picks the same
-    experts (``moe.routing_margin`` > 0): h within ``moe.gate_up_bound``, carried through the
+    experts (``moe.routing_margins`` > 0): h within ``moe.gate_up_bound``, carried through the
     down GEMM (``|dh| @ |Wd|`` plus its own fp32 sums) and y's storage as ``y_dtype``
     (``moe.y_rounding_bound``), the router weights within ``moe.router_weight_bound``, then
     ``moe.combine_bound``."""

@@ -524,12 +524,6 @@ def routing_margins(x, w_router, top_k: int) -> np.ndarray:
     return ordered[:, top_k - 1] - ordered[:, top_k] - 2 * logit_bound(x, w_router).max(axis=1)
 
 
-def routing_margin(x, w_router, top_k: int) -> float:
-    """The smallest of ``routing_margins``: positive means the device must pick the float64
-    experts of every token."""
-    return float(routing_margins(x, w_router, top_k).min())
-
-
 def router_weight_bound(x, w_router, topw64) -> np.ndarray:
     """(T, K) bound on ``|topw - topw64|`` when the experts agree: d log w_k = dl_k -
     sum_j w_j dl_j moves by at most 2 * max dl, plus ex2.approx and the division
