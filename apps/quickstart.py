@@ -83,13 +83,14 @@ def main() -> None:
         np.testing.assert_allclose(y, want, rtol=1e-6)
         print(f"{label:>22}: correct (max |error| {np.abs(y - want).max():.1e})")
 
-    if not has_gpu() and etc_tvm.BUILD_ENV == etc_tvm.build_env.NO_COMPILER:
+    gpu = has_gpu()
+    if not gpu and etc_tvm.BUILD_ENV == etc_tvm.build_env.NO_COMPILER:
         print(f"{'GPU megakernel':>22}: skipped, no GPU and no nvcc here")
         return
     with tempfile.TemporaryDirectory() as tmp:
         library = Path(tmp) / "scale_then_mix.so"
         build(scale_then_mix, {"B": batch}).export(library)
-        if not has_gpu():
+        if not gpu:
             print(f"{'GPU megakernel':>22}: exported {library.name} "
                   f"({library.stat().st_size // 1024} KB, sm_90a machine code); no GPU here "
                   "to run it")
