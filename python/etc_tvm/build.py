@@ -35,12 +35,17 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
 
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
     scheduler: how static queues are computed (``etc_tvm.schedule``).
-    samples, max_dims: instead of ``dims``, compile once for every size up to the largest
-      sample (the persistent strategies): a kernel per sample, on symbolic shapes, each run
-      served by the smallest sample that holds its sizes, the tasks beyond its grids
-      skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its value, and
-      the value itself.
+    samples, max_dims: instead of ``dims`` (one of the three), compile once for every size up
+      to the largest sample (the persistent strategies): a kernel per sample, on symbolic
+      shapes, each run served by the smallest sample that holds its sizes, the tasks beyond
+      its grids skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its
+      value, and the value itself.
     """
+    given = [name for name, value in (("dims", dims), ("samples", samples),
+                                      ("max_dims", max_dims)) if value]
+    if len(given) > 1:
+        raise EtcError(f"{graph.name}: {' and '.join(given)}: give one (dims for one size, "
+                       "samples or max_dims for every size up to theirs)")
     target = target or default_target()
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")

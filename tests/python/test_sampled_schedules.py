@@ -47,6 +47,23 @@ def test_build_refuses_sizes_of_dims_the_graph_does_not_have(sizes, message):
         build(graphs.row_sum, **sizes)
 
 
+@pytest.mark.parametrize("sizes, given", [
+    ({"dims": {"M": 64, "N": 64}, "max_dims": {"M": 64}}, "dims and max_dims"),
+    ({"dims": {"M": 64}, "samples": [{"M": 8}]}, "dims and samples"),
+    ({"samples": [{"M": 8}], "max_dims": {"M": 64}}, "samples and max_dims"),
+])
+def test_build_takes_one_kind_of_sizes(sizes, given):
+    # before, samples silently replaced dims, and max_dims samples
+    with pytest.raises(EtcError, match=f"row_sum: {given}: give one"):
+        build(graphs.row_sum, **sizes)
+
+
+def test_a_pass_given_dims_and_samples_refuses_them():
+    with pytest.raises(EtcError, match=r"StaticScheduleTransform: dims \{'M': 16\} and "
+                                       "samples: give dims for one size, or samples"):
+        StaticScheduleTransform({"M": 16}, samples=[{"M": 16}, {"M": 64}])
+
+
 def test_each_sample_is_a_function_with_the_graph_functions_symbolic_parameters():
     mod = StaticScheduleTransform(samples=[{"M": 16}, {"M": 64}], num_sms=8)(graphs.two_ops.mod)
     relax.analysis.well_formed(mod)

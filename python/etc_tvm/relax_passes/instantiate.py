@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 from .. import ops
-from ..errors import GraphError
+from ..errors import EtcError, GraphError
 from ..graph_func import GraphFunc
 from ..schedule import list_schedule
 from ..task_graph import TaskGraph
@@ -81,6 +81,10 @@ class PersistentScheduleTransform:
     def __init__(self, dims: Mapping[str, int] | None = None, num_sms: int = 132,
                  options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
                  samples: Sequence[Mapping[str, int]] | None = None):
+        if dims and samples:
+            raise EtcError(f"{type(self).__name__}: dims {dict(dims)} and samples: give "
+                           "dims for one size, or samples for every size up to theirs, not "
+                           "both")
         self.dims = dict(dims or {})
         self.num_sms = positive_count(f"{type(self).__name__}: num_sms", num_sms)
         self.options = options
