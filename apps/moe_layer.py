@@ -50,7 +50,7 @@ import numpy as np
 from etc_tvm import ETensor, Tensor, call_device, graph_func
 from etc_tvm.tiles import gemm, moe, wgmma_gemm
 from etc_tvm.tiles.moe import ceil_div, max_tiles
-from etc_tvm.tir_sched.persistent import arena_limit
+from etc_tvm.tir_sched.persistent import arena_limit, is_integer
 
 QWEN3_30B_A3B = {"hidden": 2048, "experts": 128, "top_k": 8, "intermediate": 768}
 # The MoE layers of released models by the shapes of their routed experts. The layer routes
@@ -502,9 +502,18 @@ def options_for(tokens: int, **options) -> dict:
     if bad:
         raise ValueError(f"options_for: {', '.join(bad)}: a size must be positive (or None "
                          "for the layer's choice)")
+    shape = {"tokens": tokens, **{name: options[name] for name in QWEN3_30B_A3B
+                                  if name in options}}
+    bad = [f"{name}={value!r}" for name, value in shape.items() if not is_integer(value, 1)]
+    if bad:
+        raise ValueError(f"options_for: {', '.join(bad)}: the tokens and the layer's shape "
+                         "are positive integers")
     experts = options.get("experts", QWEN3_30B_A3B["experts"])
     ctas_per_sm = options.get("ctas_per_sm")
     top_k = options.get("top_k", QWEN3_30B_A3B["top_k"])
+    if top_k > experts:
+        raise ValueError(f"options_for: top_k={top_k} picks more experts than the {experts} "
+                         "there are")
     # rows asked for without an engine, or TMA down tiles: wgmma tiles
     wgmma_asked = options.get("tile_rows") or options.get("down_loads") == "tma"
     hidden = options.get("hidden", QWEN3_30B_A3B["hidden"])

@@ -768,6 +768,23 @@ def test_options_for_refuses_a_size_below_one(option):
         moe_layer.options_for(16, **{option: 0})
 
 
+@pytest.mark.parametrize("tokens, shape, message", [
+    (0, {}, "tokens=0"), (-3, {}, "tokens=-3"), (2.0, {}, "tokens=2.0"),
+    (1, {"experts": 0}, "experts=0"), (1, {"top_k": 0}, "top_k=0"),
+    (1, {"hidden": 0, "intermediate": -1}, "hidden=0, intermediate=-1"),
+])
+def test_options_for_refuses_tokens_or_a_shape_below_one(tokens, shape, message):
+    # before, 0 experts divided by zero, -3 tokens was a math domain error, the rest passed
+    with pytest.raises(ValueError, match=f"options_for: {message}: the tokens and the layer's "
+                                         "shape are positive integers"):
+        moe_layer.options_for(tokens, **shape)
+
+
+def test_options_for_refuses_more_picks_than_experts():
+    with pytest.raises(ValueError, match="top_k=32 picks more experts than the 16 there are"):
+        moe_layer.options_for(1, experts=16, top_k=32)
+
+
 @pytest.mark.parametrize("tokens, align_tokens", [(1, 0), (128, 0), (511, 0), (512, 64),
                                                   (4096, 64)])
 def test_align_runs_over_several_ctas_from_512_tokens(tokens, align_tokens):
