@@ -41,8 +41,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
       its grids skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its
       value, and the value itself.
     """
-    given = [name for name, value in (("dims", dims), ("samples", samples),
-                                      ("max_dims", max_dims)) if value]
+    given = [name for name, value in (("dims", dims or None), ("samples", samples),
+                                      ("max_dims", max_dims)) if value is not None]
     if len(given) > 1:
         raise EtcError(f"{graph.name}: {' and '.join(given)}: give one (dims for one size, "
                        "samples or max_dims for every size up to theirs)")
@@ -54,6 +54,9 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:
+        if not samples:
+            raise EtcError(f"{graph.name}: samples: none given (each a dict of sizes of its "
+                           "symbolic dims)")
         samples = sorted((dict(s) for s in samples), key=lambda s: sorted(s.items()))
         for sample in samples:
             check_dims(graph, sample, "a sample")

@@ -51,11 +51,18 @@ def test_build_refuses_sizes_of_dims_the_graph_does_not_have(sizes, message):
     ({"dims": {"M": 64, "N": 64}, "max_dims": {"M": 64}}, "dims and max_dims"),
     ({"dims": {"M": 64}, "samples": [{"M": 8}]}, "dims and samples"),
     ({"samples": [{"M": 8}], "max_dims": {"M": 64}}, "samples and max_dims"),
+    ({"dims": {"M": 64, "N": 64}, "samples": []}, "dims and samples"),
 ])
 def test_build_takes_one_kind_of_sizes(sizes, given):
     # before, samples silently replaced dims, and max_dims samples
     with pytest.raises(EtcError, match=f"row_sum: {given}: give one"):
         build(graphs.row_sum, **sizes)
+
+
+def test_build_refuses_an_empty_list_of_samples():
+    # before, with dims beside it, it built a library of no samples that no call could use
+    with pytest.raises(EtcError, match="row_sum: samples: none given"):
+        build(graphs.row_sum, samples=[])
 
 
 def test_a_pass_given_dims_and_samples_refuses_them():
