@@ -9,7 +9,7 @@ import tvm
 
 from . import build_env
 from .graph_func import GraphFunc
-from .relax_passes import pipeline
+from .relax_passes import cuda_target, pipeline
 from .errors import EtcError
 from .relax_passes.instantiate import sample_function
 from .runtime import CompiledGraph, GraphMeta, SampledMeta
@@ -27,12 +27,14 @@ def default_target() -> tvm.target.Target:
 
 
 def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: str = "static",
-          target: tvm.target.Target | None = None, num_sms: int | None = None,
+          target=None, num_sms: int | None = None,
           options: KernelOptions = DEFAULT_OPTIONS, scheduler=list_schedule,
           samples: Sequence[Mapping[str, int]] | None = None,
           max_dims: Mapping[str, int] | None = None, device=None) -> CompiledGraph:
     """Compile ``graph`` for ``dims`` with ``strategy`` (see ``relax_passes.pipeline``).
 
+    target: a CUDA target as ``tvm.compile`` takes one (``relax_passes.cuda_target``); by
+      default sm_90a with an LLVM host.
     num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
     scheduler: how static queues are computed (``etc_tvm.schedule``).
     samples, max_dims: instead of ``dims`` (one of the three), compile once for every size up
@@ -46,7 +48,7 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     if len(given) > 1:
         raise EtcError(f"{graph.name}: {' and '.join(given)}: give one (dims for one size, "
                        "samples or max_dims for every size up to theirs)")
-    target = target or default_target()
+    target = default_target() if target is None else cuda_target(target)
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:

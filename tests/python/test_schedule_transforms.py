@@ -6,8 +6,10 @@ import tvm
 from tvm import relax
 
 from etc_tvm import ETensor, EtcError, GraphError, Tensor, call_device, graph_func
+from etc_tvm.build import build
 from etc_tvm.relax_passes import (DynamicScheduleTransform, MixedScheduleTransform,
-                                  StaticScheduleTransform, UnfusedTransform)
+                                  StaticScheduleTransform, UnfusedTransform, cuda_target,
+                                  pipeline)
 from etc_tvm.schedule import LOCAL_WAITS, ONLY_PRODUCER, DynamicPlan, list_schedule
 from etc_tvm.task_graph import TaskGraph
 from etc_tvm.tir_sched.device_runtime import STATUS_WORDS
@@ -282,3 +284,26 @@ def test_mixed_keeps_the_expert_tiles_out_of_the_queues():
     assert queued == set(range(graph.num_tasks)) - set(expert.tasks)
     assert (ring0 == -1).all()
     assert head_tail0.tolist() == [0, 0, expert.num_tasks]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("llvm", r"target llvm: the megakernels are CUDA kernels; give a CUDA target"),
+    (tvm.target.Target("llvm"), r"target llvm: the megakernels are CUDA kernels"),
+    ("nosuch", r"target 'nosuch': Target kind \"nosuch\" is not defined"),
+    ({"kind": "cuda", "arch": 90}, r"target \{'kind': 'cuda', 'arch': 90\}: "),
+])
+def test_a_target_that_is_not_cuda_is_refused_before_the_lowering(target, message):
+    """An LLVM target failed deep in the lowering ("Cannot resolve ScopeIdDef"), a kind's
+    name as ``tvm.compile`` takes it with a TypeError of the ``with`` statement."""
+    with pytest.raises(EtcError, match=message):
+        build(graphs.gemm_reduce_scatter, DIMS, target=target)
+    with pytest.raises(EtcError, match=message):
+        pipeline(target, dims=DIMS)
+
+
+def test_a_target_is_taken_as_tvm_compile_takes_it():
+    """A JSON dict or a kind's name, as well as a Target."""
+    source = build(graphs.gemm_reduce_scatter, DIMS, num_sms=132,
+                   target={"kind": "cuda", "arch": "sm_90a"}).cuda_source()
+    assert "gemm_reduce_scatter_megakernel_kernel(" in source
+    assert cuda_target("cuda").kind.name == "cuda"

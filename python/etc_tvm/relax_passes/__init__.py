@@ -2,10 +2,10 @@
 from .barrier_edges_transform import BarrierEdgesTransform
 from .dynamic_schedule_transform import DynamicScheduleTransform
 from .mixed_schedule_transform import MixedScheduleTransform
-from .pipeline import STRATEGIES, etc_passes, pipeline
+from .pipeline import STRATEGIES, cuda_target, etc_passes, pipeline
 from .static_schedule_transform import StaticScheduleTransform
 from .unfused_transform import UnfusedTransform
 
 __all__ = ["STRATEGIES", "BarrierEdgesTransform", "DynamicScheduleTransform",
-           "MixedScheduleTransform", "StaticScheduleTransform", "UnfusedTransform", "etc_passes",
-           "pipeline"]
+           "MixedScheduleTransform", "StaticScheduleTransform", "UnfusedTransform", "cuda_target",
+           "etc_passes", "pipeline"]

@@ -22,6 +22,7 @@ import tvm
 from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.tirx import compilation_pipeline as tir_pipelines
 
+from ..errors import EtcError
 from ..schedule import list_schedule
 from ..tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions
 from .barrier_edges_transform import BarrierEdgesTransform
@@ -55,11 +56,28 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
     return [BarrierEdgesTransform()] + lowering if strategy == "barrier" else lowering
 
 
-def pipeline(target: tvm.target.Target, strategy: str = "static",
+def cuda_target(target) -> tvm.target.Target:
+    """``target`` as ``tvm.compile`` takes one (a Target, a JSON dict, a kind's name), checked
+    to be CUDA: the megakernels are CUDA kernels, and another kind failed deep in the lowering
+    (an LLVM target: "Cannot resolve ScopeIdDef")."""
+    if not isinstance(target, tvm.target.Target):
+        try:
+            target = tvm.target.Target(target)
+        except (ValueError, TypeError) as err:
+            raise EtcError(f"target {target!r}: {str(err).splitlines()[0]}") from None
+    if target.kind.name != "cuda":
+        raise EtcError(f"target {target.kind.name}: the megakernels are CUDA kernels; give a "
+                       "CUDA target, e.g. {'kind': 'cuda', 'arch': 'sm_90a'}")
+    return target
+
+
+def pipeline(target, strategy: str = "static",
              dims: Mapping[str, int] | None = None, num_sms: int = 132,
              options: KernelOptions = DEFAULT_OPTIONS,
              scheduler=list_schedule, samples=None) -> tvm.transform.Pass:
-    """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on CUDA."""
+    """The whole Relax pipeline for ``tvm.compile(..., relax_pipeline=...)`` on a CUDA
+    ``target`` (``cuda_target``)."""
+    target = cuda_target(target)
     passes = etc_passes(strategy, dims, num_sms, options, scheduler, samples)
 
     @tvm.transform.module_pass(opt_level=0, name="etc.Pipeline")
