@@ -40,6 +40,7 @@ from .errors import DeadlockError, EtcError, ExecutionError
 from .graph_func import GraphFunc
 from .schedule import DynamicPlan
 from .task_graph import CallNode, TaskGraph
+from .tir_sched.persistent import positive_count
 
 class Order:
     """Chooses the next task among those that can start; subclasses are the policies."""
@@ -159,8 +160,7 @@ class ClaimedOrder(Order):
     graphs)."""
 
     def __init__(self, num_ctas: int = 132, seed: int | None = None):
-        if num_ctas < 1:
-            raise EtcError(f"num_ctas must be positive, got {num_ctas}")
+        positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
         self.num_ctas = num_ctas
         self.rng = random.Random(seed) if seed is not None else None
 
@@ -205,8 +205,7 @@ class DynamicQueueOrder(Order):
     def __init__(self, num_ctas: int = 132, early_push: bool = True, rank_local: bool = False):
         """``rank_local``: the plan of the ranks' own kernels (``DynamicPlan.of``), in which
         a dispatch counts down only tasks of its rank."""
-        if num_ctas < 1:
-            raise EtcError(f"num_ctas must be positive, got {num_ctas}")
+        positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
         self.num_ctas, self.early_push, self.rank_local = num_ctas, early_push, rank_local
 
     def start(self, run):

@@ -241,3 +241,12 @@ def test_a_schedule_for_a_larger_size_serves_smaller_ones(graph, make, dims, sam
             np.testing.assert_array_equal(got, want)
     with pytest.raises(EtcError, match=rf"schedule_dims {name}={sample[name]} is smaller"):
         execute(graph, *make(rng, sample[name] + 16), schedule_dims=sample)
+
+
+@pytest.mark.parametrize("order", [ClaimedOrder, DynamicQueueOrder])
+@pytest.mark.parametrize("num_ctas", [0, 2.5, True])
+def test_an_order_of_ctas_needs_a_positive_integer_of_them(order, num_ctas):
+    """2.5 CTAs was a TypeError of ``range`` once the run started."""
+    with pytest.raises(EtcError, match=rf"{order.__name__}: num_ctas={num_ctas!r} is not a "
+                                       "positive integer"):
+        order(num_ctas)
