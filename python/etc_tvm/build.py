@@ -17,7 +17,7 @@ from .schedule import list_schedule
 from .task_graph import TaskGraph
 from .tir_sched.events import EventLayout, edge_sites
 from .tir_sched.inline import input_check_sites
-from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, is_integer
+from .tir_sched.persistent import DEFAULT_OPTIONS, KernelOptions, is_integer, kernel_options
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -49,6 +49,7 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
         raise EtcError(f"{graph.name}: {' and '.join(given)}: give one (dims for one size, "
                        "samples or max_dims for every size up to theirs)")
     target = default_target() if target is None else cuda_target(target)
+    kernel_options(options, graph.name)
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:

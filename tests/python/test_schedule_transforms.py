@@ -307,3 +307,28 @@ def test_a_target_is_taken_as_tvm_compile_takes_it():
                    target={"kind": "cuda", "arch": "sm_90a"}).cuda_source()
     assert "gemm_reduce_scatter_megakernel_kernel(" in source
     assert cuda_target("cuda").kind.name == "cuda"
+
+
+@pytest.mark.parametrize("transform", [StaticScheduleTransform, DynamicScheduleTransform,
+                                       MixedScheduleTransform])
+def test_a_persistent_transform_needs_kernel_options(transform):
+    """A dict of options failed on its first attribute read ("'dict' object has no attribute
+    'ctas_per_sm'")."""
+    with pytest.raises(EtcError, match=rf"{transform.__name__}: options=\{{'claim': True\}} "
+                                       r"is not a KernelOptions \(e.g. KernelOptions"):
+        transform(DIMS, options={"claim": True})
+
+
+@pytest.mark.parametrize("strategy", ["static", "unfused"])
+def test_build_needs_kernel_options(strategy):
+    with pytest.raises(EtcError, match=r"gemm_reduce_scatter: options=\{'claim': True\} is "
+                                       "not a KernelOptions"):
+        build(graphs.gemm_reduce_scatter, DIMS, strategy=strategy, options={"claim": True})
+
+
+@pytest.mark.parametrize("transform", [StaticScheduleTransform, MixedScheduleTransform])
+def test_a_scheduler_is_callable(transform):
+    """It was "'int' object is not callable" once the pass ran."""
+    with pytest.raises(EtcError, match=rf"{transform.__name__}: scheduler=5 is not callable "
+                                       r"\(a function of the task graph"):
+        transform(DIMS, scheduler=5)

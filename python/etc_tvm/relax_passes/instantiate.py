@@ -15,7 +15,8 @@ from ..schedule import list_schedule
 from ..task_graph import TaskGraph
 from ..tir_sched.inline import substitute
 from ..tir_sched.persistent import (DEFAULT_OPTIONS, WORKSPACE, WORKSPACE_ATTR, KernelOptions,
-                                    kernel_table, positive_count, returned_tensors)
+                                    kernel_options, kernel_table, positive_count,
+                                    returned_tensors)
 
 
 def graph_functions(mod: tvm.IRModule) -> list[str]:
@@ -87,7 +88,11 @@ class PersistentScheduleTransform:
                            "both")
         self.dims = dict(dims or {})
         self.num_sms = positive_count(f"{type(self).__name__}: num_sms", num_sms)
-        self.options = options
+        self.options = kernel_options(options, type(self).__name__)
+        if not callable(scheduler):
+            raise EtcError(f"{type(self).__name__}: scheduler={scheduler!r} is not callable (a "
+                           "function of the task graph and the number of queues, as "
+                           "schedule.list_schedule)")
         self.scheduler = scheduler
         self.samples = [dict(s) for s in samples] if samples else None
 

@@ -192,6 +192,15 @@ class KernelOptions:
 DEFAULT_OPTIONS = KernelOptions()
 
 
+def kernel_options(value, where: str) -> KernelOptions:
+    """``value``, or an error naming ``where`` if it is not a ``KernelOptions`` (a dict of
+    them failed on its first attribute read, far from the call that gave it)."""
+    if not isinstance(value, KernelOptions):
+        raise EtcError(f"{where}: options={value!r} is not a KernelOptions (e.g. "
+                       "KernelOptions(claim=True))")
+    return value
+
+
 def _slot(slots: dict, key, limit: int) -> tirx.IntImm | None:
     """The shared word ``key`` is given in a table of ``limit`` words (``slots``: key ->
     word, in first-asked order), or None once every word is taken."""
