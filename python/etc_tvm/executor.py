@@ -426,6 +426,9 @@ def execute_ranks(graph: GraphFunc, inputs: Sequence[Sequence[np.ndarray]], *,
             if all(isinstance(x, (list, tuple)) for x in inputs) else "not a list of lists"
         raise EtcError(f"{graph.name} runs on {world} ranks: execute_ranks needs one list of "
                        f"inputs per rank, got {got}")
+    if order is not None and not isinstance(order, Order):
+        raise EtcError(f"{graph.name}: order={order!r} is not an executor Order (e.g. "
+                       "ReadyQueueOrder(), StaticOrder(queues), ClaimedOrder(num_ctas))")
     dims = bind_dims(graph, inputs[0])
     for r in range(1, world):
         other = bind_dims(graph, inputs[r], where=f"rank {r}: ")
@@ -478,9 +481,12 @@ def _bind_dims(graph: GraphFunc, inputs: Sequence[np.ndarray]) -> dict[str, int]
     dims: dict[str, int] = {}
     for p, x in zip(params, inputs):
         want = [d for d in p.ty.shape.values]
-        if np.ndim(x) != len(want):
+        if not isinstance(x, np.ndarray):
+            raise EtcError(f"{graph.name}: input '{p.name}' is a {type(x).__name__}, not a "
+                           "NumPy array")
+        if x.ndim != len(want):
             raise EtcError(f"{graph.name}: input '{p.name}' has rank {len(want)}, "
-                           f"got shape {np.shape(x)}")
+                           f"got shape {x.shape}")
         if np.dtype(x.dtype) != numpy_dtype(str(p.ty.dtype)):
             raise EtcError(f"{graph.name}: input '{p.name}' is {p.ty.dtype}, "
                            f"got {x.dtype}")

@@ -28,6 +28,7 @@ counted over the whole grid still complete.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping
@@ -603,7 +604,13 @@ class _Builder:
         self.func = graph.func
         world = self.func.attrs.get("etc.world_size", 1) if self.func.attrs else 1
         self.world = int(world)
-        self.dims = {str(k): int(v) for k, v in dims.items()}
+        self.dims = {}
+        for name, value in dims.items():
+            try:
+                self.dims[str(name)] = operator.index(value)
+            except TypeError:
+                raise GraphError(f"{graph.name}: the symbolic dim {name} = {value!r} is not an "
+                                 f"integer (given: {dict(dims)})") from None
         self.analyzer = tvm.sym.Analyzer()
         self.symbols = {}
         for v in relax.analysis.defined_symbolic_vars(self.func):

@@ -149,10 +149,19 @@ def test_outputs_are_poisoned_before_the_run(rng):
      r"dim 0 of input 'Y' is 12, expected 8 \(M\)"),
     (lambda: (np.zeros((8, 5), "float32"), np.zeros((8, COLS), "float32")),
      "dim 1 of input 'X' is 5, expected 32"),
+    (lambda: ([[0.0] * COLS] * 8, np.zeros((8, COLS), "float32")),
+     "input 'X' is a list, not a NumPy array"),
 ])
 def test_bad_inputs(inputs, match):
     with pytest.raises(EtcError, match=match):
         execute(two_ops, *inputs())
+
+
+def test_an_order_that_is_no_order_is_refused(rng):
+    X, Y = (rng.standard_normal((8, COLS)).astype("float32") for _ in range(2))
+    with pytest.raises(EtcError, match=r"two_ops: order=\[\[0, 1, 2, 3\]\] is not an executor "
+                                       r"Order \(e.g. ReadyQueueOrder\(\), StaticOrder"):
+        execute(two_ops, X, Y, order=[[0, 1, 2, 3]])
 
 
 def test_static_queues_must_cover_every_task_once(rng):

@@ -1,4 +1,6 @@
 """The task graph: instantiation, wait-count inference, checks and reports."""
+import re
+
 import numpy as np
 import pytest
 
@@ -50,6 +52,19 @@ def test_a_tile_requirement_is_a_condition_on_its_dims(requires, match):
 def test_symbolic_dim_must_be_given():
     with pytest.raises(GraphError, match=r"no value given for the symbolic dim 'N'"):
         TaskGraph.build(gemm_reduce_scatter, {"M": 32, "K": 16})
+
+
+@pytest.mark.parametrize("n", [9.5, 16.0, "16", None])
+def test_a_symbolic_dim_must_be_an_integer(n):
+    # it was truncated: N = 9.5 built the graph of N = 9
+    with pytest.raises(GraphError, match=rf"the symbolic dim N = {re.escape(repr(n))} is not "
+                                         "an integer"):
+        TaskGraph.build(gemm_reduce_scatter, {"M": 32, "K": 16, "N": n})
+
+
+def test_a_symbolic_dim_may_be_a_numpy_integer():
+    assert TaskGraph.build(gemm_reduce_scatter, {"M": 32, "K": 16, "N": np.int64(16)}) \
+        .dims["N"] == 16
 
 
 @pytest.mark.parametrize("out_map,shape,want", [
