@@ -78,18 +78,18 @@ def run_tasks(tile, grid, *arrays):
         tile.reference(*coords, *arrays)
 
 
-def gaussian_routing_inputs(rng, tokens, draws=100):
-    """bf16 x and w_router with every token's K-th and (K+1)-th logit apart by more than
-    twice the fp32 logit bound. The tokens with a near tie are redrawn, not the whole draw
+def gaussian_routing_inputs(rng, tokens, hidden=H, experts=E, top_k=K, draws=100):
+    """bf16 x and w_router with every token's top_k-th and (top_k+1)-th logit apart by more
+    than twice the fp32 logit bound. The tokens with a near tie are redrawn, not the whole draw
     (``moe.routing_margins``: a token's margin does not depend on the others): at 128 tokens
     nearly every whole draw holds a tie."""
-    w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(BF16)
-    x = rng.standard_normal((tokens, H)).astype(BF16)
+    w = (rng.standard_normal((hidden, experts)) / np.sqrt(hidden)).astype(BF16)
+    x = rng.standard_normal((tokens, hidden)).astype(BF16)
     for _ in range(draws):
-        tied = np.flatnonzero(moe.routing_margins(x, w, K) <= 0)
+        tied = np.flatnonzero(moe.routing_margins(x, w, top_k) <= 0)
         if tied.size == 0:
             return x, w
-        x[tied] = rng.standard_normal((len(tied), H)).astype(BF16)
+        x[tied] = rng.standard_normal((len(tied), hidden)).astype(BF16)
     raise AssertionError(f"tokens {tied.tolist()} still have a near tie after {draws} draws")
 
 

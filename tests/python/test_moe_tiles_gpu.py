@@ -68,7 +68,7 @@ def expert_weights_gpu(expert_weights):
 @pytest.mark.parametrize("name", ("router", "router_mma"))
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_router_tile(tokens, name, rng):
-    x, w = gaussian_routing_inputs(rng, tokens)
+    x, w = gaussian_routing_inputs(rng, tokens, H, E, K)
     topk, topw = compiled(name, tokens)(x, w)
     want_k, want_w = moe.route(x, w, K)
     np.testing.assert_array_equal(topk, want_k)
