@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import ExecutionError
+from .errors import EtcError, ExecutionError
 
 
 @dataclass(frozen=True)
@@ -239,6 +239,11 @@ def load(path: str | os.PathLike, device=None) -> CompiledGraph:
     """Load an exported graph; works with ``TVM_USE_RUNTIME_LIB=1`` (no compiler library)."""
     import tvm
 
+    if not Path(path).is_file():
+        raise EtcError(f"load: no library at {path}")
+    if not Path(f"{path}.json").is_file():
+        raise EtcError(f"load: {path}.json is missing: the metadata that CompiledGraph.export "
+                       "writes beside the library")
     lib_dir = Path(tvm.__file__).parent / "lib"
     for name in ("libtvm_runtime_cuda.so", "libtvm_runtime_extra.so"):
         if (lib_dir / name).exists():

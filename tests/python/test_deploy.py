@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import etc_tvm
-from etc_tvm import build_env
+from etc_tvm import EtcError, build_env, load
 from etc_tvm.build import build
 from etc_tvm.executor import execute
 
@@ -49,6 +49,16 @@ def assert_machine_code(library: Path) -> None:
     assert data.count(b"\x7fELF") >= 2  # the host library and the embedded GPU image
     assert b"sm_90a" in data
     assert library.with_name(library.name + ".json").exists()
+
+
+def test_load_names_a_missing_library_or_metadata(tmp_path):
+    library = tmp_path / "g.so"
+    with pytest.raises(EtcError, match=f"load: no library at {library}"):
+        load(library)
+    library.write_bytes(b"")
+    with pytest.raises(EtcError, match=f"load: {library}.json is missing: the metadata that "
+                                       "CompiledGraph.export writes beside the library"):
+        load(library)
 
 
 needs_nvcc = pytest.mark.skipif(etc_tvm.BUILD_ENV == build_env.NO_COMPILER, reason="needs nvcc")
