@@ -325,6 +325,8 @@ def print_row(row: dict, ours) -> None:
               f"{about['router_tokens']} tokens x {about['experts_per_task']} experts over "
               f"{about['router_splits']} splits on {about['router_engine']}"
               + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"
+              + (f" on rings of {about['stages']} stages" if about["stages"]
+                 else " on the deepest rings that fit")
               + f", combine tasks of {about['combine_tokens']} tokens x {about['combine_cols']}"
               + " columns" + (" (rows prefetched into L2)" if about.get("combine_prefetch")
                               else "")
