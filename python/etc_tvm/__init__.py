@@ -28,8 +28,9 @@ if not RUNTIME_ONLY:
     from .etensor import ETensor
     from .graph_func import GraphFunc, call_device, graph_func
     from .tensor import Tensor
+    from .tir_sched.persistent import KernelOptions
 
-    __all__ += ["RANK", "WORLD_SIZE", "DeviceFunc", "ETensor", "GraphFunc", "Tensor",
-                "await_inputs", "build", "call_device", "device_func", "edge_map", "graph_func",
-                "input_check"]
+    __all__ += ["RANK", "WORLD_SIZE", "DeviceFunc", "ETensor", "GraphFunc", "KernelOptions",
+                "Tensor", "await_inputs", "build", "call_device", "device_func", "edge_map",
+                "graph_func", "input_check"]
     cuda_cache.install()

@@ -43,6 +43,11 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
       its grids skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its
       value, and the value itself.
     """
+    if not isinstance(graph, GraphFunc):
+        raise EtcError(f"build: graph={graph!r} is not a @graph_func")
+    if dims is not None and not isinstance(dims, Mapping):
+        raise EtcError(f"{graph.name}: dims={dims!r} is not a dict of sizes of its symbolic "
+                       "dims (e.g. {'B': 64})")
     given = [name for name, value in (("dims", dims or None), ("samples", samples),
                                       ("max_dims", max_dims)) if value is not None]
     if len(given) > 1:

@@ -110,6 +110,8 @@ def test_a_persistent_transform_needs_a_positive_number_of_sms(transform, num_sm
     ({"ctas_per_sm": 0}, r"ctas_per_sm=0 is not a positive integer"),
     ({"ctas_per_sm": 1.5}, r"ctas_per_sm=1.5 is not a positive integer"),
     ({"drop_notify": -1}, r"drop_notify=-1 is not a task id"),
+    ({"claim": "yes"}, r"claim='yes' is not True or False"),
+    ({"profile": 3}, r"profile=3 is not True or False"),
 ])
 def test_kernel_options_out_of_range_are_refused(options, message):
     with pytest.raises(EtcError, match=rf"KernelOptions: {message}"):
@@ -324,6 +326,15 @@ def test_build_needs_kernel_options(strategy):
     with pytest.raises(EtcError, match=r"gemm_reduce_scatter: options=\{'claim': True\} is "
                                        "not a KernelOptions"):
         build(graphs.gemm_reduce_scatter, DIMS, strategy=strategy, options={"claim": True})
+
+
+def test_build_needs_a_graph_function_and_a_dict_of_dims():
+    # a list of sizes was a TypeError of dict(), a plain function an AttributeError of .name
+    with pytest.raises(EtcError, match=r"gemm_reduce_scatter: dims=\[32, 16, 16\] is not a "
+                                       r"dict of sizes of its symbolic dims"):
+        build(graphs.gemm_reduce_scatter, [32, 16, 16])
+    with pytest.raises(EtcError, match=r"build: graph=<function .*> is not a @graph_func"):
+        build(lambda x: x, DIMS)
 
 
 @pytest.mark.parametrize("transform", [StaticScheduleTransform, MixedScheduleTransform])

@@ -187,6 +187,10 @@ class KernelOptions:
         positive_count("KernelOptions: ctas_per_sm", self.ctas_per_sm)
         if self.drop_notify is not None and not is_integer(self.drop_notify, least=0):
             raise EtcError(f"KernelOptions: drop_notify={self.drop_notify!r} is not a task id")
+        for name in ("profile", "claim"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise EtcError(f"KernelOptions: {name}={getattr(self, name)!r} is not True or "
+                               "False")
 
 
 DEFAULT_OPTIONS = KernelOptions()
