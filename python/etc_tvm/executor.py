@@ -160,8 +160,7 @@ class ClaimedOrder(Order):
     graphs)."""
 
     def __init__(self, num_ctas: int = 132, seed: int | None = None):
-        positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
-        self.num_ctas = num_ctas
+        self.num_ctas = positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
         self.rng = random.Random(seed) if seed is not None else None
 
     def start(self, run):
@@ -205,8 +204,8 @@ class DynamicQueueOrder(Order):
     def __init__(self, num_ctas: int = 132, early_push: bool = True, rank_local: bool = False):
         """``rank_local``: the plan of the ranks' own kernels (``DynamicPlan.of``), in which
         a dispatch counts down only tasks of its rank."""
-        positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
-        self.num_ctas, self.early_push, self.rank_local = num_ctas, early_push, rank_local
+        self.num_ctas = positive_count(f"{type(self).__name__}: num_ctas", num_ctas)
+        self.early_push, self.rank_local = early_push, rank_local
 
     def start(self, run):
         super().start(run)
