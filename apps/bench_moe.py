@@ -115,7 +115,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         help="persistent CTAs per SM of the megakernels (default: "
                         "moe_layer.ctas_per_sm_for the tiles' threads and engine: 2 of 128 "
                         "threads, whose hand-offs and memory latency overlap the other CTA's "
-                        "task, 1 of 256; on swapped tiles 4 of 128 threads, 2 of 256)")
+                        "task, 1 of 256; on swapped tiles 4 of 128 threads, 2 of 256; 1 "
+                        "where moe_layer.one_round_columns_for cuts a round of tasks)")
     parser.add_argument("--tile-rows", type=int, help="grouped GEMM tile rows (default: "
                         "moe_layer.tile_rows_for the tokens)")
     parser.add_argument("--bn", type=int, help="grouped GEMM task columns (default: the "

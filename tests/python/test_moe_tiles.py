@@ -208,6 +208,30 @@ def test_two_warpgroup_swapped_tiles_need_two_panels_to_divide_the_columns():
         "swapped"  # 80 rows: one warpgroup
 
 
+def test_one_round_columns_give_each_cta_one_task_of_each_gemm():
+    """Where every pair is its own 16-row tile, a round of 128 tasks a GEMM at one CTA an SM,
+    in widths of whole 32 columns up to 128 that divide the GEMM's columns: Qwen3-30B-A3B's
+    and OLMoE's one token; not Qwen3-235B's (192 columns), Qwen3-Next's (80), Mixtral's
+    (448), past 16 pairs, or off the mma tiles."""
+    def columns(model, tokens=1, engine="mma"):
+        shape = moe_layer.MODELS[model]
+        return moe_layer.one_round_columns_for(tokens, shape["top_k"], shape["experts"],
+                                               shape["hidden"], shape["intermediate"], engine)
+
+    assert columns("qwen3-30b-a3b") == (96, 128)
+    assert columns("olmoe-1b-7b") == (128, 128)
+    for model in ("qwen3-235b-a22b", "qwen3-next-80b-a3b", "mixtral-8x7b", "gpt-oss-120b"):
+        assert columns(model) is None, model
+    assert columns("qwen3-30b-a3b", tokens=3) is None
+    assert columns("qwen3-30b-a3b", engine="wgmma") is None
+    calls = TaskGraph.build(make_moe_layer(**moe_layer.options_for(1)), {"T": 1}).calls
+    tasks = {c.fn.name.split("_")[0]: c.num_tasks for c in calls}
+    assert tasks["gate"] == tasks["down"] == moe_layer.ROUND_TASKS
+    # asked-for CTAs an SM or columns: the layer's other choices, as before
+    assert moe_layer.options_for(1, ctas_per_sm=2)["bn"] == 64
+    assert moe_layer.options_for(1, bn=64)["ctas_per_sm"] == 2
+
+
 def test_task_columns_halve_until_they_divide_the_columns():
     assert moe_layer.task_columns(80, 2048, 768, engine="swapped") == (128, 128)
     assert moe_layer.task_columns(80, 2880, 2880, engine="swapped") == (128, 64)
@@ -225,7 +249,7 @@ def test_few_experts_at_few_tokens_take_narrower_down_tasks():
 
     assert down_bn("mixtral-8x7b", 1) == 32
     assert down_bn("mixtral-8x7b", 2) == 64
-    assert down_bn("qwen3-30b-a3b", 1) == 64
+    assert down_bn("qwen3-30b-a3b", 1, ctas_per_sm=2) == 64
     assert down_bn("mixtral-8x7b", 1, down_bn=64) == 64  # asked for: kept
     # one expert, or a round of 4 CTAs an SM, would take 16 columns: not past the narrowest
     assert moe_layer.down_columns_for(1, 1, 8, 4096, 64) == moe_layer.MIN_DOWN_COLUMNS == 32
@@ -1264,7 +1288,9 @@ def test_layer_with_router_tasks_of_several_top_k_blocks_matches_float64(tokens,
 
 
 @pytest.mark.parametrize("tokens, options, want", [
-    (1, {}, (16, "mma", 128, 2, 64)),
+    # one token: a round of gate_up and of down tasks at one CTA an SM (one_round_columns_for)
+    (1, {}, (16, "mma", 128, 1, 96)),
+    (1, {"ctas_per_sm": 2}, (16, "mma", 128, 2, 64)),
     # from two tokens swapped tiles, of 64 columns below 16 tokens
     (2, {}, (8, "swapped", 128, 4, 64)),
     (15, {}, (8, "swapped", 128, 4, 64)),
@@ -1296,8 +1322,8 @@ def test_layer_options_pick_tiles_threads_and_ctas_by_tokens(tokens, options, wa
     """Swapped tiles of an expert's share of the pairs plus two standard deviations from two
     tokens: of up to 96 rows on one warpgroup at four CTAs an SM, of up to 192 on two at two;
     past that 128-row wgmma grouped GEMM tiles (from an expert's average 128 pairs), on two
-    warpgroups at one CTA an SM; at one token 16-row mma tiles, 128 threads at two CTAs an
-    SM."""
+    warpgroups at one CTA an SM; at one token 16-row mma tiles, 128 threads at one CTA an SM
+    (two where asked for)."""
     got = moe_layer.options_for(tokens, **options)
     keys = ("tile_rows", "engine", "threads", "ctas_per_sm", "bn")
     assert tuple(got[k] for k in keys) == want
