@@ -1,7 +1,8 @@
 // Weight streaming on the H200, outside any tile: each CTA reads its own contiguous slab,
 // as the MoE layer's grouped-GEMM tasks do at few tokens (docs/performance.md, "What a
 // weight stream reaches"). Variants: a cp.async ring in shared memory (with and without
-// the L2 prefetch-size hints; 8 KB and 16 KB slices) and 16-byte loads into registers.
+// the L2 prefetch-size hints; 8 KB and 16 KB slices), 16-byte loads into registers, and a
+// ring filled by bulk copies (cp.async.bulk, one thread issuing, an mbarrier a slot).
 // Slabs rotate through 1 GiB so that L2 holds none of them; each time is the mean of 40
 // launches back to back, so it includes the gap between launches.
 //
@@ -61,6 +62,58 @@ __global__ void __launch_bounds__(kThreads)
   if (acc == 1234.5f) *sink = acc;  // never true: keeps the loads
 }
 
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{ .reg .pred done;\n"
+      "WAIT%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT%=; }" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One bulk copy (the TMA's 1-D form) of `bytes` into a ring slot, counted by its mbarrier.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const char* src, int bytes, uint32_t bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// The CTA's slab through a STAGES-deep ring of `slice`-byte slots filled by one thread's bulk
+// copies: STAGES slices in flight, an mbarrier a slot, one CTA barrier a slice.
+template <int STAGES>
+__global__ void __launch_bounds__(kThreads)
+    bulk_stream(const char* w, size_t slab_bytes, int slice, float* sink) {
+  extern __shared__ __align__(128) uint4 ring[];
+  __shared__ __align__(8) uint64_t full[STAGES];
+  const char* slab = w + blockIdx.x * slab_bytes;
+  const int slices = static_cast<int>(slab_bytes / slice);
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int q = 0; q < STAGES && q < slices; ++q)
+      bulk_copy(base + q * slice, slab + static_cast<size_t>(q) * slice, slice, bars + 8 * q);
+  }
+  __syncthreads();
+  float acc = 0;
+  for (int k = 0; k < slices; ++k) {
+    const int s = k % STAGES;
+    mbarrier_wait(bars + 8 * s, (k / STAGES) & 1);
+    const uint4* slot = ring + s * slice / 16;
+    for (int i = threadIdx.x; i < slice / 16; i += kThreads) acc += __uint_as_float(slot[i].x);
+    __syncthreads();
+    if (threadIdx.x == 0 && k + STAGES < slices)
+      bulk_copy(base + s * slice, slab + static_cast<size_t>(k + STAGES) * slice, slice,
+                bars + 8 * s);
+  }
+  if (acc == 1234.5f) *sink = acc;
+}
+
 // The CTA's slab in 16-byte loads that skip L1, U of them in flight a thread.
 template <int U>
 __global__ void __launch_bounds__(kThreads)
@@ -108,9 +161,14 @@ int main() {
       {"cp.async 6x16KB", ring_stream<kNoHint, 6>, 16384, 6},
       {"ld.global x4", register_stream<4>, 0, 0},
       {"ld.global x8", register_stream<8>, 0, 0},
+      {"bulk 8x16KB", bulk_stream<8>, 16384, 8},
+      {"bulk 12x16KB", bulk_stream<12>, 16384, 12},
+      {"bulk 4x32KB", bulk_stream<4>, 32768, 4},
+      {"bulk 6x32KB", bulk_stream<6>, 32768, 6},
   };
-  const size_t slabs[] = {256 << 10, 192 << 10, 128 << 10};
-  const int ctas[] = {192, 256, 264, 528};
+  // 384 KB x 128 and 192 KB x 128: one token's gate_up and down tasks at one CTA an SM
+  const size_t slabs[] = {384 << 10, 256 << 10, 192 << 10, 128 << 10};
+  const int ctas[] = {128, 192, 256, 264, 528};
   const int reps = 40;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
