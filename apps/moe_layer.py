@@ -557,7 +557,8 @@ def options_for(tokens: int, **options) -> dict:
     if ctas_per_sm is None and rows == 16 and options.get("bn") is None \
             and options.get("down_bn") is None:
         one_round = one_round_columns_for(tokens, top_k, experts, hidden, intermediate, engine)
-        ctas_per_sm = 1 if one_round else None
+        if one_round:
+            ctas_per_sm = 1
     threads = options.get("threads") or layer_threads_for(rows, engine, ctas_per_sm)
     ctas_per_sm = ctas_per_sm or ctas_per_sm_for(threads, engine)
     router_engine = options.get("router_engine") or router_engine_for(tokens, experts, threads)
