@@ -961,6 +961,15 @@ def test_layer_with_early_weights_or_routed_gate_up_matches_float64(option, engi
     assert_within(out, want, bound)
 
 
+def compile_one_token_kernels(graph, tmp_path) -> None:
+    """The one-token ``graph``'s claimed static and dynamic kernels at one CTA an SM on 132
+    SMs, compiled for sm_90a (``build_cubin``: no spill)."""
+    for strategy, claim in (("static", True), ("dynamic", False)):
+        build_cubin(build(graph, {"T": 1}, strategy=strategy, num_sms=132,
+                          options=KernelOptions(ctas_per_sm=1, claim=claim)).cuda_source(),
+                    tmp_path)
+
+
 def test_one_cta_an_sm_layer_with_deep_rings_compiles_and_matches_float64(tmp_path):
     """One token on one CTA an SM, as ``bench_moe --ctas-per-sm 1 --bn 96 --down-bn 128
     --stages 10`` builds it: 128 gate_up tasks of 96 columns and 128 down tasks of 128, one
@@ -973,10 +982,7 @@ def test_one_cta_an_sm_layer_with_deep_rings_compiles_and_matches_float64(tmp_pa
     calls = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": 1}).calls}
     assert calls["gate_up_2048x768_e128_16x96x64_s10_t128_blocked_routed_top8_s8"] == 128
     assert calls["down_768x2048_e128_16x128x64_s10_t128_blocked_ybf16_early"] == 128
-    for strategy, claim in (("static", True), ("dynamic", False)):
-        build_cubin(build(graph, {"T": 1}, strategy=strategy, num_sms=132,
-                          options=KernelOptions(ctas_per_sm=1, claim=claim)).cuda_source(),
-                    tmp_path)
+    compile_one_token_kernels(graph, tmp_path)
     inputs = make_inputs(np.random.default_rng(1), 1, H, E, 192)  # 2F and F: 96s and 64s
     small = make_moe_layer(H, E, K, 192, bn=96, down_bn=128, combine_cols=128, stages=10,
                            ctas_per_sm=1, blocked_weights=True, routed_gate_up=True,
