@@ -362,9 +362,10 @@ __device__ __noinline__ int etc_try_pop(int* head_tail, const int* ring, int* cl
 // by thread 0 of the CTA that runs it: [0] start and [1] end on the global nanosecond timer
 // (comparable across SMs), [2] start, [3] waits done and [4] end on the SM's cycle counter
 // (precise within a task), [5] the CTA (high 32 bits) and its SM (low 32 bits): several
-// persistent CTAs may share an SM. A task that never ran keeps zeros. A row per CTA follows
-// the task rows (etc_trace_cta_ready).
-#define ETC_TIMELINE_WORDS 6
+// persistent CTAs may share an SM; [6] the body done (the CTA's threads past it), before the
+// notifies and what they start (pushes, arming, completions), on the cycle counter. A task
+// that never ran keeps zeros. A row per CTA follows the task rows (etc_trace_cta_ready).
+#define ETC_TIMELINE_WORDS 7
 
 // Word [5] of a row: the CTA (high 32 bits) and its SM (low 32 bits).
 __device__ __forceinline__ int64_t etc_trace_place() {
@@ -380,6 +381,8 @@ __device__ __forceinline__ void etc_trace_start(int64_t* row) {
 }
 
 __device__ __forceinline__ void etc_trace_waited(int64_t* row) { row[3] = clock64(); }
+
+__device__ __forceinline__ void etc_trace_body_done(int64_t* row) { row[6] = clock64(); }
 
 __device__ __forceinline__ void etc_trace_end(int64_t* row) {
   row[4] = clock64();

@@ -7,10 +7,12 @@ Build with ``options=KernelOptions(profile=True)`` and run with ``CompiledGraph.
     print(timeline.summary())              # per call: tasks, wait and body time; hand-offs
     timeline.write_chrome_trace("run.json")  # a track per CTA, for Perfetto or chrome://tracing
 
-The kernel stamps each task three times on thread 0 (start, waits done, end; the row layout
-is in src/etc_runtime.cuh). Start and end come from the global nanosecond timer, which all SMs
-share, so tasks on different SMs line up; the split of a task into waiting and body comes from
-its SM's cycle counter, which is finer but only comparable within one SM. Each CTA also stamps
+The kernel stamps each task four times on thread 0 (start, waits done, body done, end; the
+row layout is in src/etc_runtime.cuh). Start and end come from the global nanosecond timer,
+which all SMs share, so tasks on different SMs line up; the split of a task into waiting, its
+body and its notifies (with what they start: pushes onto a ring, arming at run time, a call's
+completion) comes from its SM's cycle counter, which is finer but only comparable within one
+SM. Each CTA also stamps
 its entry, the end of its prologue (the grid-wide barrier after the state's initialisation)
 and its leaving: the kernel's time outside its tasks.
 """
@@ -25,8 +27,9 @@ import numpy as np
 
 from .runtime import GraphMeta
 
-WORDS = 6  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
-START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, PLACE = range(WORDS)  # PLACE: CTA << 32 | SM
+WORDS = 7  # TIMELINE_WORDS; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
+# PLACE: CTA << 32 | SM; BODY_CLK: the body done, before the notifies
+START_NS, END_NS, START_CLK, WAITED_CLK, END_CLK, PLACE, BODY_CLK = range(WORDS)
 ENTERED_NS, READY_NS, LEFT_NS = range(3)  # a CTA's row, after the task rows; PLACE as a task's
 FULL_SHARE = 0.9  # of the most bodies a call ran at once: the bar of its "full to" time
 
@@ -42,6 +45,7 @@ class TaskSpan:
     start_us: float
     end_us: float
     wait_us: float  # of (end - start), the share before the body could start
+    notify_us: float = 0.0  # of it, the share after the body: notifies, pushes, arming
 
     @property
     def call(self) -> str:
@@ -49,6 +53,7 @@ class TaskSpan:
 
     @property
     def body_us(self) -> float:
+        """From the waits' end to the task's end: the body and its notifies."""
         return self.end_us - self.start_us - self.wait_us
 
 
@@ -83,8 +88,10 @@ class Timeline:
             start, end = (r[START_NS] - origin) / 1e3, (r[END_NS] - origin) / 1e3
             cycles = r[END_CLK] - r[START_CLK]
             waited = (r[WAITED_CLK] - r[START_CLK]) / cycles if cycles > 0 else 0.0
+            notified = (r[END_CLK] - r[BODY_CLK]) / cycles if cycles > 0 and r[BODY_CLK] else 0.0
             spans.append(TaskSpan(t, meta.task_names[t], int(r[PLACE] & 0xFFFFFFFF),
-                                  int(r[PLACE] >> 32), start, end, (end - start) * waited))
+                                  int(r[PLACE] >> 32), start, end, (end - start) * waited,
+                                  (end - start) * notified))
         self.spans = sorted(spans, key=lambda s: (s.start_us, s.task))
         ctas = table[max(1, len(meta.task_names)):]
         self.ctas = [CtaSpan(int(r[PLACE] >> 32), int(r[PLACE] & 0xFFFFFFFF),
@@ -143,7 +150,8 @@ class Timeline:
         return np.asarray([taken[sm] for sm in sms], np.int64)
 
     def summary(self) -> str:
-        """A table per call (tasks, median wait and body, median hand-off before its tasks,
+        """A table per call (tasks, median wait, body and the notifies' share of the body,
+        median hand-off before its tasks,
         total busy time, the window from its first task's start to its last task's end,
         where its bodies stopped filling the CTAs they held: ``full_until_us``, and how its
         tasks spread over the SMs: the most an SM took and the SMs that took none,
@@ -153,7 +161,8 @@ class Timeline:
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
         before = self._handoffs_before()
-        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'taken us':>9} "
+        lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'notify us':>10} "
+                 f"{'taken us':>9} "
                  f"{'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11} "
                  f"{'most an SM':>11} {'SMs none':>9}"]
         for name, spans in calls.items():
@@ -162,6 +171,7 @@ class Timeline:
             lines.append(f"{name:>16} {len(spans):>6} "
                          f"{np.median([s.wait_us for s in spans]):>9.2f} "
                          f"{np.median([s.body_us for s in spans]):>9.2f} "
+                         f"{np.median([s.notify_us for s in spans]):>10.2f} "
                          f"{np.median(taken) if taken else 0.0:>9.2f} "
                          f"{sum(s.end_us - s.start_us for s in spans):>9.1f} "
                          f"{min(s.start_us for s in spans):>9.1f} "
@@ -182,8 +192,8 @@ class Timeline:
 
     def chrome_trace(self) -> dict:
         """The run in the Trace Event Format: one process per SM and one thread per CTA on
-        it, each task a complete event split into its wait and its body; each CTA's prologue
-        and, from its last task's end, its leaving."""
+        it, each task a complete event split into its wait, its body and its notifies; each
+        CTA's prologue and, from its last task's end, its leaving."""
         events = []
         for s in self.spans:
             common = {"pid": s.sm, "tid": s.cta, "args": {"task": s.task}}
@@ -192,6 +202,9 @@ class Timeline:
             if s.wait_us > 0:
                 events.append({"name": "wait", "ph": "X", "ts": s.start_us, "dur": s.wait_us,
                                **common})
+            if s.notify_us > 0:
+                events.append({"name": "notify", "ph": "X", "ts": s.end_us - s.notify_us,
+                               "dur": s.notify_us, **common})
         last = {s.cta: s.end_us for s in self.spans}  # in start order: each CTA's last task
         for c in self.ctas:
             common = {"pid": c.sm, "tid": c.cta}

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from etc_tvm.build import build
-from etc_tvm.profile import (END_CLK, END_NS, ENTERED_NS, LEFT_NS, PLACE, READY_NS, START_CLK,
-                             START_NS, WAITED_CLK, WORDS, Timeline)
+from etc_tvm.profile import (BODY_CLK, END_CLK, END_NS, ENTERED_NS, LEFT_NS, PLACE, READY_NS,
+                             START_CLK, START_NS, WAITED_CLK, WORDS, Timeline)
 from etc_tvm.relax_passes import StaticScheduleTransform
 from etc_tvm.runtime import GraphMeta
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -37,8 +37,15 @@ def test_every_task_branch_stamps_start_waits_and_end(strategy):
         return source[source.index("extern \"C\" __global__"):]
 
     kernel = kernel_of(PROFILE)
-    for stamp in ("etc_trace_start(", "etc_trace_waited(", "etc_trace_end("):
+    stamps = ("etc_trace_start(", "etc_trace_waited(", "etc_trace_body_done(", "etc_trace_end(")
+    for stamp in stamps:
         assert kernel.count(stamp) == 1, stamp  # one call, one branch
+    at = [kernel.index(stamp) for stamp in stamps]
+    assert at == sorted(at)
+    # the body done: past the body's CTA barrier, before the notifies
+    done = at[2]
+    assert kernel.rindex("tvm_builtin_cuda_cta_sync()", 0, done) > at[1]
+    assert kernel.index("etc_notify", done) < at[3]
     # each CTA: its entry, the end of its prologue (after the grid-wide barrier), its leaving
     entered, ready = kernel.index("etc_trace_now()"), kernel.index("etc_trace_cta_ready(")
     assert entered < kernel.index("grid_sync()") < ready < kernel.index("etc_trace_start(")
@@ -61,15 +68,18 @@ def test_sampled_functions_say_they_are_profiled():
 
 
 def rows_of(*tasks):
-    """Timeline rows from (start ns, end ns, share of the task spent waiting, SM[, CTA]); the
-    CTA is the SM's where none is given (one CTA an SM)."""
+    """Timeline rows from (start ns, end ns, share of the task spent waiting, SM[, CTA[, share
+    spent on its notifies]]); the CTA is the SM's where none is given (one CTA an SM)."""
     rows = np.zeros((len(tasks), WORDS), np.int64)
-    for r, (start, end, waiting, sm, *cta) in zip(rows, tasks):
+    for r, (start, end, waiting, sm, *rest) in zip(rows, tasks):
         if start is None:
             continue  # a skipped task keeps zeros
-        r[START_NS], r[END_NS], r[PLACE] = start, end, (cta[0] if cta else sm) << 32 | sm
+        cta = rest[0] if rest else sm
+        notifying = rest[1] if len(rest) > 1 else 0.0
+        r[START_NS], r[END_NS], r[PLACE] = start, end, cta << 32 | sm
         r[START_CLK], r[END_CLK] = 10_000, 10_000 + 1000
         r[WAITED_CLK] = 10_000 + int(1000 * waiting)
+        r[BODY_CLK] = r[END_CLK] - int(1000 * notifying)
     return rows.ravel()
 
 
@@ -78,23 +88,25 @@ META = GraphMeta("g", ["a(0)", "a(1)", "b(0)", "b(1)"], [], 4.0, profiled=True)
 
 def test_timeline_spans_waits_and_handoffs():
     timeline = Timeline(META, rows_of((5_000, 7_000, 0.0, 3), (5_500, 6_500, 0.5, 4),
-                                      (7_400, 9_000, 0.25, 3), (None, None, 0, 0)))
+                                      (7_400, 9_000, 0.25, 3, 3, 0.125), (None, None, 0, 0)))
     spans = {s.name: s for s in timeline.spans}
     assert sorted(spans) == ["a(0)", "a(1)", "b(0)"]  # b(1) never ran
     assert spans["a(1)"].start_us == pytest.approx(0.5)
     assert spans["a(1)"].wait_us == pytest.approx(0.5)
     assert spans["b(0)"].body_us == pytest.approx(1.2)
+    assert spans["b(0)"].notify_us == pytest.approx(0.2)  # the last eighth of its 1.6 us
+    assert spans["a(1)"].notify_us == 0.0
     assert timeline.makespan_us == pytest.approx(4.0)
     np.testing.assert_allclose(timeline.handoffs_us(), [0.4])  # SM 3: a(0) ends, b(0) starts
     summary = timeline.summary()
     assert "makespan 4.0 us on 2 SMs (2 CTAs); median hand-off 0.40 us" in summary
-    # call, tasks, median wait, body, hand-off before (none before a CTA's first task), busy,
-    # from, to, full to (a's two bodies run together from 1.0 to 1.5 us), the most tasks an
-    # SM took, the SMs that took none
-    assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "0.00", "3.0", "0.0",
-                                               "2.0", "1.5", "1", "0"]
-    assert summary.splitlines()[2].split() == ["b", "1", "0.40", "1.20", "0.40", "1.6", "2.4",
-                                               "4.0", "4.0", "1", "1"]
+    # call, tasks, median wait, body, notifies, hand-off before (none before a CTA's first
+    # task), busy, from, to, full to (a's two bodies run together from 1.0 to 1.5 us), the
+    # most tasks an SM took, the SMs that took none
+    assert summary.splitlines()[1].split() == ["a", "2", "0.25", "1.25", "0.00", "0.00", "3.0",
+                                               "0.0", "2.0", "1.5", "1", "0"]
+    assert summary.splitlines()[2].split() == ["b", "1", "0.40", "1.20", "0.20", "0.40", "1.6",
+                                               "2.4", "4.0", "4.0", "1", "1"]
 
 
 def test_a_calls_last_wave_drains_from_where_its_bodies_stop_filling_the_ctas():
@@ -142,13 +154,16 @@ def test_tasks_per_sm_counts_a_calls_tasks_on_every_sm_the_kernel_ran_on():
 
 def test_chrome_trace_has_one_track_per_cta(tmp_path):
     timeline = Timeline(META, rows_of((5_000, 7_000, 0.5, 3), (5_500, 6_500, 0.0, 4),
-                                      (5_200, 6_000, 0.0, 3, 135), (None, None, 0, 0)))
+                                      (5_200, 6_000, 0.0, 3, 135, 0.25), (None, None, 0, 0)))
     timeline.write_chrome_trace(tmp_path / "run.json")
     events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
-    tasks = [e for e in events if e["ph"] == "X" and e["name"] != "wait"]
+    tasks = [e for e in events if e["ph"] == "X" and e["name"] not in ("wait", "notify")]
     assert {(e["name"], e["pid"], e["tid"], e["ts"], e["dur"]) for e in tasks} == {
         ("a(0)", 3, 3, 0.0, 2.0), ("a(1)", 4, 4, 0.5, 1.0), ("b(0)", 3, 135, 0.2, 0.8)}
     assert [e["dur"] for e in events if e["name"] == "wait"] == [1.0]
+    # b(0)'s notifies: the last quarter of its 0.8 us
+    assert [(e["tid"], e["ts"], e["dur"]) for e in events if e["name"] == "notify"] == [
+        (135, pytest.approx(0.8), pytest.approx(0.2))]
     names = {(e["name"], e["pid"], e.get("tid"), e["args"]["name"])
              for e in events if e["ph"] == "M"}
     assert names == {("process_name", 3, None, "SM 3"), ("process_name", 4, None, "SM 4"),

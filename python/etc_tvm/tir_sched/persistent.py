@@ -40,7 +40,7 @@ from .grid_kernel import in_call, unravel
 from .inline import (DECLARATIONS, ThreadScopes, encode_tensor_maps, i32, inline_task,
                      input_check_sites, shared_bytes)
 
-TIMELINE_WORDS = 6  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
+TIMELINE_WORDS = 7  # per task; ETC_TIMELINE_WORDS in src/etc_runtime.cuh
 WARP = 32
 SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM (Hopper)
 CTA_SHARED_BYTES = 227 * 1024  # the most of it one CTA may hold
@@ -513,6 +513,7 @@ class PersistentKernel:
         # the notifies follow every thread's writes; without any, the next task may reuse the
         # shared memory this one reads
         stmts.append(tirx.Evaluate(Tb.cuda.cta_sync()))
+        stmts.append(self._trace("etc_trace_body_done", task))
         stmts.append(before_notifies() if callable(before_notifies) else before_notifies)
         notifies = self._notifies(call, task, coord_vars, released)
         if notifies is not None:
