@@ -135,6 +135,8 @@ def layer_parser() -> argparse.ArgumentParser:
                         "where given; TMA down tiles need a multiple of 64)")
     parser.add_argument("--stages", type=int, help="the grouped GEMMs' ring depth (default: "
                         "the deepest that fits a CTA's share of the SM)")
+    parser.add_argument("--down-stages", type=int, help="the down tiles' ring depth (default: "
+                        "--stages where given)")
     parser.add_argument("--experts-per-task", type=int, help="experts a router task scores "
                         "(default: moe_layer.ROUTER_BLOCKS of the router's engine)")
     parser.add_argument("--threads", type=int,
@@ -219,6 +221,7 @@ def layer_options(tokens: int, options: argparse.Namespace, **shape) -> dict:
         router_splits=options.router_splits, router_engine=options.router_engine,
         block_tokens=options.block_tokens, router_tokens=options.router_tokens, bn=options.bn,
         down_bn=options.down_bn, bk=options.bk, down_bk=options.down_bk, stages=options.stages,
+        down_stages=options.down_stages,
         threads=options.threads, experts_per_task=options.experts_per_task,
         ctas_per_sm=options.ctas_per_sm,
         combine_cols=options.combine_cols, combine_tokens=options.combine_tokens,
@@ -328,6 +331,7 @@ def print_row(row: dict, ours) -> None:
               + f", tasks of {about['bn']} (gate_up) and {about['down_bn']} (down) columns"
               + (f" on rings of {about['stages']} stages" if about["stages"]
                  else " on the deepest rings that fit")
+              + (f" ({about['down_stages']} for down)" if about.get("down_stages") else "")
               + f", combine tasks of {about['combine_tokens']} tokens x {about['combine_cols']}"
               + " columns" + (" (rows prefetched into L2)" if about.get("combine_prefetch")
                               else "")

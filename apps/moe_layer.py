@@ -74,6 +74,7 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
                    router_engine: str = "fma",
                    bn: int | None = None, down_bn: int | None = None, bk: int | None = None,
                    down_bk: int | None = None, stages: int | None = None,
+                   down_stages: int | None = None,
                    engine: str = "mma", combine_cols: int = 512, threads: int = 128,
                    ctas_per_sm: int = 1, blocked_weights: bool = False,
                    y_dtype: str = "float32", align_tokens: int = 0, fused_route: bool = False,
@@ -100,7 +101,9 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     and ``gemm.SMEM_LIMIT`` for wgmma ones (a given ``stages`` up to that). For 64 x 128
     wgmma tiles at T=1024 on the H200: 4 stages with one CTA an SM, 889 us (static); 8
     stages (197 KB), 742; 4 stages with two CTAs an SM, 682, as one CTA's ring hand-offs
-    overlap the other's task.
+    overlap the other's task. ``down_stages``: down's ring alone, ``stages`` by default (a
+    down task issues its ring's first slices in its prelude with ``early_weights``, so its
+    depth is what it streams while it waits for h).
     ``engine``: "mma" (``mma.sync``), "wgmma" (warpgroup MMA, for tiles of 64-row multiples)
     or "swapped" (warpgroup MMA with the weights on its m64 side, for tiles of 8-row
     multiples up to 256; ``moe.ENGINES``). ``bk``: the grouped GEMMs' K slice, ``down_bk``:
@@ -131,7 +134,8 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
     bn, down_bn = task_columns(BT, H, F, engine=engine, bn=bn, down_bn=down_bn,
                                down_loads=down_loads, threads=threads)
     gate_up, down = expert_tiles(H, E, F, tile_rows=BT, bn=bn, down_bn=down_bn, bk=bk,
-                                 down_bk=down_bk, stages=stages, engine=engine, threads=threads,
+                                 down_bk=down_bk, stages=stages, down_stages=down_stages,
+                                 engine=engine, threads=threads,
                                  ctas_per_sm=ctas_per_sm, blocked_weights=blocked_weights,
                                  y_dtype=y_dtype, down_loads=down_loads,
                                  early_weights=early_weights,
@@ -297,13 +301,14 @@ def make_moe_layer(hidden: int = 2048, experts: int = 128, top_k: int = 8,
 
 def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int, bn: int,
                  down_bn: int, bk: int | None = None, down_bk: int | None = None,
-                 stages: int | None = None, engine: str = "mma",
-                 threads: int = 128, ctas_per_sm: int = 1, blocked_weights: bool = False,
-                 y_dtype: str = "float32", down_loads: str = "cp.async",
+                 stages: int | None = None, down_stages: int | None = None,
+                 engine: str = "mma", threads: int = 128, ctas_per_sm: int = 1,
+                 blocked_weights: bool = False, y_dtype: str = "float32",
+                 down_loads: str = "cp.async",
                  early_weights: bool = False, routing: moe.LogitRouting | None = None):
     """The layer's grouped GEMM tiles ``(gate_up, down)`` (``make_moe_layer``'s options;
-    ``routing``: gate_up's, ``moe.make_gate_up_tile``), each with ``stages`` or the deepest
-    ring that fits a CTA's share of the SM.
+    ``routing``: gate_up's, ``moe.make_gate_up_tile``), each with ``stages`` (down with
+    ``down_stages`` where given) or the deepest ring that fits a CTA's share of the SM.
 
     K slices (``bk``, ``down_bk`` by default ``bk``): 64 columns, but 32 for swapped tiles
     and for cp.async wgmma tiles where fewer than ``MIN_DEEP_RING`` stages of 64 fit: 64 x
@@ -331,8 +336,8 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
                                   stages or deepest(bn, bk), engine, blocked_weights,
                                   routing),
             moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
-                               stages or deepest(down_bn, down_bk), engine, blocked_weights,
-                               y_dtype, down_loads, early_weights))
+                               down_stages or stages or deepest(down_bn, down_bk), engine,
+                               blocked_weights, y_dtype, down_loads, early_weights))
 
 
 # The shallowest ring of 64-column K slices expert_tiles keeps by default (a wgmma ring's
@@ -341,8 +346,8 @@ MIN_DEEP_RING = 3
 
 
 # make_moe_layer's options that shape its grouped GEMMs (the rest shape routing and combine)
-EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "down_bk", "stages", "engine",
-                  "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads",
+EXPERT_OPTIONS = ("tile_rows", "bn", "down_bn", "bk", "down_bk", "stages", "down_stages",
+                  "engine", "threads", "ctas_per_sm", "blocked_weights", "y_dtype", "down_loads",
                   "early_weights")
 
 
@@ -499,8 +504,8 @@ def blocked_expert_weights(w_gate_up, w_down, tile_rows: int, bn: int | None = N
 
 # the options of ``options_for`` that are counts or sizes
 SIZE_OPTIONS = ("tile_rows", "threads", "ctas_per_sm", "block_tokens", "router_tokens",
-                "experts_per_task", "bn", "down_bn", "bk", "down_bk", "stages", "combine_cols",
-                "combine_tokens", "router_splits")
+                "experts_per_task", "bn", "down_bn", "bk", "down_bk", "stages", "down_stages",
+                "combine_cols", "combine_tokens", "router_splits")
 
 
 def options_for(tokens: int, **options) -> dict:

@@ -992,6 +992,26 @@ def test_one_cta_an_sm_layer_with_deep_rings_compiles_and_matches_float64(tmp_pa
     assert_within(execute(small, *inputs[:2], *weights, order=RandomOrder(seed=1)), want, bound)
 
 
+def test_down_stages_deepen_gate_up_ring_alone(tmp_path):
+    """``down_stages`` sets down's ring apart from ``stages`` (bench_moe ``--down-stages``):
+    one token with 10-stage gate_up rings and down's as the default keeps it (5 stages of
+    128 columns, 4 slices issued before the wait); the claimed static and the dynamic kernels
+    compile for sm_90a without spills. A ring of no stages is refused."""
+    options = moe_layer.options_for(1, blocked_weights=True, y_dtype="bfloat16", stages=10,
+                                    down_stages=5)
+    graph = make_moe_layer(**options)
+    calls = {c.fn.name: c.num_tasks for c in TaskGraph.build(graph, {"T": 1}).calls}
+    assert calls["gate_up_2048x768_e128_16x96x64_s10_t128_blocked_routed_top8_s8"] == 128
+    assert calls["down_768x2048_e128_16x128x64_s5_t128_blocked_ybf16_early"] == 128
+    compile_one_token_kernels(graph, tmp_path)
+    deep_down = make_moe_layer(**moe_layer.options_for(1, down_stages=8))
+    names = [c.fn.name for c in TaskGraph.build(deep_down, {"T": 1}).calls]
+    assert any(n.startswith("gate_up_") and "_s5_" in n for n in names), names
+    assert any(n.startswith("down_") and "_s8_" in n for n in names), names
+    with pytest.raises(ValueError, match="down_stages=0"):
+        moe_layer.options_for(1, down_stages=0)
+
+
 def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
     """gate_up tasks that route themselves from the router's logits, in the static kernel as
     bench_moe builds it at one token (claimed): they wait for the router's element, not for
