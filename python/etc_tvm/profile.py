@@ -12,9 +12,8 @@ row layout is in src/etc_runtime.cuh). Start and end come from the global nanose
 which all SMs share, so tasks on different SMs line up; the split of a task into waiting, its
 body and its notifies (with what they start: pushes onto a ring, arming at run time, a call's
 completion) comes from its SM's cycle counter, which is finer but only comparable within one
-SM. Each CTA also stamps
-its entry, the end of its prologue (the grid-wide barrier after the state's initialisation)
-and its leaving: the kernel's time outside its tasks.
+SM. Each CTA also stamps its entry, the end of its prologue (the grid-wide barrier after the
+state's initialisation) and its leaving: the kernel's time outside its tasks.
 """
 from __future__ import annotations
 
@@ -151,19 +150,17 @@ class Timeline:
 
     def summary(self) -> str:
         """A table per call (tasks, median wait, body and the notifies' share of the body,
-        median hand-off before its tasks,
-        total busy time, the window from its first task's start to its last task's end,
-        where its bodies stopped filling the CTAs they held: ``full_until_us``, and how its
-        tasks spread over the SMs: the most an SM took and the SMs that took none,
-        ``tasks_per_sm``), then the makespan, the SMs used and the median hand-off, and the
-        kernel's time around its tasks."""
+        median hand-off before its tasks, total busy time, the window from its first task's
+        start to its last task's end, where its bodies stopped filling the CTAs they held:
+        ``full_until_us``, and how its tasks spread over the SMs: the most an SM took and
+        the SMs that took none, ``tasks_per_sm``), then the makespan, the SMs used and the
+        median hand-off, and the kernel's time around its tasks."""
         calls: dict[str, list[TaskSpan]] = {}
         for s in self.spans:
             calls.setdefault(s.call, []).append(s)
         before = self._handoffs_before()
         lines = [f"{'call':>16} {'tasks':>6} {'wait us':>9} {'body us':>9} {'notify us':>10} "
-                 f"{'taken us':>9} "
-                 f"{'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11} "
+                 f"{'taken us':>9} {'busy us':>9} {'from us':>9} {'to us':>9} {'full to us':>11} "
                  f"{'most an SM':>11} {'SMs none':>9}"]
         for name, spans in calls.items():
             taken = [before[s.task] for s in spans if s.task in before]
