@@ -994,9 +994,10 @@ def test_one_cta_an_sm_layer_with_deep_rings_compiles_and_matches_float64(tmp_pa
 
 def test_down_stages_deepen_gate_up_ring_alone(tmp_path):
     """``down_stages`` sets down's ring apart from ``stages`` (bench_moe ``--down-stages``):
-    one token with 10-stage gate_up rings and down's as the default keeps it (5 stages of
-    128 columns, 4 slices issued before the wait); the claimed static and the dynamic kernels
-    compile for sm_90a without spills. A ring of no stages is refused."""
+    one token on 10-stage gate_up rings with down's at the default 5 stages (4 slices of 128
+    columns issued before its wait), whose claimed static and dynamic kernels compile for
+    sm_90a without spills; down's alone deepened leaves gate_up's; a ring of no stages is
+    refused."""
     options = moe_layer.options_for(1, blocked_weights=True, y_dtype="bfloat16", stages=10,
                                     down_stages=5)
     graph = make_moe_layer(**options)
