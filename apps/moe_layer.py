@@ -332,12 +332,15 @@ def expert_tiles(hidden: int, experts: int, intermediate: int, *, tile_rows: int
     H, E, F = hidden, experts, intermediate
     down_bk = down_bk or bk or slice_for(down_bn, down_loads)
     bk = bk or slice_for(bn)
+    down_stages = stages if down_stages is None else down_stages
+    # a ring of no stages reaches the tile, whose geometry check names it
     return (moe.make_gate_up_tile(H, F, E, tile_rows, bn, bk, threads,
-                                  stages or deepest(bn, bk), engine, blocked_weights,
-                                  routing),
+                                  deepest(bn, bk) if stages is None else stages, engine,
+                                  blocked_weights, routing),
             moe.make_down_tile(F, H, E, tile_rows, down_bn, down_bk, threads,
-                               down_stages or stages or deepest(down_bn, down_bk), engine,
-                               blocked_weights, y_dtype, down_loads, early_weights))
+                               deepest(down_bn, down_bk) if down_stages is None
+                               else down_stages, engine, blocked_weights, y_dtype, down_loads,
+                               early_weights))
 
 
 # The shallowest ring of 64-column K slices expert_tiles keeps by default (a wgmma ring's

@@ -1011,6 +1011,8 @@ def test_down_stages_deepen_gate_up_ring_alone(tmp_path):
     assert any(n.startswith("down_") and "_s8_" in n for n in names), names
     with pytest.raises(ValueError, match="down_stages=0"):
         moe_layer.options_for(1, down_stages=0)
+    with pytest.raises(EtcError, match="stages=0"):  # not taken for "the default"
+        make_moe_layer(down_stages=0)
 
 
 def test_routed_gate_up_layer_compiles_for_sm90a(tmp_path):
