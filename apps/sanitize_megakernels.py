@@ -7,9 +7,9 @@
 (``apps/sanitize_megakernels.py mixed dynamic``: only those strategies; ``--cases
 prelude_weighted_rows``: only those graphs of megakernel_cases, and not the MoE graph.)
 
-Every graph of tests/python/megakernel_cases.py under the static strategy (list and
-round-robin queues, and tasks claimed at run time), the dynamic, mixed and barrier strategies
-(the barrier kernel also claiming), and the MoE graph of tests/python/moe_graph.py
+Every graph of tests/python/megakernel_cases.py built into each of its ``MEGAKERNELS`` (the
+persistent kernels the GPU tests run: static on list and round-robin queues and claiming,
+dynamic, mixed, barrier and barrier claiming), and the MoE graph of tests/python/moe_graph.py
 (data-dependent edges, run-time counts, a trigger) under the strategies that run it, each
 checked against the CPU reference executor.
 """
@@ -21,25 +21,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
 
-from etc_tvm import KernelOptions, build  # noqa: E402
+from etc_tvm import build  # noqa: E402
 from etc_tvm.executor import execute  # noqa: E402
-from etc_tvm.schedule import list_schedule, round_robin_schedule  # noqa: E402
 
-from megakernel_cases import ATOL, CASES, RTOL  # noqa: E402
+from megakernel_cases import ATOL, CASES, MEGAKERNELS, RTOL  # noqa: E402
 from moe_graph import COUNT_MODES, make_inputs, moe_graph  # noqa: E402
 
-PLAIN, CLAIMED = KernelOptions(), KernelOptions(claim=True)
-# (strategy, scheduler, options): the kernels a graph is built into
-KERNELS = (("static", list_schedule, PLAIN), ("static", round_robin_schedule, PLAIN),
-           ("static", list_schedule, CLAIMED), ("dynamic", list_schedule, PLAIN),
-           ("mixed", list_schedule, PLAIN), ("barrier", list_schedule, PLAIN),
-           ("barrier", list_schedule, CLAIMED))
-MOE_KERNELS = (("static", PLAIN), ("static", CLAIMED), ("dynamic", PLAIN), ("mixed", PLAIN))
-
-
-def label(strategy: str, options: KernelOptions, scheduler=None) -> str:
-    return " ".join([strategy, *([scheduler.__name__] if scheduler else []),
-                     *(["claimed"] if options.claim else [])])
+MOE_KERNELS = ("static", "static_claimed", "dynamic", "mixed")  # those that run the MoE graph
 
 
 def main() -> None:
@@ -57,22 +45,22 @@ def main() -> None:
             continue
         inputs = make(rng)
         want = execute(graph, *inputs)
-        for strategy, scheduler, options in KERNELS:
-            if wanted and strategy not in wanted:
+        for kernel, how in MEGAKERNELS.items():
+            if wanted and how["strategy"] not in wanted:
                 continue
-            got = build(graph, dims, strategy=strategy, scheduler=scheduler,
-                        options=options)(*inputs)
+            got = build(graph, dims, **how)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-            print(f"{name} {label(strategy, options, scheduler)}: ok", flush=True)
+            print(f"{name} {kernel}: ok", flush=True)
     for count_mode in () if args.cases else COUNT_MODES:
         graph, inputs = moe_graph(2, count_mode), make_inputs("random", 12, 2)
         want = execute(graph, *inputs)
-        for strategy, options in MOE_KERNELS:
-            if wanted and strategy not in wanted:
+        for kernel in MOE_KERNELS:
+            how = MEGAKERNELS[kernel]
+            if wanted and how["strategy"] not in wanted:
                 continue
-            got = build(graph, {"T": 12}, strategy=strategy, options=options)(*inputs)
+            got = build(graph, {"T": 12}, **how)(*inputs)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-            print(f"moe ({count_mode} counts) {label(strategy, options)}: ok", flush=True)
+            print(f"moe ({count_mode} counts) {kernel}: ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The graphs the GPU megakernel tests run, with inputs and float64 references.
+"""The graphs the GPU megakernel tests run, with inputs and float64 references, and the
+persistent kernels they are built into.
 
 Each case: (graph function, dims, inputs from a NumPy generator, float64 reference function).
 """
 import numpy as np
 
 import graphs
+from etc_tvm import KernelOptions
+from etc_tvm.schedule import list_schedule, round_robin_schedule
 from test_executor import chain
 from tiles import COLS, ROWS, TILE
 
@@ -46,3 +49,17 @@ CASES = {
                               * f64(w)[0][pick[::-1]].repeat(ROWS, axis=0)),
 }
 RTOL, ATOL = 1e-5, 1e-4  # float32 arithmetic against float64
+
+# the persistent kernels of a graph: name -> ``build``'s strategy, scheduler and options
+MEGAKERNELS = {
+    "static": dict(strategy="static", scheduler=list_schedule, options=KernelOptions()),
+    "static_round_robin": dict(strategy="static", scheduler=round_robin_schedule,
+                               options=KernelOptions()),
+    "static_claimed": dict(strategy="static", scheduler=list_schedule,
+                           options=KernelOptions(claim=True)),
+    "dynamic": dict(strategy="dynamic", scheduler=list_schedule, options=KernelOptions()),
+    "mixed": dict(strategy="mixed", scheduler=list_schedule, options=KernelOptions()),
+    "barrier": dict(strategy="barrier", scheduler=list_schedule, options=KernelOptions()),
+    "barrier_claimed": dict(strategy="barrier", scheduler=list_schedule,
+                            options=KernelOptions(claim=True)),
+}

@@ -8,24 +8,20 @@ import pytest
 from etc_tvm import ExecutionError
 from etc_tvm.build import build
 from etc_tvm.executor import execute
-from etc_tvm.schedule import list_schedule, round_robin_schedule
+from etc_tvm.schedule import round_robin_schedule
 from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
-from megakernel_cases import ATOL, CASES, RTOL
+from megakernel_cases import ATOL, CASES, MEGAKERNELS, RTOL
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("strategy", ["static", "static_round_robin", "static_claimed",
-                                      "dynamic", "mixed", "barrier", "barrier_claimed",
-                                      "unfused"])
+@pytest.mark.parametrize("strategy", [*MEGAKERNELS, "unfused"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_float64_and_the_reference_executor(case, strategy, rng):
     graph, dims, make, reference = CASES[case]
-    compiled = build(graph, dims, strategy=strategy.split("_")[0],
-                     scheduler=round_robin_schedule if "round_robin" in strategy
-                     else list_schedule, options=KernelOptions(claim="claimed" in strategy))
+    compiled = build(graph, dims, **MEGAKERNELS.get(strategy, {"strategy": strategy}))
     inputs = make(rng)
     got = compiled(*inputs)
     np.testing.assert_allclose(got, reference(*inputs), rtol=RTOL, atol=ATOL)
