@@ -74,31 +74,38 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
                                                          scheduler, samples))
     # unfused launches return a stop record only for their tiles' input checks
     has_status = strategy != "unfused" or any(f.checks for f in graph.device_funcs.values())
+    launch = {"ctas": 0 if strategy == "unfused" else num_sms * options.ctas_per_sm,
+              "arch": str(target.attrs.get("arch", ""))}
     if samples is None:
-        meta = graph_meta(graph, dims, options, has_status)
+        meta = graph_meta(graph, dims, options, has_status, **launch)
     else:
         meta = SampledMeta(graph.name, dim_sources(graph), [
-            [s, sample_function(graph.name, k), graph_meta(graph, s, options, has_status)]
+            [s, sample_function(graph.name, k), graph_meta(graph, s, options, has_status,
+                                                           **launch)]
             for k, s in enumerate(samples)])
     return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
 
 
-def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool) -> GraphMeta:
-    """What the host reports a stopped kernel of ``graph`` for ``dims`` with."""
+def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool, *,
+               ctas: int = 0, arch: str = "") -> GraphMeta:
+    """What the host reports a stopped kernel of ``graph`` for ``dims`` with, and checks the
+    GPU against: ``ctas`` persistent CTAs (0: grid launches only), compiled for ``arch``."""
     task_graph = TaskGraph.build(graph, dims)
-    return task_graph_meta(task_graph, EventLayout.of(task_graph), options, has_status)
+    return task_graph_meta(task_graph, EventLayout.of(task_graph), options, has_status,
+                           ctas=ctas, arch=arch)
 
 
 def task_graph_meta(task_graph: TaskGraph, layout: EventLayout, options: KernelOptions,
-                    has_status: bool) -> GraphMeta:
+                    has_status: bool, *, ctas: int = 0, arch: str = "") -> GraphMeta:
     """``graph_meta`` of a task graph already built, with its event layout."""
     names = [task_graph.task_name(t) for t in range(task_graph.num_tasks)]
     return GraphMeta(task_graph.name, names, layout.names(task_graph), options.timeout_s,
                      has_status=has_status,
                      edges=[f"{c.name}: {e.etensor} '{e.map}'" for c, e in edge_sites(task_graph)],
                      checks=[c.fn.checks[k] for c, k in input_check_sites(task_graph)],
-                     profiled=has_status and options.profile)
+                     profiled=has_status and options.profile,
+                     ctas=ctas, ctas_per_sm=options.ctas_per_sm, arch=arch)
 
 
 def power_of_two_samples(max_dims: Mapping[str, int]) -> list[dict[str, int]]:

@@ -251,7 +251,9 @@ class RankProgram:
             raise EtcError(f"{self.name} is rank {self.rank} of {self.graph.world_size}; this "
                            f"process is rank {world.rank} of {world.world_size}")
         if self.state is None:
-            self.state = self._allocate(world, tvm.cuda(_current_device()))
+            device = tvm.cuda(_current_device())
+            self.meta.check_device(device)
+            self.state = self._allocate(world, device)
             world.programs.append(self)
         params = [self.graph.tensors[t] for t in self._own(lambda t: t.param is not None)]
         if len(inputs) != len(params):
@@ -356,5 +358,6 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
         executable = tvm.compile(tvm.IRModule({name: kernel}), target=target,
                                  tir_pipeline="tirx")
     return RankProgram(task_graph, executable, name, rank, [kernel_table(a) for a in arrays],
-                       task_graph_meta(task_graph, layout, options, has_status=True),
+                       task_graph_meta(task_graph, layout, options, has_status=True,
+                                       ctas=num_ctas, arch=str(target.attrs.get("arch", ""))),
                        len(layout.initial), num_ctas, work)

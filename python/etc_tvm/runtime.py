@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,7 +28,8 @@ from .errors import EtcError, ExecutionError
 
 @dataclass(frozen=True)
 class GraphMeta:
-    """What the host needs to report on a run: names of tasks and event elements."""
+    """What the host needs to report on a run (names of tasks and event elements) and to
+    refuse a GPU the kernels cannot run on."""
 
     name: str
     task_names: list
@@ -37,6 +39,29 @@ class GraphMeta:
     edges: list = ()  # the edge maps, numbered as the kernel reports them
     checks: list = ()  # the device functions' input check messages, numbered likewise
     profiled: bool = False  # the task timeline follows the watchdog record
+    ctas: int = 0  # persistent CTAs, launched cooperatively (all resident at once); 0: none
+    ctas_per_sm: int = 1
+    arch: str = ""  # the CUDA arch the kernels were compiled for ("sm_90a"); "": not known
+
+    def check_device(self, device) -> None:
+        """Raise where ``device`` (a ``tvm.runtime.Device``) cannot run these kernels: a
+        compute capability their machine code does not load on, or fewer SMs than the
+        persistent CTAs were placed on (its cooperative launch would be refused)."""
+        name = f"{device.device_name} (GPU {device.index})"
+        have = device.compute_version.replace(".", "")
+        arch = re.fullmatch(r"sm_(\d+)(a?)", self.arch)
+        if arch and (int(have) < int(arch[1]) or (arch[2] and have != arch[1])):
+            runs_on = f"sm_{arch[1]} only" if arch[2] else f"sm_{arch[1]} and later minors"
+            raise EtcError(f"{self.name} was compiled for {self.arch}, whose machine code runs "
+                           f"on {runs_on}; {name} is sm_{have}: build it for this GPU's "
+                           "arch")
+        sms = -(-self.ctas // self.ctas_per_sm)
+        if sms > device.multi_processor_count:
+            raise EtcError(
+                f"{self.name}: its persistent kernel was built for {sms} SMs ({self.ctas} "
+                f"CTAs, {self.ctas_per_sm} an SM, all resident at once); {name} has "
+                f"{device.multi_processor_count}: build it on this GPU (num_sms=None) or "
+                f"with num_sms={device.multi_processor_count}")
 
     def element_name(self, flat: int) -> str:
         for name, offset, shape in self.etensors:
@@ -106,6 +131,10 @@ class SampledMeta:
         object.__setattr__(self, "_bounds", [next(iter(d.values())) for d, _, _ in
                                              self.samples] if one else None)
 
+    def check_device(self, device) -> None:
+        for _, _, meta in self.samples:
+            meta.check_device(device)
+
     def select(self, inputs) -> tuple[str, GraphMeta]:
         """The function and metadata of the smallest sample holding the inputs' sizes."""
         if self._bounds is not None:
@@ -134,6 +163,7 @@ class CompiledGraph:
         self.executable = executable
         self.meta = meta
         self.device = device if device is not None else tvm.cuda(0)
+        meta.check_device(self.device)
         self.vm = VirtualMachine(executable, self.device)
         if isinstance(meta, SampledMeta):
             self._fns = {f: self.vm[f] for _, f, _ in meta.samples}
@@ -236,7 +266,8 @@ class CompiledGraph:
 
 
 def load(path: str | os.PathLike, device=None) -> CompiledGraph:
-    """Load an exported graph; works with ``TVM_USE_RUNTIME_LIB=1`` (no compiler library)."""
+    """Load an exported graph; works with ``TVM_USE_RUNTIME_LIB=1`` (no compiler library).
+    A GPU it was not built for is refused here (``GraphMeta.check_device``)."""
     import tvm
 
     if not Path(path).is_file():

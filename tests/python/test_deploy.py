@@ -1,9 +1,11 @@
 """Build here, run there: an exported library carries sm_90a machine code, and a TVM runtime
 without the compiler library loads and runs it."""
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ import etc_tvm
 from etc_tvm import EtcError, build_env, load
 from etc_tvm.build import build
 from etc_tvm.executor import execute
+from etc_tvm.runtime import GraphMeta, SampledMeta
+from etc_tvm.tir_sched.persistent import KernelOptions
 
 import graphs
 from tiles import COLS, ROWS
@@ -100,6 +104,70 @@ def test_export_without_nvcc_warns_that_it_holds_source(tmp_path):
     assert proc.stdout.strip() == build_env.NO_COMPILER, proc.stdout
     assert "the kernels are CUDA source, not sm_90a machine code" in proc.stderr
     assert b"__global__" in library.read_bytes()
+
+
+def gpu(sms: int = 132, compute: str = "9.0", name: str = "NVIDIA H100 80GB HBM3"):
+    """What ``GraphMeta.check_device`` reads of a ``tvm.runtime.Device``."""
+    return SimpleNamespace(device_name=name, index=0, compute_version=compute,
+                           multi_processor_count=sms)
+
+
+def exported_meta(tmp_path: Path, **kwargs) -> dict:
+    path = tmp_path / "two_ops.so"
+    build(graphs.two_ops, DIMS, **kwargs).export(path)
+    return json.loads(Path(f"{path}.json").read_text())
+
+
+def test_export_records_the_grid_and_arch_the_loader_checks(tmp_path):
+    fields = exported_meta(tmp_path, num_sms=66, options=KernelOptions(ctas_per_sm=2))
+    assert (fields["ctas"], fields["ctas_per_sm"], fields["arch"]) == (132, 2, "sm_90a")
+    meta = GraphMeta(**fields)
+    meta.check_device(gpu(sms=66))
+    meta.check_device(gpu(sms=132))  # runs, on half the SMs
+    with pytest.raises(EtcError, match=r"two_ops: its persistent kernel was built for 66 SMs "
+                                       r"\(132 CTAs, 2 an SM, all resident at once\); NVIDIA "
+                                       r"H20 \(GPU 0\) has 60: build it on this GPU "
+                                       r"\(num_sms=None\) or with num_sms=60"):
+        meta.check_device(gpu(sms=60, name="NVIDIA H20"))
+    for compute, name in (("10.0", "NVIDIA B200"), ("8.9", "NVIDIA L40S")):
+        with pytest.raises(EtcError, match=r"two_ops was compiled for sm_90a, whose machine code "
+                                           rf"runs on sm_90 only; {name} \(GPU 0\) is "
+                                           f"sm_{compute.replace('.', '')}: build it for this "
+                                           "GPU's arch"):
+            meta.check_device(gpu(compute=compute, name=name))
+
+
+def test_unfused_launches_need_no_sm_count(tmp_path):
+    meta = GraphMeta(**exported_meta(tmp_path, strategy="unfused"))
+    assert meta.ctas == 0
+    meta.check_device(gpu(sms=1))
+    with pytest.raises(EtcError, match="compiled for sm_90a"):
+        meta.check_device(gpu(compute="8.0"))
+
+
+def test_every_sample_is_checked():
+    metas = [GraphMeta("g", [], [], 4.0, ctas=ctas, arch="sm_90a") for ctas in (114, 132)]
+    sampled = SampledMeta("g", {"B": [0, 0]}, [[{"B": 8}, "g__sample0", metas[0]],
+                                               [{"B": 64}, "g__sample1", metas[1]]])
+    sampled.check_device(gpu(sms=132))
+    with pytest.raises(EtcError, match="built for 132 SMs"):
+        sampled.check_device(gpu(sms=114))
+
+
+def test_metadata_without_the_grid_is_not_checked():
+    """Metadata written before the grid and arch were recorded loads, unchecked."""
+    meta = GraphMeta(**{"name": "g", "task_names": [], "etensors": [], "timeout_s": 4.0})
+    meta.check_device(gpu(sms=1, compute="7.0"))
+
+
+@pytest.mark.gpu
+def test_a_gpu_with_fewer_sms_than_the_build_is_refused_before_a_launch():
+    import tvm
+
+    sms = tvm.cuda(0).multi_processor_count
+    with pytest.raises(EtcError, match=f"built for {sms + 1} SMs .* has {sms}: build it on "
+                                       f"this GPU \\(num_sms=None\\) or with num_sms={sms}"):
+        build(graphs.two_ops, DIMS, num_sms=sms + 1)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ def test_rank_kernel_compiles_and_links_against_nvshmem(rank, nvshmem_home):
     """GEMM tile (i, j) stores its partial into the owner's copy of ``partials`` (a peer
     address), then notifies the owner; the reduce tiles wait on their own shard."""
     program = distributed.build_rank(gemm_reduce_scatter(2), DIMS, rank, num_sms=4)
+    assert (program.meta.ctas, program.meta.arch) == (4, "sm_90a")  # what a launch checks
     source = program.executable.mod.imports[0].inspect_source("cuda")
     assert source.index("#include <nvshmem.h>") < source.index("#define uint")
     kernel = source[source.index(f"gemm_rs_rank{rank}_kernel("):]
