@@ -35,13 +35,16 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
 
     target: a CUDA target as ``tvm.compile`` takes one (``relax_passes.cuda_target``); by
       default sm_90a with an LLVM host.
-    num_sms: persistent CTAs; by default the SM count of the GPU here, else 132 (an H200).
+    num_sms: SMs for the persistent CTAs; by default those of ``device`` (or of the GPU
+      here), else 132 (an H200's).
     scheduler: how static queues are computed (``etc_tvm.schedule``).
     samples, max_dims: instead of ``dims`` (one of the three), compile once for every size up
       to the largest sample (the persistent strategies): a kernel per sample, on symbolic
       shapes, each run served by the smallest sample that holds its sizes, the tasks beyond
       its grids skipped. ``max_dims`` (one symbolic dim) samples the powers of two up to its
       value, and the value itself.
+    device: the GPU to run it on (by default the first); where there is none, the result can
+      be exported (``CompiledGraph.export``), not run.
     """
     if not isinstance(graph, GraphFunc):
         raise EtcError(f"build: graph={graph!r} is not a @graph_func")
@@ -58,7 +61,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:
-        num_sms = tvm.cuda(0).multi_processor_count if has_gpu() else 132
+        num_sms = (device or tvm.cuda(0)).multi_processor_count \
+            if device is not None or has_gpu() else 132
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:

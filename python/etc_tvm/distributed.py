@@ -40,8 +40,8 @@ from .errors import EtcError, ExecutionError
 from .graph_func import GraphFunc
 from .profile import Timeline
 from .tir_sched.device_runtime import RUNTIME_SOURCE, STATUS_WORDS
-from .tir_sched.persistent import (DEFAULT_OPTIONS, KernelOptions, kernel_table, positive_count,
-                                   timeline_size)
+from .tir_sched.persistent import (DEFAULT_OPTIONS, KernelOptions, kernel_options, kernel_table,
+                                   positive_count, timeline_size)
 
 HOST_SOURCE = RUNTIME_SOURCE.with_name("etc_nvshmem_host.cu")
 MODULE_HOOK = "runtime.nvshmem.cumodule_init"
@@ -311,11 +311,12 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
                strategy: str = "static", num_sms: int | None = None,
                options: KernelOptions = DEFAULT_OPTIONS, target=None) -> RankProgram:
     """Compile rank ``rank``'s persistent kernel of ``graph`` (a graph function of world size
-    above 1) for ``dims``, on ``num_sms`` CTAs (default: this GPU's SMs, else 132, an
-    H200's). ``strategy``: "static", every rank's tasks list-scheduled together onto
-    ``num_sms`` queues a rank, each rank's kernel running its own; or "dynamic", each rank
-    popping its own tasks from its own ready ring (``DynamicPlan.of(..., rank_local=True)``:
-    a call that waits on other ranks enters the ring after the rank's earlier calls)."""
+    above 1) for ``dims``, on ``num_sms`` SMs (default: this GPU's, else 132, an H200's),
+    ``options.ctas_per_sm`` CTAs each. ``strategy``: "static", every rank's tasks
+    list-scheduled together onto a queue a CTA, each rank's kernel running its own; or
+    "dynamic", each rank popping its own tasks from its own ready ring
+    (``DynamicPlan.of(..., rank_local=True)``: a call that waits on other ranks enters the
+    ring after the rank's earlier calls)."""
     import tvm
 
     from .build import check_dims, default_target, has_gpu, task_graph_meta
@@ -335,24 +336,25 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     task_graph.validate()
     if num_sms is None:
         num_sms = tvm.cuda(_current_device()).multi_processor_count if has_gpu() else 132
-    num_sms = positive_count("build_rank: num_sms", num_sms)
+    num_ctas = positive_count("build_rank: num_sms", num_sms) \
+        * kernel_options(options, "build_rank").ctas_per_sm
     layout = EventLayout.of(task_graph)
     name = f"{graph.name}_rank{rank}" if strategy == "static" else \
         f"{graph.name}_{strategy}_rank{rank}"
     work = ()
     if strategy == "static":
-        schedule = list_schedule(task_graph, num_sms).for_rank(task_graph, rank)
+        schedule = list_schedule(task_graph, num_ctas).for_rank(task_graph, rank)
         kernel = build_static_kernel(task_graph, schedule, layout, name, options, rank=rank)
         indptr, tasks = schedule.csr(task_graph)
         tasks = np.pad(tasks, (0, max(1, task_graph.num_tasks) - len(tasks)))  # its shape
-        arrays, num_ctas = (indptr, tasks, layout.initial), schedule.num_ctas
+        arrays = (indptr, tasks, layout.initial)
     else:
         own = {c.index for c in task_graph.calls if c.rank == rank}
         plan = DynamicPlan.of(task_graph, own, rank_local=True)
-        kernel = build_dynamic_kernel(task_graph, plan, layout, name, num_sms, options,
+        kernel = build_dynamic_kernel(task_graph, plan, layout, name, num_ctas, options,
                                       rank=rank)
         arrays = (layout.initial, *plan.tables())
-        work, num_ctas = tuple(plan.state_sizes().values()), num_sms
+        work = tuple(plan.state_sizes().values())
     target = target or default_target()
     with target, nvshmem_compiler():
         executable = tvm.compile(tvm.IRModule({name: kernel}), target=target,

@@ -88,6 +88,19 @@ def test_all_gather_gemm_rank_kernel_compiles(rank, nvshmem_home):
 
 
 @pytest.mark.parametrize("strategy", ["static", "dynamic"])
+def test_a_rank_kernel_takes_ctas_per_sm_cta_an_sm(strategy, nvshmem_home):
+    """As ``etc_tvm.build``: num_sms x ctas_per_sm persistent CTAs, and the launch checks the
+    SMs they need."""
+    program = distributed.build_rank(all_gather_gemm(2), {"M": 8, "K": 8, "N": 8}, 0,
+                                     strategy=strategy, num_sms=2,
+                                     options=KernelOptions(ctas_per_sm=2))
+    assert program.num_ctas == 4
+    assert (program.meta.ctas, program.meta.ctas_per_sm) == (4, 2)
+    if strategy == "static":
+        assert len(program.arrays[0]) == 5  # a queue a CTA
+
+
+@pytest.mark.parametrize("strategy", ["static", "dynamic"])
 def test_profiled_rank_kernel_takes_a_timeline_of_every_rank_s_tasks(strategy, nvshmem_home):
     """A rank kernel built to profile stamps rows by task id over all ranks (rank-major): its
     timeline has a row for every rank's task, and rows of other ranks' tasks stay zero."""
