@@ -15,10 +15,12 @@ from . import build_env
 BUILD_ENV = build_env.prepare()  # before anything imports tvm
 RUNTIME_ONLY = os.environ.get("TVM_USE_RUNTIME_LIB", "0") not in ("", "0")
 
-from .errors import DeadlockError, EdgeMapError, EtcError, ExecutionError, GraphError  # noqa: E402
+from .errors import (CompileError, DeadlockError, EdgeMapError, EtcError,  # noqa: E402
+                     ExecutionError, GraphError)
 from .runtime import load  # noqa: E402
 
-__all__ = ["DeadlockError", "EdgeMapError", "EtcError", "ExecutionError", "GraphError", "load"]
+__all__ = ["CompileError", "DeadlockError", "EdgeMapError", "EtcError", "ExecutionError",
+           "GraphError", "load"]
 
 if not RUNTIME_ONLY:
     from . import cuda_cache, edge_map

@@ -28,6 +28,8 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
+from .compile_errors import ReportedCompile
+
 CALLBACK = "tvm_callback_cuda_compile"
 # the environment variables that change what TVM's compile callback builds (tvm/support/nvcc.py)
 COMPILE_ENV = ("TVM_CUDA_COMPILE_MODE", "TVM_CUDA_PTXAS_REG_LEVEL", "TVM_CUDA_PTXAS_EXTRA_OPTS",
@@ -109,12 +111,13 @@ class CachedCompile:
 
 
 def install() -> None:
-    """Put the cache in front of the registered compile callback (once a process)."""
+    """Put the cache in front of the registered compile callback, its errors reported
+    (``compile_errors``), once a process."""
     global _INSTALLED
     compile = tvm_ffi.get_global_func(CALLBACK, allow_missing=True)
     if compile is None or _INSTALLED is not None:
         return
-    _INSTALLED = CachedCompile(compile)
+    _INSTALLED = CachedCompile(ReportedCompile(compile))
     tvm_ffi.register_global_func(CALLBACK, _INSTALLED, override=True)
 
 

@@ -29,3 +29,8 @@ class ExecutionError(EtcError):
 @tvm_ffi.register_error
 class DeadlockError(ExecutionError):
     """No task can make progress; the message lists the blocked tasks and their events."""
+
+
+@tvm_ffi.register_error
+class CompileError(EtcError):
+    """Generated CUDA that the CUDA compiler refused: the kernels, the arch, its errors."""
