@@ -160,8 +160,9 @@ class _Unloaded(CompiledGraph):
     def __init__(self, executable, meta):
         self.executable, self.meta = executable, meta
 
-    def run(self, *inputs):
-        raise RuntimeError("no GPU here: export() the library and load() it where one is")
+    def _run(self, inputs):  # under run, __call__, profile and capture
+        raise EtcError(f"{self.meta.name}: no GPU here: export() the library and load() it "
+                       "where one is")
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the library, with a warning where its kernels stay CUDA source (then a

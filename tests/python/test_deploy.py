@@ -12,7 +12,7 @@ import pytest
 
 import etc_tvm
 from etc_tvm import EtcError, build_env, load
-from etc_tvm.build import build
+from etc_tvm.build import build, has_gpu
 from etc_tvm.executor import execute
 from etc_tvm.runtime import GraphMeta, SampledMeta
 from etc_tvm.tir_sched.persistent import KernelOptions
@@ -116,6 +116,16 @@ def exported_meta(tmp_path: Path, **kwargs) -> dict:
     path = tmp_path / "two_ops.so"
     build(graphs.two_ops, DIMS, **kwargs).export(path)
     return json.loads(Path(f"{path}.json").read_text())
+
+
+@pytest.mark.skipif(has_gpu(), reason="where there is no GPU")
+def test_a_build_without_a_gpu_says_to_export_it():
+    compiled = build(graphs.two_ops, DIMS)
+    x = np.zeros((DIMS["M"], COLS), "float32")
+    for run in (compiled, compiled.run, compiled.profile):
+        with pytest.raises(EtcError, match=r"two_ops: no GPU here: export\(\) the library and "
+                                           r"load\(\) it where one is"):
+            run(x, x)
 
 
 def test_export_records_the_grid_and_arch_the_loader_checks(tmp_path):
