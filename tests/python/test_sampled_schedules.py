@@ -157,7 +157,7 @@ def test_a_kernel_on_symbolic_sizes_asserts_its_tiles_requirements_at_launch(eng
 
 
 def test_sampled_schedules_are_for_persistent_kernels():
-    with pytest.raises(ValueError, match="sampled schedules are for the persistent kernels"):
+    with pytest.raises(EtcError, match="sampled schedules are for the persistent kernels"):
         build(graphs.two_ops, samples=[{"M": 8}], strategy="unfused", num_sms=132)
 
 

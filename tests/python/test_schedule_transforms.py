@@ -328,6 +328,12 @@ def test_build_needs_kernel_options(strategy):
         build(graphs.gemm_reduce_scatter, DIMS, strategy=strategy, options={"claim": True})
 
 
+def test_build_names_the_strategies():
+    with pytest.raises(EtcError, match="unknown strategy 'fast'; one of static, dynamic, mixed, "
+                                       "barrier, unfused"):
+        build(graphs.gemm_reduce_scatter, DIMS, strategy="fast")
+
+
 def test_build_needs_a_graph_function_and_a_dict_of_dims():
     # a list of sizes was a TypeError of dict(), a plain function an AttributeError of .name
     with pytest.raises(EtcError, match=r"gemm_reduce_scatter: dims=\[32, 16, 16\] is not a "

@@ -42,10 +42,10 @@ def etc_passes(strategy: str = "static", dims: Mapping[str, int] | None = None,
     ``samples`` (the persistent strategies): sizes to precompute schedules for instead of
     ``dims``; see ``StaticScheduleTransform``."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+        raise EtcError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     if samples is not None and strategy == "unfused":
-        raise ValueError("sampled schedules are for the persistent kernels, not the unfused "
-                         "launches")
+        raise EtcError("sampled schedules are for the persistent kernels, not the unfused "
+                       "launches")
     if strategy == "unfused":
         return [UnfusedTransform(dims)]
     if strategy == "dynamic":
