@@ -61,8 +61,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:
-        num_sms = (device or tvm.cuda(0)).multi_processor_count \
-            if device is not None or has_gpu() else 132
+        here = device if device is not None else tvm.cuda(0) if has_gpu() else None
+        num_sms = 132 if here is None else here.multi_processor_count
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:
