@@ -270,6 +270,27 @@ def test_dynamic_kernel_reads_the_held_tasks_consumers_beside_the_notifies():
         "etc_notify(", listing)]
 
 
+def test_dynamic_kernel_clears_held_on_the_thread_that_reads_it_after_the_task():
+    """Thread 32 reads ``held`` after the task and before the next round, with no barrier
+    between it and thread 0's next take: thread 0 only moves the held task out (a write there
+    raced thread 32's read, which could find the next round's -1 and leave the held task's
+    list stale); thread 32 clears it at its next dispatch, past the take's barrier, before
+    it counts down and may hold again."""
+    source = build(graphs.backward_chain, {"M": 4 * ROWS}, strategy="dynamic",
+                   num_sms=132).cuda_source()
+    kernel = source[source.index("backward_chain_dynamic_megakernel_kernel("):]
+    loop = kernel[kernel.index("while (1)"):]
+    take = loop.index("popped_ptr[0] = held_ptr[0];")
+    barrier = loop.index("tvm_builtin_cuda_cta_sync", take)
+    assert "held_ptr[0] = " not in loop[take + 1:barrier]
+    clear = loop.index("if (((int)threadIdx.x) == 32) {\n      held_ptr[0] = -1;\n    }")
+    assert barrier < clear < loop.index("etc_count_down(")
+    assert [m.start() for m in re.finditer(r"held_ptr\[0\] = -1;", loop)] == [
+        loop.index("held_ptr[0] = -1;", clear)]  # the only one in the loop
+    listing = loop.index("int h = held_ptr[0];")
+    assert loop.rindex("if (((int)threadIdx.x) == 32) {", 0, listing) > clear
+
+
 def test_dynamic_kernel_chains_a_consumer_the_task_alone_produces():
     """A chain link is its successor's only producer: at the link's dispatch every thread
     chains the successor, with no count-down, loading its consumer tables into registers

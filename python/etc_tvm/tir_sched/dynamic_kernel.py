@@ -222,11 +222,14 @@ class ReadyRing:
     def take_held(self, into: tirx.Buffer, listed: bool = False,
                   done_here: tirx.Buffer | None = None) -> tirx.Stmt:
         """Thread 0: move the held task (or -1) to ``into[0]``; ``listed``: its consumer
-        list is in ``held_list`` (``list_held`` ran at the last dispatch); ``done_here[0]``:
-        1 where the task is held from its only producer, which this CTA ran last (its waits
-        may be elided), else 0."""
-        steps = [tirx.BufferStore(into, self.held[0], [i32(0)]),
-                 tirx.BufferStore(self.held, i32(-1), [i32(0)])]
+        list is in ``held_list`` (``list_held`` ran at the last dispatch), and ``held`` is
+        cleared by the thread that reads it there, at the next dispatch
+        (``count_down_consumers(listed=True)``): that thread may read it after thread 0 got
+        here, with no barrier between; ``done_here[0]``: 1 where the task is held from its
+        only producer, which this CTA ran last (its waits may be elided), else 0."""
+        steps = [tirx.BufferStore(into, self.held[0], [i32(0)])]
+        if not listed:
+            steps.append(tirx.BufferStore(self.held, i32(-1), [i32(0)]))
         if done_here is not None:
             steps.append(tirx.BufferStore(done_here, tirx.Select(
                 into[0] >= 0, self.held[1], i32(0)) if self.runs_held_without_waits
@@ -327,7 +330,8 @@ class ReadyRing:
         the CTA that runs ``task``, which spread the consumers over threads ``first_thread``
         on and keep the first consumer, if this makes it ready, in ``held`` to run next: a
         chain hands over without a push or a pop, and on the same SM. ``listed``: a held
-        task's list is in ``held_list`` (``take_held(listed=True)``). ``chained`` (with
+        task's list is in ``held_list`` (``take_held(listed=True)``), and thread
+        ``first_thread``, which holds, clears ``held`` first. ``chained`` (with
         ``dispatch``, ``first_thread`` > 0 and ``chains``; nonzero where ``task`` was
         chained itself: its list is in ``chain_list``): where ``task`` is the first
         consumer's only producer, every thread chains it (``chained[0]`` = 1), the threads
@@ -362,6 +366,9 @@ class ReadyRing:
             steps = [tirx.IfThenElse(among, steps[0], None)]
             if chained is not None:
                 steps.insert(0, tirx.BufferStore(self.chained, i32(0), [i32(0)]))
+        if dispatch and listed:
+            steps.insert(0, tirx.IfThenElse(kernel.tx == i32(first_thread), tirx.BufferStore(
+                self.held, i32(-1), [i32(0)]), None))
         warp = first_thread // WARP
         late = self._count_down_late_calls(
             task, lanes=min(WARP, kernel.scopes.num_threads - warp * WARP) if dispatch else None)
