@@ -61,8 +61,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:
-        here = device if device is not None else tvm.cuda(0) if has_gpu() else None
-        num_sms = 132 if here is None else here.multi_processor_count
+        num_sms = default_num_sms(device if device is not None or not has_gpu()
+                                  else tvm.cuda(0))
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:
@@ -89,6 +89,12 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
             for k, s in enumerate(samples)])
     return CompiledGraph(executable, meta, device) if device is not None or has_gpu() \
         else _Unloaded(executable, meta)
+
+
+def default_num_sms(device=None) -> int:
+    """The SMs persistent CTAs are placed on by default: ``device``'s, where there is none
+    132 (an H200's; a library exported from a machine without a GPU)."""
+    return 132 if device is None else device.multi_processor_count
 
 
 def graph_meta(graph: GraphFunc, dims, options: KernelOptions, has_status: bool, *,

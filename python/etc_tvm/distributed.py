@@ -319,7 +319,8 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
     ring after the rank's earlier calls)."""
     import tvm
 
-    from .build import check_dims, default_target, has_gpu, task_graph_meta
+    from .build import (check_dims, default_num_sms, default_target, has_gpu,
+                        task_graph_meta)
     from .schedule import DynamicPlan, list_schedule
     from .task_graph import TaskGraph
     from .tir_sched.dynamic_kernel import build_dynamic_kernel
@@ -335,7 +336,7 @@ def build_rank(graph: GraphFunc, dims: Mapping[str, int], rank: int, *,
         raise EtcError(f"{graph.name} runs on one rank: build it with etc_tvm.build")
     task_graph.validate()
     if num_sms is None:
-        num_sms = tvm.cuda(_current_device()).multi_processor_count if has_gpu() else 132
+        num_sms = default_num_sms(tvm.cuda(_current_device()) if has_gpu() else None)
     num_ctas = positive_count("build_rank: num_sms", num_sms) \
         * kernel_options(options, "build_rank").ctas_per_sm
     layout = EventLayout.of(task_graph)
