@@ -6,6 +6,8 @@
 
 (``apps/sanitize_megakernels.py mixed dynamic``: only those strategies; ``--cases
 prelude_weighted_rows``: only those graphs of megakernel_cases, and not the MoE graph.)
+A report's offsets (``row_sum_megakernel_kernel+0x670``) map to the generated CUDA's lines
+with ``apps/sass_lines.py fan_in_row_sum barrier 0x670``.
 
 Every graph of tests/python/megakernel_cases.py built into each of its ``MEGAKERNELS`` (the
 persistent kernels the GPU tests run: static on list and round-robin queues and claiming,
@@ -30,6 +32,16 @@ from moe_graph import COUNT_MODES, make_inputs, moe_graph  # noqa: E402
 MOE_KERNELS = ("static", "static_claimed", "dynamic", "mixed")  # those that run the MoE graph
 
 
+def megakernel(case: str, kernel: str):
+    """The compiled megakernel of graph ``case`` (a name of ``CASES``, or ``moe:<count
+    mode>``) under ``kernel`` (a name of ``MEGAKERNELS``), built as ``main`` builds it."""
+    how = MEGAKERNELS[kernel]
+    if case.startswith("moe:"):
+        return build(moe_graph(2, case.removeprefix("moe:")), {"T": 12}, **how)
+    graph, dims = CASES[case][:2]
+    return build(graph, dims, **how)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("strategies", nargs="*", default=None,
@@ -40,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     wanted = args.strategies or None
     rng = np.random.default_rng(0)
-    for name, (graph, dims, make, _) in sorted(CASES.items()):
+    for name, (graph, _, make, _) in sorted(CASES.items()):
         if args.cases and name not in args.cases:
             continue
         inputs = make(rng)
@@ -48,17 +60,16 @@ def main() -> None:
         for kernel, how in MEGAKERNELS.items():
             if wanted and how["strategy"] not in wanted:
                 continue
-            got = build(graph, dims, **how)(*inputs)
+            got = megakernel(name, kernel)(*inputs)
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
             print(f"{name} {kernel}: ok", flush=True)
     for count_mode in () if args.cases else COUNT_MODES:
         graph, inputs = moe_graph(2, count_mode), make_inputs("random", 12, 2)
         want = execute(graph, *inputs)
         for kernel in MOE_KERNELS:
-            how = MEGAKERNELS[kernel]
-            if wanted and how["strategy"] not in wanted:
+            if wanted and MEGAKERNELS[kernel]["strategy"] not in wanted:
                 continue
-            got = build(graph, {"T": 12}, **how)(*inputs)
+            got = megakernel(f"moe:{count_mode}", kernel)(*inputs)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
             print(f"moe ({count_mode} counts) {kernel}: ok", flush=True)
 

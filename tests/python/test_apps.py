@@ -81,3 +81,20 @@ def test_probe_compiles_for_sm_90a(probe, tmp_path):
                            str(tmp_path / "probe.o")], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_sass_lines_gives_the_instruction_and_cuda_line_of_an_offset():
+    """apps/sass_lines.py, which reads sanitizer reports back: the offset of each call of a
+    bounded wait in a megakernel's SASS maps to that call and to a line of the generated
+    CUDA that calls the wait; an offset that is no instruction maps to nothing."""
+    if NVCC is None:
+        pytest.skip("needs nvcc")
+    sass_lines = load("sass_lines")
+    source = sass_lines.megakernel("fan_in_row_sum", "barrier").cuda_source()
+    kernel = "row_sum_megakernel_kernel"
+    calls = [offset for function, offset, ins, _ in sass_lines.line_table(source)
+             if function == kernel and ins.startswith("CALL") and "etc_wait" in ins]
+    assert calls
+    *found, missing = sass_lines.at_offsets(source, kernel, [*calls, calls[0] + 1])
+    assert all("etc_wait" in ins and "etc_wait" in line for _, ins, line in found), found
+    assert missing == (calls[0] + 1, "?", "")
