@@ -9,8 +9,9 @@ instruction there and the line of the generated CUDA it comes from:
     python apps/sass_lines.py moe:tensor static_claimed 0x1910 0x1a00
 
 The graphs and kernels are apps/sanitize_megakernels.py's (``moe:<count mode>`` for the MoE
-graph). Needs nvcc and nvdisasm (the nvidia-cuda-nvdisasm wheel will do), not a GPU; another
-nvcc than the one of the report may move the offsets, not the instruction pairs.
+graph), built for this machine's GPU or, where it has none, for 132 SMs (an H100's or an
+H200's). Needs nvcc and nvdisasm (the nvidia-cuda-nvdisasm wheel will do), not a GPU; a
+build by another nvcc than the report's may place the instructions at other offsets.
 """
 import argparse
 import re
