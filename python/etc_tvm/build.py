@@ -61,8 +61,8 @@ def build(graph: GraphFunc, dims: Mapping[str, int] | None = None, *, strategy: 
     dims = dict(dims or {})
     check_dims(graph, dims, "dims")
     if num_sms is None:
-        num_sms = default_num_sms(device if device is not None or not has_gpu()
-                                  else tvm.cuda(0))
+        num_sms = default_num_sms(device if device is not None
+                                  else tvm.cuda(0) if has_gpu() else None)
     if max_dims is not None:
         samples = power_of_two_samples(max_dims)
     if samples is not None:
