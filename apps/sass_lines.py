@@ -26,7 +26,7 @@ from tvm.support import nvcc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sanitize_megakernels import megakernel  # noqa: E402
+from sanitize_megakernels import CASES, COUNT_MODES, MEGAKERNELS, megakernel  # noqa: E402
 
 
 def nvdisasm() -> str:
@@ -73,9 +73,10 @@ def at_offsets(source: str, kernel: str, offsets: list[int]) -> list[tuple[int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", help="a graph of megakernel_cases.CASES, or moe:tensor / "
-                        "moe:inferred")
-    parser.add_argument("kernel", help="a name of megakernel_cases.MEGAKERNELS")
+    parser.add_argument("case", choices=[*sorted(CASES), *(f"moe:{m}" for m in COUNT_MODES)],
+                        help="a graph of megakernel_cases.CASES, or the MoE graph")
+    parser.add_argument("kernel", choices=sorted(MEGAKERNELS),
+                        help="a kernel of megakernel_cases.MEGAKERNELS")
     parser.add_argument("offsets", nargs="+", type=lambda x: int(x, 16),
                         help="offsets into the kernel's code, hexadecimal (0x670)")
     args = parser.parse_args()
